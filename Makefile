@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv on first use.
+PYTHON_VERSION := $(shell cat .python-version)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-multidevice install clean
+
+$(STAMP): pyproject.toml
+	@command -v pyenv >/dev/null && PYENV_VERSION=$$(pyenv versions --bare | grep -E '^$(PYTHON_VERSION)(\.|$$)' | tail -1) \
+	  pyenv exec python -m venv $(VENV) 2>/dev/null || python$(PYTHON_VERSION) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m experiments.demo
+
+# The main suite, then the tests that need 8 simulated CPU devices in their own process.
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not multidevice" tests
+	@if ls tests/test_multidevice_*.py >/dev/null 2>&1; then \
+	  $(PY) -m pytest -q -m multidevice tests/test_multidevice_*.py; fi
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,153 @@
+"""MLA attention with the DSA lightning indexer (GLM-5 / DeepSeek-V3.2).
+
+Einsum letters: b batch, t query tokens, s key tokens, h heads, n nope dims, p rope dims,
+r latent (kv_lora_rank) dims, v value dims, d indexer head dims.
+
+Two paths share the projections:
+- `reference` (no cache): transformers' formulation, K/V expanded per head through kv_b_proj
+  and the top-k selection applied as a mask. It is the numerics every fast path is tested against.
+- `cached`: new tokens are written to the paged cache, then attention runs in latent space with
+  the absorbed query (kv_b_proj's key half folded into q, its value half applied after), over the
+  selected tokens. Dots accumulate in fp32: bf16 accumulation drifts over 78 layers.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glmjax import dsa
+from glmjax.cache import paged
+from glmjax.config import ModelConfig
+from glmjax.layers import LayerNorm, Linear, RMSNorm, apply_rope, init_normal
+from glmjax.runtime import Runtime
+
+NEG_INF = float("-inf")
+
+
+class Indexer(nn.Module):
+  """Lightning indexer: per-token queries/weights and one key head; scores pick the top-k keys.
+
+  Computed in fp32 whatever the model's dtype: it is a small share of the work, and bf16
+  rounding of its queries and head weights flips near-tied selections.
+  """
+  config: ModelConfig
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array):
+    """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped)."""
+    c = self.config
+    kw = dict(dtype=jnp.float32, param_dtype=self.param_dtype)
+    b, t, _ = x.shape
+    rope = c.qk_rope_head_dim
+    q = Linear(c.index_n_heads * c.index_head_dim, ("index_heads", "q_lora"), name="wq_b", **kw)(q_resid)
+    q = q.reshape(b, t, c.index_n_heads, c.index_head_dim)
+    # In the indexer the RoPE part comes first in each head ([rope | nope]).
+    q = jnp.concatenate([apply_rope(q[..., :rope], cos, sin), q[..., rope:]], axis=-1)
+    k = Linear(c.index_head_dim, (None, "embed"), name="wk", **kw)(x)
+    k = LayerNorm(eps=1e-6, name="k_norm", **kw)(k)
+    k = jnp.concatenate([apply_rope(k[..., :rope], cos, sin), k[..., rope:]], axis=-1)
+    # Kept in fp32: bf16 rounding of the head weights flips near-tied selections.
+    weights = Linear(c.index_n_heads, ("index_heads", "embed"), name="weights_proj", **kw)(x)
+    weights = weights * c.index_n_heads ** -0.5
+    return q, weights, k
+
+
+class Weight(nn.Module):
+  """A bare [out, in] weight, for kv_b_proj whose halves are folded into MLA's decode path."""
+  shape: tuple[int, int]
+  axes: tuple[str | None, str | None]
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    return self.param("weight", nn.with_logical_partitioning(init_normal(0.02), self.axes), self.shape,
+                      self.param_dtype)
+
+
+class MLAttention(nn.Module):
+  """Multi-head latent attention with DSA top-k selection (full or shared indexer)."""
+  config: ModelConfig
+  has_indexer: bool
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x, cos, sin, prev_topk, *, positions, runtime: Runtime, layer_id: int,
+               cache: paged.KVCache | None = None, cache_slot: int = 0):
+    """x [B, T, D] -> (out [B, T, D], topk [B, T, k] int32 or None, new LayerCache or None).
+
+    `prev_topk`: the selection of the nearest preceding layer that ran its indexer, reused when
+    this layer does not run its own (IndexShare). Indices are absolute token positions, -1 empty.
+    """
+    c = self.config
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    b, t, _ = x.shape
+    h, nope, rope, r, v = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                           c.kv_lora_rank, c.v_head_dim)
+    with jax.named_scope("mla_proj"):
+      q_resid = RMSNorm(1e-6, name="q_a_layernorm", **kw)(
+          Linear(c.q_lora_rank, ("q_lora", "embed"), name="q_a_proj", **kw)(x))
+      q = Linear(h * c.qk_head_dim, ("heads", "q_lora"), name="q_b_proj", **kw)(q_resid)
+      q = q.reshape(b, t, h, c.qk_head_dim)
+      q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos, sin)
+      kv_a = Linear(r + rope, (None, "embed"), name="kv_a_proj_with_mqa", **kw)(x)
+      latent = RMSNorm(1e-6, name="kv_a_layernorm", **kw)(kv_a[..., :r])  # [b, t, r]
+      k_pe = apply_rope(kv_a[..., r:], cos, sin)                            # [b, t, p]
+      kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()
+
+    run_indexer = runtime.runs_indexer(layer_id, self.has_indexer) or prev_topk is None
+    if run_indexer and not self.has_indexer:
+      raise ValueError(f"layer {layer_id} must run its indexer but has no indexer weights "
+                       "(a 'shared' layer in the checkpoint): choose an IndexShare pattern whose "
+                       "full layers have indexers")
+    idx = Indexer(c, name="indexer", **kw)(x, q_resid, cos, sin) if (self.has_indexer and run_indexer) else None
+
+    if cache is None:
+      out, topk = self._reference(q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime)
+      new_layer = None
+    else:
+      out, topk, new_layer = self._cached(q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
+                                          cache, cache_slot, runtime)
+    out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype))
+    return out, topk, new_layer
+
+  def _reference(self, q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime):
+    """transformers' expanded-KV attention over the sequence itself (no cache)."""
+    c = self.config
+    b, t, h, _ = q_nope.shape
+    nope, v = c.qk_nope_head_dim, c.v_head_dim
+    kv = jnp.einsum("bsr,xr->bsx", latent, kv_b.astype(self.dtype)).reshape(b, t, h, nope + v)
+    k_nope, values = kv[..., :nope], kv[..., nope:]
+    query = jnp.concatenate([q_nope, q_pe], axis=-1)
+    key = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:])], -1)
+    causal = positions[:, None, :] <= positions[:, :, None]                          # [b, t, s]
+    if idx is not None:
+      q_idx, w_idx, k_idx = idx
+      prev_topk = dsa.select_topk(dsa.index_scores(q_idx, w_idx, k_idx, causal), c.index_topk, ties=runtime.topk_ties)
+    selected = dsa.selection_mask(prev_topk, t) & causal
+    logits = jnp.einsum("bthd,bshd->bhts", query, key) * c.softmax_scale
+    logits = jnp.where(selected[:, None], logits, NEG_INF)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(self.dtype)
+    return jnp.einsum("bhts,bshv->bthv", probs, values), prev_topk
+
+  def _cached(self, q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, cache, cache_slot, runtime):
+    """Write the new tokens to the pages, then attend in latent space over the selection."""
+    c = self.config
+    h, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+    layer = cache.layers[cache_slot]
+    layer = paged.write_layer(layer, cache.page_table, positions, latent, k_pe,
+                              None if idx is None or layer.index_k is None else idx[2])
+    kv_b = kv_b.reshape(h, nope + c.v_head_dim, r)
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
+    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk.astype(q_nope.dtype),
+                          preferred_element_type=jnp.float32)
+    if idx is not None:
+      q_idx, w_idx, _ = idx
+      prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,
+                                  runtime.attention, runtime.topk_ties)
+    o_latent = dsa.cached_attention(q_latent, q_pe.astype(jnp.float32), layer, cache.page_table, positions,
+                                    prev_topk, c.softmax_scale, runtime.attention)
+    out = jnp.einsum("bthr,hvr->bthv", o_latent, w_uv.astype(jnp.float32))
+    return out, prev_topk, layer

@@ -1,0 +1,81 @@
+"""DSA token selection and attention over the paged cache, behind the `--attention` switch.
+
+`dense` is the reference: indexer scores and attention over every cached position, with the
+top-k applied as a mask (what transformers computes). `sparse` gathers only the selected tokens
+(jnp references of the kernels), `pallas` runs the kernels; all three select the same set.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from glmjax import torch_topk
+from glmjax.cache import paged
+
+NEG_INF = float("-inf")
+
+
+def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, valid: jax.Array) -> jax.Array:
+  """score[b,t,s] = sum_h relu(q[b,t,h] . k[b,s] / sqrt(D)) * w[b,t,h] in fp32; -inf where not valid.
+
+  q [B, T, H, D], weights [B, T, H] fp32, keys [B, S, D], valid [B, T, S] bool.
+  """
+  dots = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32))
+  scores = jnp.einsum("bths,bth->bts", jax.nn.relu(dots * q.shape[-1] ** -0.5), weights)
+  return jnp.where(valid, scores, NEG_INF)
+
+
+def select_topk(scores: jax.Array, k: int, *, ties: str = "index", lengths: jax.Array | None = None) -> jax.Array:
+  """Top-min(k, S) positions [B, T, k'] by score; -1 where -inf.
+
+  ties="index": among equal scores the lower position wins (lax.top_k). ties="torch_cpu":
+  torch.topk's CPU choice over each row's first `lengths[b]` entries (glmjax.torch_topk).
+  """
+  if ties == "torch_cpu":
+    if lengths is None:
+      lengths = jnp.full(scores.shape[:1], scores.shape[-1], jnp.int32)
+    return torch_topk.torch_cpu_topk(scores, min(k, scores.shape[-1]), lengths)
+  values, indices = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+  return jnp.where(values > NEG_INF, indices, -1).astype(jnp.int32)
+
+
+def selection_mask(topk: jax.Array, num_keys: int) -> jax.Array:
+  """[B, T, k] positions (-1 empty) -> bool [B, T, num_keys]."""
+  hits = topk[..., None] == jnp.arange(num_keys, dtype=topk.dtype)
+  return jnp.any(hits, axis=-2)
+
+
+def causal_valid(positions: jax.Array, num_keys: int) -> jax.Array:
+  """Key s is visible to the query at position p iff s <= p; padded queries (p < 0) see nothing."""
+  return jnp.arange(num_keys)[None, None, :] <= positions[:, :, None]
+
+
+def cached_topk(q, weights, layer: paged.LayerCache, page_table, positions, k: int, impl: str,
+                ties: str = "index") -> jax.Array:
+  """Indexer selection over the cached keys for the step's queries: [B, T, min(k, S)]."""
+  if impl == "pallas":
+    from pallas_kernels import indexer_topk
+    return indexer_topk.indexer_topk(q, weights, layer.index_k, layer.index_scale, page_table, positions,
+                                     num_keys=page_table.shape[1] * layer.page_size, k=k)
+  keys = paged.gather_index_keys(layer, page_table)
+  scores = index_scores(q, weights, keys, causal_valid(positions, keys.shape[1]))
+  return select_topk(scores, k, ties=ties, lengths=jnp.max(positions, axis=1) + 1)
+
+
+def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, positions, topk,
+                     scale: float, impl: str) -> jax.Array:
+  """Latent-space attention of queries [B, T, H, R] over the selected cached tokens -> [B, T, H, R] fp32."""
+  if impl in ("sparse", "pallas") and q_latent.shape[1] <= 8:
+    from pallas_kernels import sparse_mla
+    fn = sparse_mla.sparse_mla_decode if impl == "pallas" else sparse_mla.sparse_mla_decode_reference
+    return fn(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table, topk,
+              softmax_scale=scale)
+  # Dense reference (also used for prefill chunks, whose many queries make a gather per query costly).
+  latent, k_rope = paged.gather_latent(layer, page_table)
+  num_keys = latent.shape[1]
+  logits = (jnp.einsum("bthr,bsr->bths", q_latent, latent) + jnp.einsum("bthp,bsp->bths", q_rope, k_rope)) * scale
+  visible = selection_mask(topk, num_keys) & causal_valid(positions, num_keys)
+  logits = jnp.where(visible[:, :, None, :], logits, NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1)
+  # Queries that see nothing (padding) produce NaN rows; zero them so they stay harmless.
+  probs = jnp.where(jnp.any(visible, axis=-1)[:, :, None, None], probs, 0.0)
+  return jnp.einsum("bths,bsr->bthr", probs, latent)

@@ -1,0 +1,1 @@
+"""Prefill/decode engine: jitted device steps over the paged cache, host-side sessions."""

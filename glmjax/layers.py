@@ -1,0 +1,116 @@
+"""Shared building blocks: linear layers over HF-oriented weights, norms, RoPE, the SwiGLU MLP.
+
+Every linear weight is stored as in the HF checkpoint, `weight [out, in]`, and applied through
+`linear`, so a quantized leaf (NVFP4 / block FP8, `glmjax.quant`) drops in where a bf16 array was.
+Weights carry logical axis names (see `glmjax.parallel`) through `nn.with_logical_partitioning`.
+"""
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+init_normal = nn.initializers.normal
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+  """x [..., in] @ w.T for w [out, in]: a plain einsum for arrays (the reference numerics),
+  glmjax.quant's weight-only matmul for quantized leaves."""
+  if isinstance(w, jax.Array):
+    return jnp.einsum("...k,nk->...n", x, w)
+  from glmjax import quant
+  return quant.linear(x, w)
+
+
+class Linear(nn.Module):
+  """y = x @ weight.T with weight [out, in] (HF layout); no bias (GLM-5 has none)."""
+  features: int
+  axes: tuple[str | None, str | None] = (None, None)  # logical axes of (out, in)
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+  init_std: float = 0.02
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    weight = self.param("weight", nn.with_logical_partitioning(init_normal(self.init_std), self.axes),
+                        (self.features, x.shape[-1]), self.param_dtype)
+    return linear(x.astype(self.dtype), weight)
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm as transformers computes it: normalise in fp32, cast back, then scale."""
+  eps: float
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+  axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                        (x.shape[-1],), self.param_dtype)
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return weight.astype(self.dtype) * normed.astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm with bias (the indexer's k_norm), statistics in fp32."""
+  eps: float = 1e-6
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dim = x.shape[-1]
+    weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (dim,),
+                        self.param_dtype)
+    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (dim,),
+                      self.param_dtype)
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    normed = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [..., dim // 2] in fp32 for integer positions [...]."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotate x [B, S, ..., d] by per-position angles (cos/sin [B, S, d/2]), interleaved pairs.
+
+  GLM-5 rotates the pairs (2i, 2i+1), in MLA and in the indexer alike (checked against the
+  transformers fixture: the rotate-half pairing (i, i + d/2) does not reproduce it). cos/sin are
+  rounded to x's dtype first, as transformers does.
+  """
+  extra = x.ndim - cos.ndim
+  cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:]).astype(x.dtype)
+  sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:]).astype(x.dtype)
+  x1, x2 = x[..., 0::2], x[..., 1::2]
+  return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+
+
+class MLP(nn.Module):
+  """SwiGLU MLP: down(silu(gate(x)) * up(x)); used dense and as the shared expert."""
+  hidden_size: int
+  intermediate_size: int
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    gate = Linear(self.intermediate_size, ("mlp", "embed"), name="gate_proj", **kw)(x)
+    up = Linear(self.intermediate_size, ("mlp", "embed"), name="up_proj", **kw)(x)
+    return Linear(self.hidden_size, ("embed", "mlp"), name="down_proj", **kw)(nn.silu(gate) * up)
+
+
+def split_last(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+  """Split the last axis into consecutive pieces of the given sizes."""
+  cuts = list(jnp.cumsum(jnp.array(sizes))[:-1].tolist())
+  return jnp.split(x, cuts, axis=-1)

@@ -1,0 +1,152 @@
+"""GLM-5 (`glm_moe_dsa`) as Flax modules applied functionally: params and caches are pytrees.
+
+    logits, hidden, cache = CausalLM(config).apply({"params": params}, tokens, positions, cache=...)
+
+Without a cache this is transformers' `GlmMoeDsaForCausalLM` forward (the reference path); with a
+`KVCache` the new tokens are written to its pages and attention runs in latent space over the
+DSA selection (`glmjax.attention`). The MTP layer (`mtp`) shares embedding and lm_head.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glmjax.attention import MLAttention
+from glmjax.cache import paged
+from glmjax.config import ModelConfig
+from glmjax.layers import MLP, Linear, RMSNorm, init_normal, rope_cos_sin
+from glmjax.moe import MoE
+from glmjax.runtime import Runtime
+
+DEFAULT_RUNTIME = Runtime()
+
+
+class Embed(nn.Module):
+  vocab_size: int
+  features: int
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    table = self.param("weight", nn.with_logical_partitioning(init_normal(0.02), ("vocab", "embed")),
+                       (self.vocab_size, self.features), self.param_dtype)
+    return jnp.take(table, tokens, axis=0)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the MLP dense or MoE."""
+  config: ModelConfig
+  layer_id: int
+  sparse_mlp: bool
+  has_indexer: bool
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x, cos, sin, prev_topk, *, positions, runtime, cache, cache_slot):
+    c = self.config
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    with jax.named_scope(f"layer{self.layer_id}_attn"):
+      attn, topk, layer_cache = MLAttention(c, self.has_indexer, name="self_attn", **kw)(
+          RMSNorm(c.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, prev_topk,
+          positions=positions, runtime=runtime, layer_id=self.layer_id, cache=cache,
+          cache_slot=cache_slot)
+      x = x + attn.astype(x.dtype)
+    with jax.named_scope(f"layer{self.layer_id}_mlp"):
+      h = RMSNorm(c.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
+      if self.sparse_mlp:
+        h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
+      else:
+        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h)
+    return x + h.astype(x.dtype), topk, layer_cache
+
+
+class MTPBlock(nn.Module):
+  """The multi-token-prediction layer: h' = eh_proj([enorm(embed(next)); hnorm(h)]), one decoder
+  layer (MLA + indexer + MoE), then shared_head.norm; logits come from the main lm_head."""
+  config: ModelConfig
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, embedded, hidden, cos, sin, *, positions, runtime, cache):
+    c = self.config
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    joined = jnp.concatenate([RMSNorm(c.rms_norm_eps, name="enorm", **kw)(embedded),
+                              RMSNorm(c.rms_norm_eps, name="hnorm", **kw)(hidden)], axis=-1)
+    x = Linear(c.hidden_size, ("embed", None), name="eh_proj", **kw)(joined)
+    x, _, layer_cache = DecoderLayer(c, c.num_hidden_layers, True, True, name="block", **kw)(
+        x, cos, sin, None, positions=positions, runtime=runtime, cache=cache, cache_slot=0)
+    return x, RMSNorm(c.rms_norm_eps, name="shared_head_norm", **kw)(x), layer_cache
+
+
+class CausalLM(nn.Module):
+  """Embedding, decoder layers, final norm, lm_head; and the MTP layer when the config has one."""
+  config: ModelConfig
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  def setup(self):
+    c = self.config
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    self.embed_tokens = Embed(c.vocab_size, c.hidden_size, self.param_dtype)
+    self.layers = [DecoderLayer(c, i, c.mlp_layer_types[i] == "sparse", c.indexer_types[i] == "full", **kw)
+                   for i in range(c.num_hidden_layers)]
+    self.norm = RMSNorm(c.rms_norm_eps, **kw)
+    self.lm_head = Linear(c.vocab_size, ("vocab", "embed"), **kw)
+    if c.num_nextn_predict_layers:
+      self.mtp = MTPBlock(c, **kw)
+
+  def __call__(self, tokens, positions=None, *, cache: paged.KVCache | None = None,
+               runtime: Runtime = DEFAULT_RUNTIME, init_mtp: bool = False):
+    """tokens [B, T] -> (logits [B, T, V] fp32, final normed hidden [B, T, D], new cache or None).
+
+    positions [B, T] int32 (default 0..T-1); with a cache, -1 marks padding tokens.
+    """
+    c = self.config
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta)
+    # The residual stream stays fp32 whatever the compute dtype: it carries 78 layers' sums.
+    x = self.embed_tokens(jnp.clip(tokens, 0, c.vocab_size - 1)).astype(jnp.float32)
+    topk, new_layers = None, []
+    for i, layer in enumerate(self.layers):
+      x, topk, layer_cache = layer(x, cos, sin, topk, positions=positions, runtime=runtime, cache=cache,
+                                   cache_slot=i)
+      new_layers.append(layer_cache)
+    hidden = self.norm(x)
+    logits = self.lm_head(hidden).astype(jnp.float32)
+    if init_mtp and c.num_nextn_predict_layers:  # only so that `init` creates the MTP params
+      self.mtp_step(tokens, hidden, positions)
+    new_cache = None if cache is None else cache.replace(layers=tuple(new_layers))
+    return logits, hidden, new_cache
+
+  def mtp_step(self, next_tokens, hidden, positions, *, cache: paged.KVCache | None = None,
+               runtime: Runtime = DEFAULT_RUNTIME):
+    """MTP draft: next_tokens [B, T] (the token after each position), hidden [B, T, D] (the main
+    model's final normed hidden state there, as vLLM and SGLang feed it) -> (logits [B, T, V],
+    the MTP block's output [B, T, D] before shared_head.norm, which chained draft steps feed back
+    as `hidden`, new MTP cache). `cache` is the MTP layer's own single-layer KVCache.
+    """
+    c = self.config
+    cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta)
+    embedded = self.embed_tokens(jnp.clip(next_tokens, 0, c.vocab_size - 1)).astype(self.dtype)
+    h, normed, layer_cache = self.mtp(embedded, hidden.astype(self.dtype), cos, sin, positions=positions,
+                                      runtime=runtime, cache=cache)
+    logits = self.lm_head(normed).astype(jnp.float32)
+    new_cache = None if cache is None else cache.replace(layers=(layer_cache,))
+    return logits, h, new_cache
+
+
+def init_params(config: ModelConfig, key: jax.Array, *, param_dtype=jnp.bfloat16):
+  """Random params (HF-style init, std 0.02), the MTP layer included when the config has one."""
+  model = CausalLM(config, dtype=param_dtype, param_dtype=param_dtype)
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  return nn.unbox(model.init(key, tokens, init_mtp=True)["params"])
+
+
+def abstract_params(config: ModelConfig, *, param_dtype=jnp.bfloat16):
+  """Shapes and dtypes of the params (no memory), with logical axis metadata (nn.Partitioned)."""
+  model = CausalLM(config, dtype=param_dtype, param_dtype=param_dtype)
+  tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+  return jax.eval_shape(lambda k: model.init(k, tokens, init_mtp=True), jax.random.key(0))["params"]

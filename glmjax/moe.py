@@ -1,0 +1,121 @@
+"""GLM-5 mixture of experts: sigmoid routing with a choice-only bias, group-limited top-k.
+
+Einsum letters: n tokens, e experts, k chosen slots, d hidden, i expert intermediate.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glmjax.config import ModelConfig
+from glmjax.layers import MLP, init_normal
+
+
+def route(logits: jax.Array, bias: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """Router logits [n, E] fp32 -> (expert ids [n, k] int32, weights [n, k] fp32).
+
+  The correction bias only steers the choice; weights are the unbiased sigmoid scores of the
+  chosen experts, renormalised (+1e-20) and scaled by routed_scaling_factor. With n_group > 1,
+  experts are chosen only inside the topk_group groups whose two best biased scores sum highest.
+  """
+  c = config
+  scores = jax.nn.sigmoid(logits)
+  choice = scores + bias.astype(jnp.float32)
+  n, e = choice.shape
+  grouped = choice.reshape(n, c.n_group, e // c.n_group)
+  group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)                 # [n, G]
+  _, groups = jax.lax.top_k(group_scores, c.topk_group)
+  group_mask = jnp.any(groups[..., None] == jnp.arange(c.n_group), axis=-2)      # [n, G]
+  choice = jnp.where(jnp.repeat(group_mask, e // c.n_group, axis=-1), choice, -jnp.inf)
+  _, ids = jax.lax.top_k(choice, c.num_experts_per_tok)
+  weights = jnp.take_along_axis(scores, ids, axis=-1)
+  if c.norm_topk_prob:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return ids.astype(jnp.int32), weights * c.routed_scaling_factor
+
+
+def _dense(w, dtype) -> jax.Array:
+  """A stacked expert weight as a plain array (quantized leaves are dequantized)."""
+  return w if isinstance(w, jax.Array) else w.dequantize(dtype)
+
+
+def experts_reference(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+                      down: jax.Array) -> jax.Array:
+  """sum_k w[n,k] * down_e(silu(gate_e x) * up_e x) for e = ids[n, k]; ids outside [0, E) add nothing.
+
+  x [n, d]; gate, up [E, i, d]; down [E, d, i] (dense or quantized leaves). Few tokens (decode):
+  gather only the chosen experts' weights. Many tokens (prefill): run every local expert on every
+  token and combine with a [n, E] weight matrix, which keeps shapes static without a gather.
+  """
+  num_experts = gate.shape[0]
+  local = (ids >= 0) & (ids < num_experts)
+  weights = jnp.where(local, weights, 0.0)
+  if ids.size < num_experts:
+    safe = jnp.where(local, ids, 0)
+    take = lambda w: _dense(jax.tree.map(lambda a: a[safe], w), x.dtype)  # [n, k, out, in]
+    g = jnp.einsum("nd,nkid->nki", x, take(gate))
+    u = jnp.einsum("nd,nkid->nki", x, take(up))
+    y = jnp.einsum("nki,nkdi->nkd", nn.silu(g) * u, take(down))
+    return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights).astype(x.dtype)
+  combine = jnp.zeros((x.shape[0], num_experts), jnp.float32)
+  combine = combine.at[jnp.arange(x.shape[0])[:, None], jnp.where(local, ids, 0)].add(weights)
+  g = jnp.einsum("nd,eid->nei", x, _dense(gate, x.dtype))
+  u = jnp.einsum("nd,eid->nei", x, _dense(up, x.dtype))
+  y = jnp.einsum("nei,edi->ned", nn.silu(g) * u, _dense(down, x.dtype))
+  return jnp.einsum("ned,ne->nd", y.astype(jnp.float32), combine).astype(x.dtype)
+
+
+class Router(nn.Module):
+  """Router weight [E, D] and the choice-only correction bias [E], kept in fp32."""
+  config: ModelConfig
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    c = self.config
+    weight = self.param("weight", nn.with_logical_partitioning(init_normal(0.02), (None, "embed")),
+                        (c.n_routed_experts, c.hidden_size), self.param_dtype)
+    bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                      (c.n_routed_experts,), jnp.float32)
+    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), weight.astype(jnp.float32))
+    return route(logits, bias, c)
+
+
+class Experts(nn.Module):
+  """This rank's routed experts, stacked: gate/up [E, i, d], down [E, d, i]."""
+  config: ModelConfig
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, *, matmul: str = "xla") -> jax.Array:
+    c = self.config
+    e, i, d = c.num_local_experts, c.moe_intermediate_size, c.hidden_size
+    make = lambda name, shape, axes: self.param(
+        name, nn.with_logical_partitioning(init_normal(0.02), ("experts",) + axes), shape, self.param_dtype)
+    gate = make("gate_proj", (e, i, d), ("expert_mlp", "embed"))
+    up = make("up_proj", (e, i, d), ("expert_mlp", "embed"))
+    down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
+    x = x.astype(self.dtype)
+    if matmul == "pallas":
+      from glmjax import quant
+      return quant.moe_experts(x, ids, weights, gate, up, down, impl="pallas")
+    return experts_reference(x, ids, weights, gate, up, down)
+
+
+class MoE(nn.Module):
+  """Routed experts (only this rank's local ones are stored) plus the shared expert."""
+  config: ModelConfig
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, runtime=None) -> jax.Array:
+    c = self.config
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    flat = x.reshape(-1, x.shape[-1])
+    ids, weights = Router(c, self.param_dtype, name="gate")(flat)
+    matmul = "xla" if runtime is None else runtime.matmul
+    routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=matmul)
+    shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, name="shared_experts", **kw)(x)
+    return routed.reshape(x.shape).astype(self.dtype) + shared

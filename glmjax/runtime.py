@@ -1,0 +1,60 @@
+"""Runtime switches: which implementation each part of the model uses.
+
+Architecture lives in `ModelConfig`; these are the knobs an ablation flips. A `Runtime` is frozen
+and hashable, so it is a static argument of the jitted steps: each setting compiles its own program.
+"""
+
+import dataclasses
+from typing import Literal
+
+from glmjax.config import ModelConfig, derive_indexer_types
+
+Attention = Literal["dense", "sparse", "pallas"]
+ATTENTION_IMPLS = ("dense", "sparse", "pallas")
+MATMUL_IMPLS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """attention: dense (masked attention over every cached token, the reference), sparse (jnp
+  gather of the selected tokens and lax.top_k), pallas (the kernels in pallas_kernels/).
+  indexer_pattern: per decoder layer, whether it runs its own indexer (else it reuses the
+  nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas.
+  topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
+  CPU choice, emulated on the host: only for bit-exact comparison with transformers).
+  """
+  attention: Attention = "dense"
+  indexer_pattern: tuple[bool, ...] | None = None
+  matmul: str = "xla"
+  topk_ties: str = "index"
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+    if self.topk_ties not in ("index", "torch_cpu"):
+      raise ValueError(f"topk_ties must be 'index' or 'torch_cpu', got {self.topk_ties!r}")
+    if self.matmul not in MATMUL_IMPLS:
+      raise ValueError(f"matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
+
+  def runs_indexer(self, layer_id: int, has_indexer: bool) -> bool:
+    """Without a pattern, layers that have indexer weights run them. Layers past the pattern
+    (the MTP layer) follow their weights too."""
+    if self.indexer_pattern is None or layer_id >= len(self.indexer_pattern):
+      return has_indexer
+    return self.indexer_pattern[layer_id]
+
+
+def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
+                 matmul: str = "xla") -> Runtime:
+  """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
+  indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
+  if index_share == "on":
+    types = config.indexer_types
+  elif index_share == "off":
+    types = ("full",) * config.num_hidden_layers
+  else:
+    freq = int(index_share)
+    if freq <= 0:
+      raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
+    types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
+  return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul)

@@ -1,0 +1,41 @@
+"""Shared fixtures: the transformers-made tiny checkpoint and its reference outputs."""
+
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glmjax
+
+FIXTURE = pathlib.Path(os.environ.get("GLMJAX_FIXTURES", pathlib.Path(__file__).resolve().parents[1].parent
+                                      / "shared" / "fixtures")) / "hf_glm_moe_dsa_tiny"
+
+
+@pytest.fixture(scope="session")
+def fixture_dir() -> pathlib.Path:
+  if not FIXTURE.exists():
+    pytest.fail(f"fixture checkpoint not found at {FIXTURE} (set GLMJAX_FIXTURES)")
+  return FIXTURE
+
+
+@pytest.fixture(scope="session")
+def reference(fixture_dir):
+  return dict(np.load(fixture_dir / "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def fixture_fp32(fixture_dir):
+  return glmjax.load_pretrained(fixture_dir, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="session")
+def fixture_bf16(fixture_dir):
+  return glmjax.load_pretrained(fixture_dir, dtype=jnp.bfloat16)
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))

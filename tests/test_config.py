@@ -1,0 +1,212 @@
+"""ModelConfig: HF conversion, IndexShare derivation, validation, presets."""
+
+import dataclasses
+import json
+import pathlib
+import re
+
+import pytest
+
+from configs import MODEL_CONFIGS, get_model_config
+from glmjax.config import ModelConfig, derive_indexer_types
+
+SHARED = pathlib.Path("/work/shared")
+FIXTURE_DIR = SHARED / "fixtures" / "hf_glm_moe_dsa_tiny"
+HF_CONFIGS = {
+  "fixture": FIXTURE_DIR / "config.json",
+  "glm5": SHARED / "configs" / "glm5_config.json",
+  "glm5_2": SHARED / "configs" / "glm5_2_config.json",
+}
+GLM5_2_FULL = (0, 1, 2) + tuple(range(6, 75, 4))
+
+
+def _hf(name: str) -> dict:
+  return json.loads(HF_CONFIGS[name].read_text())
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_from_hf_round_trips(name):
+  c = ModelConfig.from_hf(HF_CONFIGS[name])
+  assert ModelConfig.from_hf(c.to_hf_dict()) == c
+  hf = _hf(name)
+  out = c.to_hf_dict()
+  for key in ("hidden_size", "num_hidden_layers", "indexer_types", "mlp_layer_types",
+              "rope_parameters", "head_dim", "qk_head_dim", "eos_token_id", "pad_token_id",
+              "model_type"):
+    assert out[key] == hf[key], key
+  assert len(out["layer_types"]) == c.num_hidden_layers
+
+
+@pytest.mark.parametrize("mtp", [0, 1, 2])
+def test_to_hf_dict_mtp_and_rank_fields(mtp):
+  c = dataclasses.replace(get_model_config("tiny"), num_nextn_predict_layers=mtp)
+  out = c.to_hf_dict()
+  assert out.get("num_nextn_predict_layers", 0) == mtp
+  assert "rank_local_experts" not in out
+  assert out["architectures"] == ["GlmMoeDsaForCausalLM"]
+  assert ModelConfig.from_hf(out) == c
+
+
+def test_from_hf_accepts_directory_file_and_dict():
+  from_dir = ModelConfig.from_hf(FIXTURE_DIR)
+  assert from_dir == ModelConfig.from_hf(str(HF_CONFIGS["fixture"]))
+  assert from_dir == ModelConfig.from_hf(_hf("fixture"))
+
+
+def test_defaults_are_transformers_glm5():
+  assert ModelConfig() == ModelConfig.from_hf(HF_CONFIGS["glm5"])
+
+
+def test_glm5_2_index_share():
+  c = ModelConfig.from_hf(HF_CONFIGS["glm5_2"])
+  assert c.full_indexer_layers == GLM5_2_FULL
+  assert len(c.full_indexer_layers) == 21
+  assert derive_indexer_types(78, freq=4, offset=3) == tuple(_hf("glm5_2")["indexer_types"])
+  derived = _hf("glm5_2")
+  del derived["indexer_types"]  # Falls back to index_topk_freq / index_skip_topk_offset.
+  assert ModelConfig.from_hf(derived) == c
+  assert get_model_config("glm5_2").indexer_types == c.indexer_types
+  assert c.topk_source_layers[3:7] == (2, 2, 2, 6)
+  assert c.topk_source_layers[-1] == 74
+
+
+@pytest.mark.parametrize("freq, offset, full", [
+  (1, 2, tuple(range(8))), (0, 2, tuple(range(8))), (2, 2, (0, 1, 3, 5, 7)), (4, 3, (0, 1, 2, 6)),
+])
+def test_derive_from_freq_offset(freq, offset, full):
+  types = derive_indexer_types(8, freq=freq, offset=offset)
+  assert tuple(i for i, t in enumerate(types) if t == "full") == full
+
+
+@pytest.mark.parametrize("pattern", ["FFSF", ["full", "full", "shared", "full"]])
+def test_index_topk_pattern(pattern):
+  assert derive_indexer_types(4, pattern=pattern) == ("full", "full", "shared", "full")
+  hf = _hf("fixture")
+  del hf["indexer_types"]
+  hf["index_topk_pattern"] = pattern
+  hf["index_topk_freq"] = 4  # The pattern wins over freq / offset.
+  assert ModelConfig.from_hf(hf) == ModelConfig.from_hf(HF_CONFIGS["fixture"])
+
+
+def test_bad_pattern_character():
+  with pytest.raises(ValueError, match="index_topk_pattern"):
+    derive_indexer_types(4, pattern="FFXF")
+
+
+@pytest.mark.parametrize("key, value", [
+  ("model_type", "deepseek_v32"),
+  ("rope_parameters", {"rope_theta": 1e6, "rope_type": "yarn"}),
+  ("scoring_func", "softmax"),
+  ("rope_interleave", False),
+])
+def test_from_hf_refuses(key, value):
+  hf = _hf("fixture") | {key: value}
+  with pytest.raises(ValueError, match=key):
+    ModelConfig.from_hf(hf)
+
+
+def test_from_hf_legacy_rope_theta_and_eos_list():
+  hf = _hf("fixture")
+  del hf["rope_parameters"]
+  hf |= {"rope_theta": 5e5, "rope_scaling": None, "eos_token_id": [1, 2], "pad_token_id": 3,
+         "num_nextn_predict_layers": 1}
+  c = ModelConfig.from_hf(hf)
+  assert c.rope_theta == 5e5
+  assert c.eos_token_id == (1, 2) and c.eos_token_ids == (1, 2)
+  assert c.num_nextn_predict_layers == 1
+
+
+BAD_CASES = [
+  ("hidden_size", {"hidden_size": 0}),
+  ("vocab_size", {"vocab_size": -1}),
+  ("q_lora_rank", {"q_lora_rank": 0}),
+  ("num_key_value_heads", {"num_key_value_heads": 3}),
+  ("mlp_layer_types", {"mlp_layer_types": ("dense", "sparse", "sparse")}),
+  ("indexer_types", {"indexer_types": ("full",) * 5}),
+  ("mlp_layer_types", {"mlp_layer_types": ("dense", "moe", "sparse", "sparse")}),
+  ("indexer_types", {"indexer_types": ("full", "skip", "full", "full")}),
+  ("indexer_types", {"indexer_types": ("shared", "full", "full", "full")}),
+  ("index_topk", {"index_topk": 0}),
+  ("num_experts_per_tok", {"num_experts_per_tok": 9}),
+  ("n_group", {"n_group": 3}),
+  ("topk_group", {"n_group": 2, "topk_group": 3}),
+  ("num_experts_per_tok", {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}),
+  ("rank_local_experts", {"rank_local_experts": 3}),
+  ("rank_local_experts", {"rank_local_experts": -1}),
+  ("qk_rope_head_dim", {"qk_rope_head_dim": 15}),
+  ("index_head_dim", {"index_head_dim": 8}),
+  ("hidden_act", {"hidden_act": "gelu"}),
+  ("bos_token_id", {"bos_token_id": 512}),
+  ("eos_token_id", {"eos_token_id": (1, 600)}),
+  ("pad_token_id", {"pad_token_id": -1}),
+  ("rms_norm_eps", {"rms_norm_eps": 0.0}),
+  ("num_nextn_predict_layers", {"num_nextn_predict_layers": -1}),
+  ("attention_bias", {"attention_bias": True}),
+]
+
+
+@pytest.mark.parametrize("field, changes", BAD_CASES, ids=[f"{f}-{i}" for i, (f, _) in
+                                                           enumerate(BAD_CASES)])
+def test_validation_names_field(field, changes):
+  with pytest.raises(ValueError, match=rf"ModelConfig\.{re.escape(field)}:"):
+    dataclasses.replace(get_model_config("tiny"), **changes)
+
+
+def test_hashable_and_lists_become_tuples():
+  tiny = get_model_config("tiny")
+  c = dataclasses.replace(tiny, indexer_types=["full", "full", "shared", "full"],
+                          mlp_layer_types=list(tiny.mlp_layer_types), eos_token_id=[1, 2])
+  assert isinstance(c.indexer_types, tuple) and isinstance(c.eos_token_id, tuple)
+  assert hash(c) == hash(dataclasses.replace(tiny, eos_token_id=(1, 2)))
+  assert {c: 1}[dataclasses.replace(c)] == 1
+
+
+@pytest.mark.parametrize("name", MODEL_CONFIGS)
+def test_presets_construct(name):
+  c = get_model_config(name)
+  assert isinstance(c, ModelConfig)
+  assert c.num_nextn_predict_layers == 1
+  assert ModelConfig.from_hf(c.to_hf_dict()) == c
+
+
+def test_unknown_preset_lists_names():
+  with pytest.raises(ValueError, match="glm5_2"):
+    get_model_config("glm6")
+
+
+def test_tiny_matches_fixture():
+  fixture = ModelConfig.from_hf(HF_CONFIGS["fixture"])
+  assert get_model_config("tiny") == dataclasses.replace(fixture, num_nextn_predict_layers=1)
+
+
+def test_glm5_preset():
+  c = get_model_config("glm5")
+  assert c.rope_theta == 1e6
+  assert len(c.full_indexer_layers) == 78
+  assert c.qk_head_dim == 256 and c.softmax_scale == 256 ** -0.5
+  assert c.dense_layers == (0, 1, 2) and c.moe_layers == tuple(range(3, 78))
+  assert c.num_local_experts == 256
+
+
+def test_glm5_2_preset():
+  c = get_model_config("glm5_2")
+  assert (c.rope_theta, c.max_position_embeddings) == (8e6, 1_048_576)
+  assert c.full_indexer_layers == GLM5_2_FULL
+
+
+def test_mini_has_every_feature():
+  c = get_model_config("mini")
+  assert 0 < len(c.full_indexer_layers) < c.num_hidden_layers
+  assert c.dense_layers and c.moe_layers
+  assert c.n_group > 1 and c.topk_group < c.n_group
+  assert (c.bos_token_id, c.eos_token_ids, c.pad_token_id) == (256, (257,), 258)
+  assert c.vocab_size == 260
+
+
+def test_tep8_shard_preset():
+  c, full = get_model_config("tep8_shard"), get_model_config("glm5")
+  assert (c.num_attention_heads, c.num_key_value_heads, c.index_n_heads) == (8, 8, 4)
+  assert c.vocab_size == 19360 and c.num_hidden_layers == 78
+  assert c.num_local_experts == 32 and c.n_routed_experts == 256
+  assert dataclasses.replace(c, num_attention_heads=64, num_key_value_heads=64, index_n_heads=32,
+                             vocab_size=154880, rank_local_experts=0) == full
