@@ -1,0 +1,106 @@
+"""The 13-round replay benchmark: prefix-cached multi-round decoding on one config.
+
+  python -m experiments.replay --config=tiny --scale=200 --output=/tmp/replay.json
+
+Prints a per-round table and a summary (measured prefix hit rate against the workload's
+theoretical maximum) and writes JSON with per-round prompt/cached/prefilled tokens, time to first
+token, decode tokens and tokens/s, and the generated ids.
+"""
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+import glmjax
+from configs import get_model_config
+from glmjax.engine.engine import Engine
+from glmjax.engine.sampling import Sampling
+from glmjax.model import init_params
+from glmjax.runtime import ATTENTION_IMPLS, make_runtime
+from glmjax.workload import WORKLOADS
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "tiny", "model config preset (configs/)")
+flags.DEFINE_string("checkpoint", "", "HF checkpoint directory; random init when empty")
+flags.DEFINE_enum("workload", "seed13", list(WORKLOADS), "replay workload")
+flags.DEFINE_float("scale", 1.0, "divide every token count of the workload by this")
+flags.DEFINE_integer("rounds", 0, "rounds to run (0: the workload's)")
+flags.DEFINE_bool("prefix_cache", True, "reuse cached KV pages across rounds")
+flags.DEFINE_enum("kv_dtype", "bf16", ["bf16", "fp32", "fp8"], "KV page storage")
+flags.DEFINE_integer("page_size", 16, "tokens per KV page")
+flags.DEFINE_integer("concurrency", 1, "conversations decoded together")
+flags.DEFINE_integer("seed", 0, "PRNG seed (tokens and sampling)")
+flags.DEFINE_enum("attention", "sparse", list(ATTENTION_IMPLS), "DSA attention implementation")
+flags.DEFINE_string("index_share", "on", "on / off / an integer indexer frequency")
+flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)")
+flags.DEFINE_integer("prefill_chunk", 512, "prefill chunk length")
+flags.DEFINE_string("dtype", "bfloat16", "params and compute dtype")
+flags.DEFINE_string("output", "", "write the JSON report here")
+
+
+def run(argv=None) -> dict:
+  config = get_model_config(FLAGS.config)
+  dtype = jnp.dtype(FLAGS.dtype)
+  if FLAGS.checkpoint:
+    config, params = glmjax.load_pretrained(FLAGS.checkpoint, dtype=dtype)
+  else:
+    params = init_params(config, jax.random.key(FLAGS.seed), param_dtype=dtype)
+  work = WORKLOADS[FLAGS.workload].scaled(FLAGS.scale, FLAGS.rounds or None)
+  index_share = FLAGS.index_share if FLAGS.index_share in ("on", "off") else int(FLAGS.index_share)
+  runtime = make_runtime(config, attention=FLAGS.attention, index_share=index_share)
+  longest = work.prompt_tokens(work.rounds - 1) + work.output_per_round
+  pages_per_conv = -(-longest // FLAGS.page_size) + 1
+  engine = Engine(config, params, runtime=runtime, num_pages=1 + FLAGS.concurrency * pages_per_conv * 2,
+                  page_size=FLAGS.page_size, max_batch=FLAGS.concurrency, max_seq_len=pages_per_conv * FLAGS.page_size,
+                  kv_dtype=FLAGS.kv_dtype, prefix_cache=FLAGS.prefix_cache, prefill_chunk=FLAGS.prefill_chunk)
+  rng = np.random.default_rng(FLAGS.seed)
+  sessions = [engine.open_session() for _ in range(FLAGS.concurrency)]
+  inputs = [work.draw_tokens(rng, (2, config.vocab_size)) for _ in sessions]
+  rounds = []
+  for r in tqdm(range(work.rounds), desc="rounds"):
+    stats = engine.run_round(sessions, [inp[r] for inp in inputs], work.output_per_round,
+                             sampling=Sampling(FLAGS.temperature), seed=FLAGS.seed + r, ignore_eos=True)
+    for conv, st in enumerate(stats):
+      rounds.append(dict(round=r, conversation=conv, prompt_tokens=st.prompt_tokens,
+                         cached_tokens=st.cached_tokens, prefilled_tokens=st.prefilled_tokens,
+                         ttft_s=st.ttft_s, decode_tokens=st.decode_tokens,
+                         decode_tokens_per_s=st.decode_tokens_per_s, generated=st.output))
+  prompt = sum(x["prompt_tokens"] for x in rounds)
+  cached = sum(x["cached_tokens"] for x in rounds)
+  theory = FLAGS.concurrency * sum(work.theoretical_max_hit_tokens(r) for r in range(work.rounds))
+  later = [x for x in rounds if x["round"] > 0]
+  summary = dict(prompt_tokens=prompt, cached_tokens=cached, hit_rate=cached / prompt,
+                 theoretical_max_hit_rate=theory / prompt,
+                 decode_tokens_per_s=float(np.median([x["decode_tokens_per_s"] for x in rounds])),
+                 ttft_round1_s=rounds[0]["ttft_s"],
+                 ttft_later_median_s=float(np.median([x["ttft_s"] for x in later])) if later else None,
+                 prefix_stats=dataclasses.asdict(engine.prefix.stats))
+  report = dict(flags={k: FLAGS[k].value for k in ("config", "checkpoint", "workload", "scale", "rounds",
+                                                    "prefix_cache", "kv_dtype", "page_size", "concurrency",
+                                                    "seed", "attention", "index_share", "temperature")},
+                workload=dataclasses.asdict(work), rounds=rounds, summary=summary)
+  print(f"\n{'round':>5} {'conv':>4} {'prompt':>8} {'cached':>8} {'prefill':>8} {'ttft ms':>9} {'decode':>7} {'tok/s':>9}")
+  for x in rounds:
+    print(f"{x['round']:>5} {x['conversation']:>4} {x['prompt_tokens']:>8} {x['cached_tokens']:>8} "
+          f"{x['prefilled_tokens']:>8} {x['ttft_s'] * 1e3:>9.1f} {x['decode_tokens']:>7} {x['decode_tokens_per_s']:>9.1f}")
+  print(f"\nprefix hit rate {summary['hit_rate']:.2%} (theoretical max {summary['theoretical_max_hit_rate']:.2%}); "
+        f"median decode {summary['decode_tokens_per_s']:.1f} tok/s; TTFT round 1 {summary['ttft_round1_s'] * 1e3:.0f} ms, "
+        f"later rounds median {(summary['ttft_later_median_s'] or 0) * 1e3:.0f} ms")
+  if FLAGS.output:
+    with open(FLAGS.output, "w") as f:
+      json.dump(report, f, indent=1)
+  return report
+
+
+def main(argv):
+  run(argv)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,175 @@
+"""Multi-round serving over the paged cache: host prefix index + jitted device steps.
+
+A `Session` is one conversation. Each round appends its new tokens to the conversation, asks the
+prefix cache which pages already hold its KV (this session's own pages, the trailing partial page
+included, or full pages shared with other sessions), prefills only the rest in chunks, then
+decodes on device. Sessions of one round run as one decode batch (concurrency = batch).
+"""
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glmjax.api import check_tokens, params_dtype
+from glmjax.cache.paged import KVCache, init_cache
+from glmjax.cache.prefix_cache import PrefixCache, SequenceAlloc
+from glmjax.config import ModelConfig
+from glmjax.engine import steps
+from glmjax.engine.sampling import Sampling, sample
+from glmjax.runtime import Runtime
+
+
+@dataclasses.dataclass
+class RoundStats:
+  prompt_tokens: int          # the whole context of this round
+  cached_tokens: int          # served from the cache
+  prefilled_tokens: int
+  ttft_s: float               # round start -> first output token on the host
+  decode_tokens: int
+  decode_s: float
+  output: list[int]
+  first_logits: np.ndarray    # [V] fp32: the distribution the first output token was drawn from
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclasses.dataclass
+class Session:
+  """One conversation: its token history (inputs and outputs) and its prefix-cache identity."""
+  id: str
+  history: list[int] = dataclasses.field(default_factory=list)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+  """Copy whole pages (values and scales together) src[i] -> dst[i] in every layer."""
+  copy = lambda a: None if a is None else a.at[dst].set(a[src])
+  return cache.replace(layers=tuple(jax.tree.map(copy, layer) for layer in cache.layers))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _set_slot(cache: KVCache, slot: jax.Array, table: jax.Array, length: jax.Array) -> KVCache:
+  return cache.replace(page_table=cache.page_table.at[slot].set(table), lengths=cache.lengths.at[slot].set(length))
+
+
+class Engine:
+  """Owns the device cache and the host prefix cache for up to `max_batch` concurrent sequences."""
+
+  def __init__(self, config: ModelConfig, params, *, runtime: Runtime = Runtime(), num_pages: int = 1024,
+               page_size: int = 16, max_batch: int = 1, max_seq_len: int | None = None,
+               kv_dtype: str = "bf16", prefix_cache: bool = True, prefill_chunk: int = 512):
+    max_seq_len = max_seq_len or config.max_position_embeddings
+    if prefill_chunk <= 0:
+      raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+    if page_size <= 0 or max_seq_len % page_size:
+      raise ValueError(f"page_size {page_size} must divide max_seq_len {max_seq_len}")
+    if max_seq_len > config.max_position_embeddings:
+      raise ValueError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings "
+                       f"{config.max_position_embeddings}")
+    self.config, self.params = config, params
+    self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
+    self.max_pages = math.ceil(max_seq_len / page_size)
+    self.prefix_cache_enabled = prefix_cache
+    self.prefix = PrefixCache(num_pages, page_size)
+    self.cache = init_cache(config, num_pages=num_pages, page_size=page_size, batch=max_batch,
+                            max_pages=self.max_pages, kv_dtype=kv_dtype)
+    self.spec = steps.StepSpec(config, runtime, jnp.dtype(params_dtype(params)).name)
+    self._ids = itertools.count()
+
+  def open_session(self) -> Session:
+    return Session(id=f"s{next(self._ids)}")
+
+  def _namespace(self) -> str:
+    # Without prefix caching every request gets a namespace of its own, so nothing is shared.
+    return "" if self.prefix_cache_enabled else f"request-{next(self._ids)}"
+
+  def _prefill(self, slot: int, seq: SequenceAlloc) -> tuple[jax.Array, jax.Array]:
+    """Apply page copies, point the slot at the sequence's pages, prefill the uncached suffix."""
+    if seq.copies:
+      src, dst = map(jnp.asarray, zip(*seq.copies))
+      self.cache = _copy_pages(self.cache, src, dst)
+    table, _ = self.prefix.page_table(seq, self.max_pages)
+    self.cache = _set_slot(self.cache, jnp.int32(slot), jnp.asarray(table), jnp.int32(seq.num_cached))
+    tokens = np.asarray(seq.tokens, np.int32)
+    for start in range(seq.num_cached, len(tokens), self.prefill_chunk):
+      chunk = np.full((self.max_batch, self.prefill_chunk), 0, np.int32)
+      positions = np.full((self.max_batch, self.prefill_chunk), -1, np.int32)
+      piece = tokens[start:start + self.prefill_chunk]
+      chunk[slot, :len(piece)] = piece
+      positions[slot, :len(piece)] = np.arange(start, start + len(piece))
+      logits, hidden, self.cache = steps.prefill_chunk(self.params, self.cache, jnp.asarray(chunk),
+                                                       jnp.asarray(positions), spec=self.spec)
+    return logits[slot], hidden[slot]
+
+  def run_round(self, sessions: list[Session], new_tokens: list[list[int]], max_new_tokens: int, *,
+                sampling: Sampling = Sampling(), seed: int = 0, ignore_eos: bool = False) -> list[RoundStats]:
+    """Append each session's new tokens, prefill what is not cached, decode up to max_new_tokens."""
+    if not 1 <= len(sessions) <= self.max_batch or len(sessions) != len(new_tokens):
+      raise ValueError(f"need 1..{self.max_batch} sessions with one token list each, "
+                       f"got {len(sessions)} sessions and {len(new_tokens)} lists")
+    contexts = [s.history + list(t) for s, t in zip(sessions, new_tokens)]
+    for ctx in contexts:
+      check_tokens(self.config, np.asarray([ctx]), extra_positions=max_new_tokens)
+      if len(ctx) + max_new_tokens > self.max_pages * self.page_size:
+        raise ValueError(f"context {len(ctx)} + {max_new_tokens} new tokens exceeds the engine's "
+                         f"max_seq_len {self.max_pages * self.page_size}")
+    seqs: list[SequenceAlloc] = []
+    try:
+      for s, ctx in zip(sessions, contexts):
+        seq = self.prefix.open_sequence(ctx, namespace=self._namespace(),
+                                        session=s.id if self.prefix_cache_enabled else None)
+        seqs.append(seq)
+        # Reserve the decode budget now, so decoding can never run out of pages.
+        self.prefix.extend(seq, [0] * (max_new_tokens - 1))
+    except Exception:
+      for seq in seqs:  # undo this round's reservations; other sessions' pages are untouched
+        self.prefix.truncate(seq, seq.write_floor)
+        self.prefix.release(seq)
+      raise
+
+    key = jax.random.key(seed)
+    start = time.perf_counter()
+    firsts, ttfts = [], []
+    for slot, (seq, ctx) in enumerate(zip(seqs, contexts)):
+      real = dataclasses.replace(seq, tokens=ctx)  # the prefill covers the real context only
+      logits, _ = self._prefill(slot, real)
+      key, sub = jax.random.split(key)
+      firsts.append((int(sample(logits[None], sub, sampling)[0]), np.asarray(logits)))
+      ttfts.append(time.perf_counter() - start)
+    b = self.max_batch
+    first = np.zeros(b, np.int32)
+    first[:len(seqs)] = [f for f, _ in firsts]
+    active = np.arange(b) < len(seqs)
+    self.cache = self.cache.replace(lengths=jnp.asarray(
+        [len(c) for c in contexts] + [0] * (b - len(seqs)), jnp.int32))
+    eos = jnp.asarray([] if ignore_eos else self.config.eos_token_ids, jnp.int32)
+    decode_start = time.perf_counter()
+    out, counts, _, self.cache = steps.decode_loop(
+        self.params, self.cache, jnp.asarray(first), jnp.asarray(active), key, eos,
+        jnp.full((b,), max_new_tokens, jnp.int32), spec=self.spec, sampling=sampling,
+        max_new_tokens=max_new_tokens)
+    out, counts = np.asarray(out), np.asarray(counts)
+    decode_s = time.perf_counter() - decode_start
+
+    results = []
+    for slot, (s, seq, ctx) in enumerate(zip(sessions, seqs, contexts)):
+      emitted = out[slot, :counts[slot]].tolist()
+      # The cache holds the context and every emitted token but the last (the next input).
+      written = len(ctx) + len(emitted) - 1
+      self.prefix.truncate(seq, written)
+      seq.tokens[len(ctx):written] = emitted[:-1]
+      self.prefix.release(seq)
+      s.history = ctx + emitted
+      results.append(RoundStats(prompt_tokens=len(ctx), cached_tokens=seq.num_cached,
+                                prefilled_tokens=len(ctx) - seq.num_cached, ttft_s=ttfts[slot],
+                                decode_tokens=len(emitted) - 1, decode_s=decode_s, output=emitted,
+                                first_logits=firsts[slot][1]))
+    return results
