@@ -141,8 +141,7 @@ class MLAttention(nn.Module):
                               None if idx is None or layer.index_k is None else idx[2])
     kv_b = kv_b.reshape(h, nope + c.v_head_dim, r)
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
-    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk.astype(q_nope.dtype),
-                          preferred_element_type=jnp.float32)
+    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
     if idx is not None:
       q_idx, w_idx, _ = idx
       prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,

@@ -52,10 +52,11 @@ def causal_valid(positions: jax.Array, num_keys: int) -> jax.Array:
 def cached_topk(q, weights, layer: paged.LayerCache, page_table, positions, k: int, impl: str,
                 ties: str = "index") -> jax.Array:
   """Indexer selection over the cached keys for the step's queries: [B, T, min(k, S)]."""
-  if impl == "pallas":
+  if impl in ("sparse", "pallas") and ties == "index":
     from pallas_kernels import indexer_topk
-    return indexer_topk.indexer_topk(q, weights, layer.index_k, layer.index_scale, page_table, positions,
-                                     num_keys=page_table.shape[1] * layer.page_size, k=k)
+    fn = indexer_topk.indexer_topk if impl == "pallas" else indexer_topk.indexer_topk_reference
+    return fn(q, weights, layer.index_k, layer.index_scale, page_table, positions,
+              num_keys=page_table.shape[1] * layer.page_size, k=k)
   keys = paged.gather_index_keys(layer, page_table)
   scores = index_scores(q, weights, keys, causal_valid(positions, keys.shape[1]))
   return select_topk(scores, k, ties=ties, lengths=jnp.max(positions, axis=1) + 1)
@@ -65,6 +66,8 @@ def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, posi
                      scale: float, impl: str) -> jax.Array:
   """Latent-space attention of queries [B, T, H, R] over the selected cached tokens -> [B, T, H, R] fp32."""
   if impl in ("sparse", "pallas") and q_latent.shape[1] <= 8:
+    if layer.latent.dtype == jnp.float32:
+      raise ValueError(f"attention={impl!r} reads bf16 or fp8 pages; fp32 pages are for the dense reference")
     from pallas_kernels import sparse_mla
     fn = sparse_mla.sparse_mla_decode if impl == "pallas" else sparse_mla.sparse_mla_decode_reference
     return fn(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table, topk,

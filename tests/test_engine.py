@@ -121,3 +121,19 @@ def test_replay_on_tiny_reaches_the_theoretical_hit_rate(tmp_path):
   assert [r["cached_tokens"] for r in report["rounds"]][1:] == [
       r["prompt_tokens"] - report["workload"]["new_per_round"] - 1 for r in report["rounds"][1:]]
   assert (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_sparse_selection_path_equals_dense_reference(kv_dtype):
+  """--attention=sparse (gather of the selected tokens, the kernels' jnp references) generates
+  the same tokens as the dense masked reference, past index_topk, from bf16 and FP8 pages."""
+  import jax
+  from configs import get_model_config
+  from glmjax.model import init_params
+  from glmjax.runtime import Runtime
+  config = get_model_config("tiny")
+  params = init_params(config, jax.random.key(0))
+  prompt = np.random.default_rng(0).integers(2, config.vocab_size, (2, 30)).astype(np.int32)
+  run = lambda att: glmjax.generate(config, params, prompt, 10, ignore_eos=True, runtime=Runtime(attention=att),
+                                    kv_dtype=kv_dtype, page_size=8)
+  np.testing.assert_array_equal(run("sparse"), run("dense"))

@@ -1,0 +1,125 @@
+"""DSA kernels vs their XLA references (the `--attention=sparse` jnp path) at GLM-5 shapes.
+
+  from experiments.bench_dsa import dsa_rows; rows = dsa_rows()   # on the H200
+
+Shapes: one TEP=8 rank at batch 1: MLA 8 heads (kv_lora_rank 512, rope 64), indexer 32 x 128,
+top-k 2048, page size 64; contexts 8K/32K/80K/128K, 1 and 5 query tokens, bf16 and FP8 caches;
+plus top-k alone over 1 and 64 rows of 131,072. `bytes` is what a kernel must move through HBM
+at least (its bandwidth floor at 4.22 TB/s): cache rows read once, outputs written once; the
+scores between scoring and top-k, and the attention's split partials, stay in L2. Selections
+for the attention rows are random and independent per query token (no shared rows: the worst
+case). quick=True: tiny shapes for a CPU smoke test (interpret mode; times mean nothing).
+"""
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from glmjax.bench import bandwidth_tbs, time_device
+from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
+from glmjax.footprint import H200_BANDWIDTH
+from pallas_kernels.indexer_scores import indexer_scores, indexer_scores_reference
+from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
+from pallas_kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
+from pallas_kernels.topk import topk_indices, topk_indices_reference
+
+FULL = dict(contexts=(8192, 32768, 81920, 131072), query_tokens=(1, 5), index_heads=32,
+            index_dim=128, heads=8, rank=512, rope=64, k=2048, page=64,
+            topk_rows=(1, 64), topk_n=131072)
+QUICK = dict(contexts=(256,), query_tokens=(1, 2), index_heads=4, index_dim=32, heads=4, rank=64,
+             rope=16, k=32, page=16, topk_rows=(2,), topk_n=512)
+
+
+def _row(kernel: str, case: str, fn: Callable, ref: Callable, args: tuple, num_bytes: float,
+         timing: dict[str, int]) -> dict[str, Any]:
+  seconds = time_device(fn, *args, **timing)
+  xla_seconds = time_device(ref, *args, **timing)
+  return dict(kernel=kernel, case=case, us=seconds * 1e6, xla_us=xla_seconds * 1e6,
+              speedup=xla_seconds / seconds, bytes=num_bytes,
+              floor_us=num_bytes / H200_BANDWIDTH * 1e6, tbs=bandwidth_tbs(num_bytes, seconds))
+
+
+def _cache(key: jax.Array, shape: tuple[int, ...], fp8: bool):
+  x = jax.random.normal(key, shape, jnp.float32)
+  return quantize_fp8(x) if fp8 else (x.astype(jnp.bfloat16), None)
+
+
+def _page_table(key: jax.Array, context: int, page: int) -> jax.Array:
+  """One sequence whose pages are a shuffled set of physical pages (page 0 stays null)."""
+  pages = context // page
+  return (jax.random.permutation(key, pages) + 1).astype(jnp.int32)[None]
+
+
+def _indexer_cases(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
+  """Arguments of the indexer ops and the bytes they must move."""
+  kq, kw, kk, kp = jax.random.split(key, 4)
+  h, d = s["index_heads"], s["index_dim"]
+  pages = context // s["page"] + 1
+  q = jax.random.normal(kq, (1, t, h, d), jnp.bfloat16)
+  weights = jax.random.normal(kw, (1, t, h), jnp.float32) * h ** -0.5
+  index_k, index_scale = _cache(kk, (pages, s["page"], d), fp8)
+  positions = jnp.arange(context - t, context, dtype=jnp.int32)[None]
+  args = (q, weights, index_k, index_scale, _page_table(kp, context, s["page"]), positions)
+  key_bytes = context * (d * (1 if fp8 else 2) + (4 if fp8 else 0))
+  small = q.size * 2 + weights.size * 4 + context // s["page"] * 4
+  return args, key_bytes + small
+
+
+def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
+  """Arguments of sparse MLA (random ascending selections) and the bytes it must move."""
+  kq, kr, kl, ke, kp, ki = jax.random.split(key, 6)
+  h, rank, rope, k = s["heads"], s["rank"], s["rope"], s["k"]
+  pages = context // s["page"] + 1
+  q_latent = jax.random.normal(kq, (1, t, h, rank), jnp.bfloat16)
+  q_rope = jax.random.normal(kr, (1, t, h, rope), jnp.bfloat16)
+  latent, latent_scale = _cache(kl, (pages, s["page"], rank), fp8)
+  k_rope = jax.random.normal(ke, (pages, s["page"], rope), jnp.bfloat16)
+  picks = [jnp.sort(jax.random.choice(sub, context - t + i + 1, (min(k, context),),
+                                      replace=False))
+           for i, sub in enumerate(jax.random.split(ki, t))]
+  indices = jnp.stack(picks).astype(jnp.int32)[None]
+  args = (q_latent, q_rope, latent, latent_scale, k_rope, _page_table(kp, context, s["page"]),
+          indices)
+  row = rank * (1 if fp8 else 2) + (rank // fp8_block_size(rank) * 4 if fp8 else 0) + rope * 2
+  num_bytes = t * k * (row + 4) + (q_latent.size + q_rope.size) * 2 + t * h * rank * 4
+  return args, num_bytes
+
+
+def dsa_rows(*, quick: bool = False) -> list[dict[str, Any]]:
+  """One dict per (kernel, case): us, xla_us, speedup, bytes, floor_us, tbs (achieved TB/s)."""
+  s = QUICK if quick else FULL
+  timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=20, repeats=3, warmup=2)
+  scale = (192 + 64) ** -0.5  # GLM-5's softmax scale (qk_nope + qk_rope)^-0.5
+  key = jax.random.key(0)
+  rows = []
+  for context in s["contexts"]:
+    for t in s["query_tokens"]:
+      for fp8 in (False, True):
+        case = f"ctx={context} T={t} {'fp8' if fp8 else 'bf16'}"
+        key, k1, k2 = jax.random.split(key, 3)
+        args, key_bytes = _indexer_cases(s, context, t, fp8, k1)
+        scores_fn = functools.partial(indexer_scores, num_keys=context)
+        scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
+        rows.append(_row("indexer_scores", case, scores_fn, scores_ref, args,
+                         key_bytes + t * context * 4, timing))
+        select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"])
+        select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
+        rows.append(_row("indexer_topk", case, select_fn, select_ref, args,
+                         key_bytes + t * min(s["k"], context) * 4, timing))
+        args, mla_bytes = _mla_case(s, context, t, fp8, k2)
+        rows.append(_row("sparse_mla_decode", case,
+                         functools.partial(sparse_mla_decode, softmax_scale=scale),
+                         functools.partial(sparse_mla_decode_reference, softmax_scale=scale),
+                         args, mla_bytes, timing))
+  n, k = s["topk_n"], s["k"]
+  for num_rows in s["topk_rows"]:
+    key, sub = jax.random.split(key)
+    scores = jax.random.normal(sub, (num_rows, n), jnp.float32)
+    rows.append(_row("topk_indices", f"rows={num_rows} n={n} k={k}",
+                     functools.partial(topk_indices, k=k),
+                     functools.partial(topk_indices_reference, k=k), (scores,),
+                     num_rows * (n + k) * 4, timing))
+  return rows
+

@@ -1,0 +1,125 @@
+"""Weight-only quantized matmuls on GLM-5 shapes: NVFP4 / block-FP8 Pallas kernels against XLA.
+
+`quant_rows(quick=False)` returns one dict per (case, implementation); experiments/kernels_bench.py
+prints them. Every case times, in the same run, XLA's bf16 matmul of the same shape (the
+`speedup_vs_bf16` reference) and XLA's dequantize-then-matmul of the quantized weight.
+
+Timing: `glmjax.bench.time_device` (many calls dispatched, one sync, median). Bytes: the weights
+(+ scales) an implementation must read plus the activations in and out; for the MoE, only the
+distinct experts the step's tokens chose (an implementation that reads more is charged the
+same, so its TB/s is an effective rate). `frac_of_copy` is against the H200's 4.22 TB/s copy.
+
+Cases: GEMV [M, 8192] x [8192, 28672] at M = 1, 8; one GLM-5 expert's gate/up [2048, 6144] and
+down [6144, 2048] at M = 1, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
+(one TEP=8 rank), D = 6144, I = 2048. `quick=True`: tiny shapes for a CPU (interpret) smoke test.
+"""
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glmjax.bench import bandwidth_tbs, time_device
+from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
+from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.moe_grouped_matmul import moe_grouped_matmul
+from pallas_kernels.nvfp4_matmul import MatmulConfig, nvfp4_matmul
+
+COPY_TBS = 4.22
+FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
+
+
+def _nbytes(tree) -> int:
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def _rows(case: dict[str, Any], timed: list[tuple[str, str, float, int]]) -> list[dict[str, Any]]:
+  """Rows for (format, impl, seconds, bytes); the first entry is the XLA bf16 reference."""
+  bf16_seconds = timed[0][2]
+  return [dict(case, format=fmt, impl=impl, us=seconds * 1e6, bytes=nbytes,
+               tbs=bandwidth_tbs(nbytes, seconds), frac_of_copy=bandwidth_tbs(nbytes, seconds) / COPY_TBS,
+               speedup_vs_bf16=bf16_seconds / seconds)
+          for fmt, impl, seconds, nbytes in timed]
+
+
+def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float], seed: int = 0):
+  """x bf16 [m, k] @ w[n, k].T: XLA bf16, then per format XLA dequant+matmul and the kernel."""
+  kx, kw = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  w = jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02
+  act_bytes = (m * k + m * n) * 2
+  bf16 = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w))
+  xla_dequant = jax.jit(functools.partial(linear, impl="xla"))
+  timed = [("bf16", "xla", timer(bf16, x, w), n * k * 2 + act_bytes)]
+  for fmt, (quantize, kernel) in FORMATS.items():
+    q = quantize(w)
+    nbytes = _nbytes(q) + act_bytes
+    timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
+    timed.append((fmt, "pallas", timer(kernel, x, q), nbytes))
+  return _rows(dict(name=name, m=m, n=n, k=k), timed)
+
+
+def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Callable[..., float],
+             seed: int = 0):
+  """Routed-expert MLP: XLA bf16 (the model's reference path), then per format (and bf16) the
+  grouped kernel, plus XLA dequant for the quantized formats."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
+  stacked = lambda key, shape: jax.random.normal(key, shape, jnp.bfloat16) * 0.02
+  weights = (stacked(keys[1], (experts, i, d)), stacked(keys[2], (experts, i, d)),
+             stacked(keys[3], (experts, d, i)))
+  rng = np.random.default_rng(seed)
+  ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+  routing = (jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32))
+  chosen = len(np.unique(ids)) / experts  # fraction of the stacked weights the step must read
+  act_bytes = (tokens * d * 2) * 2 + ids.size * 8
+  xla = jax.jit(functools.partial(moe_experts, impl="xla"))
+  timed = [("bf16", "xla", timer(xla, x, *routing, *weights), int(_nbytes(weights) * chosen) + act_bytes),
+           ("bf16", "pallas", timer(moe_grouped_matmul, x, *routing, *weights),
+            int(_nbytes(weights) * chosen) + act_bytes)]
+  for fmt, (quantize, _) in FORMATS.items():
+    q = tuple(quantize(w) for w in weights)
+    nbytes = int(_nbytes(q) * chosen) + act_bytes
+    timed.append((fmt, "xla_dequant", timer(xla, x, *routing, *q), nbytes))
+    timed.append((fmt, "pallas", timer(moe_grouped_matmul, x, *routing, *q), nbytes))
+  return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, top_k=top_k,
+                    chosen_experts=int(len(np.unique(ids)))), timed)
+
+
+def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConfig] | None = None, *,
+                      timer: Callable[..., float] = time_device, seed: int = 0) -> list[dict[str, Any]]:
+  """Tuning aid (not part of quant_rows): the `fmt` kernel at one shape under several configs."""
+  configs = configs or [MatmulConfig(block_n=bn, block_k=bk, split_k=s, num_warps=w)
+                        for bn, bk in ((32, 128), (64, 128), (64, 256), (128, 128))
+                        for s in (1, 4) for w in (4, 8) if fmt != "fp8" or bk <= 128]
+  quantize, kernel = FORMATS[fmt]
+  kx, kw = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  q = quantize(jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02)
+  nbytes = _nbytes(q) + (m * k + m * n) * 2
+  rows = []
+  for config in configs:
+    seconds = timer(jax.jit(functools.partial(kernel, config=config)), x, q)
+    rows.append(dict(name="sweep", m=m, n=n, k=k, format=fmt, impl="pallas", config=config,
+                     us=seconds * 1e6, bytes=nbytes, tbs=bandwidth_tbs(nbytes, seconds),
+                     frac_of_copy=bandwidth_tbs(nbytes, seconds) / COPY_TBS))
+  return rows
+
+
+def quant_rows(*, quick: bool = False) -> list[dict[str, Any]]:
+  """Benchmark rows (see the module docstring); quick: tiny shapes, few iterations."""
+  if quick:
+    timer = functools.partial(time_device, iters=2, repeats=1, warmup=1)
+    gemv = [("gemv", 64, 128), ("expert_gate_up", 32, 96), ("expert_down", 96, 32)]
+    moe = dict(tokens=5, top_k=2, experts=4, d=64, i=32)
+  else:
+    timer = time_device
+    gemv = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)]
+    moe = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
+  rows = []
+  for name, n, k in gemv:
+    for m in (1, 8):
+      rows += gemv_rows(m, n, k, name=name, timer=timer)
+  return rows + moe_rows(**moe, timer=timer)

@@ -1,0 +1,72 @@
+"""Quantized weights (NVFP4, block FP8) and the one matmul entry point the model uses.
+
+  linear(x, w, *, impl)       x [..., in] @ w.T for w [out, in]: a plain array, NVFP4Weight or
+                              FP8BlockWeight.
+  moe_experts(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, *, impl)
+                              sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,s],
+                              over stacked expert weights ([E, I, D] gate/up, [E, D, I] down).
+  quantize_nvfp4 / quantize_fp8_block / quantize_params(params, policy)
+
+impl="xla" dequantizes and runs XLA's einsum (x.dtype inputs, fp32 accumulation); impl="pallas"
+runs the weight-only kernels in pallas_kernels/ (decode-sized inputs). Plain arrays always take
+the plain einsum: it is the reference model path and XLA's bf16 GEMV is already at copy speed.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from glmjax.quant.fp8_block import FP8BlockWeight, quantize_fp8_block
+from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
+from glmjax.quant.policy import POLICIES, quantize_params, quantizes
+
+IMPLS = ("xla", "pallas")
+QuantizedWeight = NVFP4Weight | FP8BlockWeight
+
+__all__ = ["FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight", "linear",
+           "moe_experts", "quantize_fp8_block", "quantize_nvfp4", "quantize_params", "quantizes"]
+
+
+def _check_impl(impl: str) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def linear(x: jax.Array, w, *, impl: str = "xla") -> jax.Array:
+  """x [..., in] @ w.T for w of logical shape [out, in] -> [..., out] in x.dtype.
+
+  Plain array: `jnp.einsum('...k,nk->...n', x, w)`, untouched. Quantized, impl="xla": dequantize
+  to x.dtype, einsum with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny kernel (bf16 x)
+  when x has at most 16 rows (decode); more rows are compute-bound and dequantize once via XLA.
+  """
+  _check_impl(impl)
+  if not isinstance(w, QuantizedWeight):
+    return jnp.einsum("...k,nk->...n", x, w)
+  if w.ndim != 2 or w.shape[1] != x.shape[-1]:
+    raise ValueError(f"linear: weight must be [out, in={x.shape[-1]}], got logical shape {w.shape}")
+  rows = math.prod(x.shape[:-1])
+  if impl == "pallas":
+    from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
+    if 1 <= rows <= nvfp4_matmul.MAX_ROWS:
+      matmul = nvfp4_matmul.nvfp4_matmul if isinstance(w, NVFP4Weight) else fp8_matmul.fp8_matmul
+      return matmul(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+  return jnp.einsum("...k,nk->...n", x, w.dequantize(x.dtype),
+                    preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
+                down_proj, *, impl: str = "xla") -> jax.Array:
+  """Routed-expert MLP of a few tokens: x [T, D], topk_ids int32 [T, k], topk_weights fp32 [T, k];
+  gate_proj / up_proj [E, I, D], down_proj [E, D, I] (plain, NVFP4 or FP8 stacked weights).
+  Ids outside [0, E) (experts of other ranks) add nothing. Returns [T, D] in x.dtype.
+
+  impl="xla": the model's jnp reference (glmjax.moe.experts_reference). impl="pallas": the
+  grouped kernels, one launch per projection that reads only the chosen experts' weights.
+  """
+  _check_impl(impl)
+  if impl == "pallas":
+    from pallas_kernels.moe_grouped_matmul import moe_grouped_matmul
+    return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+  from glmjax.moe import experts_reference
+  return experts_reference(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)

@@ -1,0 +1,117 @@
+"""Weight-only block-FP8 matmul for decode: y [M, N] = x [M, K] @ dequant(w [N, K]).T, M <= 16.
+
+Same design and lowering as nvfp4_matmul.py (read it first): Triton, grid (N / block_n,
+split_k), a K loop of contiguous weight tiles, tensor-core dot with M padded to 16, fp32
+accumulation. FP8 moves 8 bits per weight, so the ceiling is 2x XLA's bf16 GEMV and the target
+(80% of copy bandwidth) 1.6x.
+
+Scales: tiles are at most 128 x 128 and aligned, so each lies inside one 128x128 scale block and
+its scale is one scalar: the e4m3 tile converts to bf16 exactly, the dot accumulates in fp32 and
+the scalar multiplies the [M, block_n] partial product, not the weights. Per weight that leaves
+one e4m3 -> bf16 conversion (packed cvt on sm_90), well inside the ALU budget at 1 byte/weight.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.quant.fp8_block import BLOCK, FP8BlockWeight
+from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, default_config,
+                                         dot_t, load_tile, range_mask, store_tile)
+
+
+def check_fp8_config(config: MatmulConfig) -> None:
+  """FP8 tiles must sit inside one scale block: block_n, block_k <= 128 (powers of two)."""
+  if config.block_n > BLOCK or config.block_k > BLOCK:
+    raise ValueError(f"FP8 block scales need block_n, block_k <= {BLOCK}, got "
+                     f"{config.block_n}, {config.block_k}")
+
+
+def load_fp8_tile(w_ref, scale_ref, lead: tuple, n_block, step, *, block_n: int, block_k: int,
+                  k: int, rows_ok: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """(bf16 [bn, block_k] tile of K step `step`, its fp32 block scale).
+
+  w_ref: e4m3 [..., bn, Kp] (the program's row block); scale_ref: f32 [..., N/128, K/128] (whole);
+  `lead` indexes the leading dims (an expert id); n_block is the program's row-block index.
+  """
+  w = load_tile(w_ref.at[(*lead, slice(None), pl.ds(step * block_k, block_k))], rows_ok,
+                range_mask(step * block_k, block_k, k))
+  scale = scale_ref[(*lead, n_block * block_n // BLOCK, step * block_k // BLOCK)]
+  return w.astype(jnp.bfloat16), scale
+
+
+def _fp8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, n: int, k: int, block_m: int,
+                       config: MatmulConfig):
+  # x_ref: bf16 [block_m, Kp] of [M, K]; w_ref: e4m3 [bn, Kp]; scale_ref: f32 [N/128, K/128];
+  # o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
+  bn, bk = config.block_n, config.block_k
+  rows_ok = range_mask(0, block_m, m)
+  n_block = pl.program_id(0)
+  n_ok = range_mask(n_block * bn, bn, n)
+  steps = pl.cdiv(k, bk)
+  per_split = pl.cdiv(steps, config.split_k)
+  first = pl.program_id(1) * per_split
+
+  def body(step, acc):
+    x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
+    w, scale = load_fp8_tile(w_ref, scale_ref, (), n_block, step, block_n=bn, block_k=bk, k=k,
+                             rows_ok=n_ok)
+    return acc + dot_t(x, w) * scale
+
+  acc = lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
+                      jnp.zeros((block_m, bn), jnp.float32))
+  store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)
+
+
+def _fp8_matmul(x: jax.Array, w: FP8BlockWeight, config: MatmulConfig, interpret: bool) -> jax.Array:
+  (m, k), n = x.shape, w.shape[0]
+  bn, bk, split = config.block_n, config.block_k, config.split_k
+  block_m = max(16, pl.next_power_of_2(m))
+  kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
+  out = pl.pallas_call(
+      functools.partial(_fp8_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config),
+      out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32 if split > 1 else x.dtype),
+      grid=(pl.cdiv(n, bn), split),
+      in_specs=[
+          pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
+          pl.BlockSpec((bn, kp), lambda j, s: (j, 0)),
+          pl.BlockSpec(w.scale_inv.shape, lambda j, s: (0, 0)),
+      ],
+      out_specs=pl.BlockSpec((None, block_m, bn), lambda j, s: (s, 0, j)),
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="fp8_matmul",
+  )(x, w.weight, w.scale_inv)
+  return out[0] if split == 1 else out.sum(0).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def fp8_matmul(x: jax.Array, w: FP8BlockWeight, *, config: MatmulConfig | None = None,
+               interpret: bool | None = None) -> jax.Array:
+  """x @ dequant(w).T with e4m3 weights converted in registers, fp32 accumulation.
+
+  Args:
+    x: bf16 [M, K], 1 <= M <= 16.
+    w: FP8BlockWeight of logical shape [N, K] (any N, K).
+    config: tiling (block_n, block_k <= 128); default `default_config(M, N, K, max_block_k=128)`.
+    interpret: run the Pallas interpreter; default: on the CPU backend.
+  Returns:
+    bf16 [M, N].
+  """
+  if not isinstance(w, FP8BlockWeight):
+    raise ValueError(f"fp8_matmul needs an FP8BlockWeight, got {type(w).__name__}")
+  check_skinny_input(x, w.shape, "fp8_matmul")
+  config = default_config(x.shape[0], *w.shape, max_block_k=BLOCK) if config is None else config
+  check_fp8_config(config)
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  return _fp8_matmul(x, w, config, interpret)
+
+
+def fp8_matmul_reference(x: jax.Array, w: FP8BlockWeight) -> jax.Array:
+  """fp32 reference: dequantize in fp32, matmul in fp32, cast to x.dtype."""
+  return jnp.dot(x.astype(jnp.float32), w.dequantize(jnp.float32).T,
+                 precision=lax.Precision.HIGHEST).astype(x.dtype)

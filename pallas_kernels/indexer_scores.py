@@ -1,0 +1,279 @@
+"""DSA indexer scores over a paged key cache.
+
+score[b, t, s] = sum_h relu(q[b, t, h] . k[b, s] * Di^-0.5) * w[b, t, h] for s <= q_positions[b, t],
+-inf otherwise (and for every position past the cache). One key head serves all H query heads
+and all T query tokens, so each program gathers a tile of keys once and scores it against
+T x H queries on the tensor cores; the kernel reads each cached key once (memory bound: GLM-5's
+80K-token context is 21 MB of bf16 keys, 10.8 MB of FP8).
+
+Numerics: products are exact in bf16 x bf16 (and in bf16 x e4m3 codes, whose per-token
+power-of-two scale is applied after the dot, exactly); sums are fp32. An fp32 q is split into
+three bf16 parts (hi + mid + lo, 24 mantissa bits) because a plain fp32 Triton dot would round
+it to tf32. The head weights stay fp32: bf16 rounding flips near-tied selections.
+
+Lowering: Triton. Keys arrive through the page table, one row per token: a pointer-tensor gather
+that Triton vectorises along the contiguous Di axis and pipelines (num_stages). Mosaic GPU moves
+tiles with TMA, which on Hopper copies boxes, not gathers: one copy per page, a tile tied to the
+page size; and the fused top-k histogram needs Triton's per-element ops anyway (see topk.py).
+
+Einsum letters: b batch, t query token, h head, d head dim (Di), s key position.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.cache.kv_fp8 import dequantize_fp8
+from pallas_kernels import topk
+
+# Query tokens per program (the kernel unrolls them); more tokens (prefill) form more groups.
+QUERY_GROUP = 8
+_MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerScoresConfig:
+  """Tuning of the scores kernel.
+
+  block_k: keys per loop step (power of two >= 16).
+  num_splits: programs per sequence (power of two <= 128); None picks about two per SM.
+  num_warps / num_stages: Triton launch parameters (stages pipeline the key gathers; 8 warps
+    keep T x H x Di bf16 queries, 40 KB at T=5, in registers across the key loop).
+  """
+  block_k: int = 128
+  num_splits: int | None = None
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if not _is_pow2(self.block_k) or self.block_k < _MIN_MMA:
+      raise ValueError(
+          f"IndexerScoresConfig.block_k must be a power of two >= 16, got {self.block_k}")
+    if self.num_splits is not None and (
+        not _is_pow2(self.num_splits) or self.num_splits > topk.MAX_SPLITS):
+      raise ValueError("IndexerScoresConfig.num_splits must be a power of two <= "
+                       f"{topk.MAX_SPLITS}, got {self.num_splits}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(
+          f"IndexerScoresConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+    if self.num_stages < 1:
+      raise ValueError(f"IndexerScoresConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+def _bf16_parts(q: jax.Array) -> list[jax.Array]:
+  """q as bf16 terms whose sum is q: one for bf16, three (24 bits) for fp32."""
+  if q.dtype == jnp.bfloat16:
+    return [q]
+  parts = []
+  rest = q
+  for _ in range(3):
+    part = rest.astype(jnp.bfloat16)
+    parts.append(part)
+    rest = rest - part.astype(jnp.float32)
+  return parts
+
+
+def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, n: int, chunk: int,
+                   block_k: int, page_size: int, fp8: bool, histogram: bool):
+  """Scores of one sequence's key chunk for a group of Tg query tokens (+ digit-0 histograms)."""
+  # q_ref [Tg, Hp, Di] bf16|f32 ; w_ref [Tg, Hp] f32 ; pos_ref [Tg] i32 ; pt_ref [max_pages] i32
+  # k_ref [P, page_size, Di] bf16|e4m3 ; scale_ref [P, page_size, 1] f32 (FP8 only)
+  # o_ref [Tg, chunk] f32 ; ge_ref [Tg, 256] f32 ; tot_ref [4, Tg, 256] f32 (histogram only; its
+  # input twin is the same buffer and goes unread)
+  refs = list(refs)
+  scale_ref = refs.pop(0) if fp8 else None
+  if histogram:
+    refs.pop(0)
+  o_ref, *hist_refs = refs
+  max_pages = pt_ref.shape[0]
+  head_dim = k_ref.shape[-1]
+  start = pl.program_id(2) * chunk
+  queries = [_bf16_parts(q_ref[t]) for t in range(num_t)]
+  weights = [w_ref[t] for t in range(num_t)]
+  positions = [pos_ref[t] for t in range(num_t)]
+  dims = jnp.arange(head_dim, dtype=jnp.int32)
+
+  def body(i, hists):
+    tok = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    inside = tok < n
+    page = pt_ref[jnp.minimum(tok // page_size, max_pages - 1)]
+    slot = tok % page_size
+    keys = k_ref[page[:, None], slot[:, None], dims[None, :]].astype(jnp.bfloat16)  # [bk, Di]
+    scale = head_dim ** -0.5
+    if fp8:
+      scale = scale_ref[page, slot, jnp.zeros_like(slot)] * scale  # [bk] power of two * Di^-0.5
+    new_hists = []
+    for t in range(num_t):
+      logits = sum(lax.dot_general(part, keys, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+                   for part in queries[t])  # [Hp, bk]
+      score = jnp.sum(jnp.maximum(logits * scale, 0.0) * weights[t][:, None], axis=0)
+      score = jnp.where(inside & (tok <= positions[t]), score, -jnp.inf)
+      pltriton.store(o_ref.at[jnp.int32(t), pl.ds(i * block_k, block_k)], score, mask=inside)
+      if histogram:
+        new_hists.append(hists[t] + topk.block_histogram(
+            topk.order_key(score) >> (32 - topk.DIGIT_BITS), inside))
+    return tuple(new_hists)
+
+  init = tuple(topk.empty_histogram() for _ in range(num_t)) if histogram else ()
+  hists = lax.fori_loop(0, chunk // block_k, body, init)
+  if histogram:
+    ge_ref, tot_ref = hist_refs
+    for t in range(num_t):
+      topk.publish_histogram(hists[t], ge_ref, (t,), tot_ref, (0, t))
+
+
+def check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions,
+                       num_keys: int) -> None:
+  """ValueError unless the arguments form a valid indexer call (shared with the reference)."""
+  if q.ndim != 4 or q.dtype not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"q must be bf16/f32 [B, T, H, Di], got {q.dtype}{list(q.shape)}")
+  b, t, h, di = q.shape
+  if weights.shape != (b, t, h) or weights.dtype != jnp.float32:
+    raise ValueError(f"weights must be f32 {[b, t, h]}, got {weights.dtype}{list(weights.shape)}")
+  if index_k.ndim != 3 or index_k.shape[-1] != di:
+    raise ValueError(f"index_k must be [P, page_size, {di}], got {list(index_k.shape)}")
+  if index_k.dtype == jnp.float8_e4m3fn:
+    want = (*index_k.shape[:2], 1)
+    if index_scale is None or index_scale.shape != want or index_scale.dtype != jnp.float32:
+      raise ValueError(f"an FP8 index_k needs index_scale f32 {list(want)}, got "
+                       f"{None if index_scale is None else list(index_scale.shape)}")
+  elif index_k.dtype == jnp.bfloat16:
+    if index_scale is not None:
+      raise ValueError("a bf16 index_k takes index_scale=None")
+  else:
+    raise ValueError(f"index_k must be bf16 or float8_e4m3fn, got {index_k.dtype}")
+  if page_table.ndim != 2 or page_table.shape[0] != b or page_table.dtype != jnp.int32:
+    raise ValueError(f"page_table must be int32 [{b}, max_pages], got "
+                     f"{page_table.dtype}{list(page_table.shape)}")
+  if q_positions.shape != (b, t) or q_positions.dtype != jnp.int32:
+    raise ValueError(f"q_positions must be int32 {[b, t]}, got "
+                     f"{q_positions.dtype}{list(q_positions.shape)}")
+  if num_keys != page_table.shape[1] * index_k.shape[1]:
+    raise ValueError(f"num_keys must be max_pages * page_size = "
+                     f"{page_table.shape[1] * index_k.shape[1]}, got {num_keys}")
+
+
+def pad_queries(q: jax.Array, weights: jax.Array, q_positions: jax.Array):
+  """Pads heads to a power of two >= 16 (the MMA's M; zero weight, no contribution) and query
+  tokens to whole groups of QUERY_GROUP (position -1: scores -inf). Returns (q, w, pos)."""
+  _, t, h, _ = q.shape
+  hp = max(_MIN_MMA, pl.next_power_of_2(h))
+  tp = t if t <= QUERY_GROUP else pl.cdiv(t, QUERY_GROUP) * QUERY_GROUP
+  if hp != h or tp != t:
+    q = jnp.pad(q, ((0, 0), (0, tp - t), (0, hp - h), (0, 0)))
+    weights = jnp.pad(weights, ((0, 0), (0, tp - t), (0, hp - h)))
+    q_positions = jnp.pad(q_positions, ((0, 0), (0, tp - t)), constant_values=-1)
+  return q, weights, q_positions
+
+
+def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, num_keys: int,
+                splits: int, chunk: int, block_k: int, config: IndexerScoresConfig,
+                interpret: bool, tot: jax.Array | None = None):
+  """The scores pallas_call on `pad_queries` output; with `tot` also digit-0 top-k histograms.
+
+  Returns scores [B, Tp, N] f32, or (scores, ge0 [B, Tp, splits, 256], tot) when `tot` is given.
+  """
+  b, tp, hp, di = q.shape
+  if di < _MIN_MMA or not _is_pow2(di):
+    raise ValueError(f"the kernel needs a power-of-two head dim >= 16, got {di}")
+  tg = min(tp, QUERY_GROUP)
+  fp8 = index_scale is not None
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, g, j: (0,) * x.ndim)
+  in_specs = [pl.BlockSpec((None, tg, hp, di), lambda i, g, j: (i, g, 0, 0)),
+              pl.BlockSpec((None, tg, hp), lambda i, g, j: (i, g, 0)),
+              pl.BlockSpec((None, tg), lambda i, g, j: (i, g)),
+              pl.BlockSpec((None, page_table.shape[1]), lambda i, g, j: (i, 0)),
+              whole(index_k)]
+  args = [q, weights, q_positions, page_table, index_k]
+  if fp8:
+    in_specs.append(whole(index_scale))
+    args.append(index_scale)
+  out_specs = [pl.BlockSpec((None, tg, chunk), lambda i, g, j: (i, g, j))]
+  out_shape = [jax.ShapeDtypeStruct((b, tp, num_keys), jnp.float32)]
+  aliases = {}
+  if tot is not None:
+    tot_spec = pl.BlockSpec((topk.PASSES, None, tg, topk.BINS), lambda i, g, j: (0, i, g, 0))
+    in_specs.append(tot_spec)
+    args.append(tot)
+    aliases = {len(args) - 1: 2}
+    out_specs += [pl.BlockSpec((None, tg, None, topk.BINS), lambda i, g, j: (i, g, j, 0)),
+                  tot_spec]
+    out_shape += [jax.ShapeDtypeStruct((b, tp, splits, topk.BINS), jnp.float32),
+                  jax.ShapeDtypeStruct(tot.shape, jnp.float32)]
+  kernel = functools.partial(_scores_kernel, num_t=tg, n=num_keys, chunk=chunk, block_k=block_k,
+                             page_size=index_k.shape[1], fp8=fp8, histogram=tot is not None)
+  out = pl.pallas_call(
+      kernel,
+      grid=(b, tp // tg, splits),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="indexer_scores",
+  )(*args)
+  return out if tot is not None else out[0]
+
+
+@functools.partial(jax.jit, static_argnames=("num_keys", "config", "interpret"))
+def indexer_scores(q: jax.Array, weights: jax.Array, index_k: jax.Array,
+                   index_scale: jax.Array | None, page_table: jax.Array, q_positions: jax.Array,
+                   *, num_keys: int, config: IndexerScoresConfig | None = None,
+                   interpret: bool | None = None) -> jax.Array:
+  """DSA indexer scores of T query tokens per sequence against its paged key cache.
+
+  Args:
+    q: [B, T, H, Di] bf16 or f32, roped indexer queries (Di a power of two >= 16).
+    weights: [B, T, H] f32 head weights (weights_proj(x) * H^-0.5).
+    index_k: [P, page_size, Di] bf16 or float8_e4m3fn key pages (page 0: null page).
+    index_scale: [P, page_size, 1] f32 power-of-two scales for FP8 keys, else None.
+    page_table: [B, max_pages] int32 physical page of each logical page.
+    q_positions: [B, T] int32 absolute position of each query token.
+    num_keys: max_pages * page_size.
+    config: tuning; None for the defaults.
+    interpret: run the Pallas interpreter; None: only on a CPU backend.
+  Returns:
+    [B, T, num_keys] f32 scores, -inf where s > q_positions[b, t].
+  """
+  check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions, num_keys)
+  config = config or IndexerScoresConfig()
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  t = q.shape[1]
+  q, weights, q_positions = pad_queries(q, weights, q_positions)
+  groups = q.shape[0] * pl.cdiv(q.shape[1], QUERY_GROUP)
+  splits = config.num_splits or topk.row_splits(groups, num_keys, config.block_k)
+  chunk = topk.split_chunk(num_keys, splits, config.block_k)
+  scores = scores_call(q, weights, index_k, index_scale, page_table, q_positions,
+                       num_keys=num_keys, splits=splits, chunk=chunk, block_k=config.block_k,
+                       config=config, interpret=interpret)
+  return scores[:, :t]
+
+
+@functools.partial(jax.jit, static_argnames=("num_keys",))
+def indexer_scores_reference(q: jax.Array, weights: jax.Array, index_k: jax.Array,
+                             index_scale: jax.Array | None, page_table: jax.Array,
+                             q_positions: jax.Array, *, num_keys: int) -> jax.Array:
+  """Plain-jnp indexer scores (gather + fp32 einsum): same arguments and result as the kernel."""
+  check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions, num_keys)
+  b = q.shape[0]
+  keys = index_k[page_table].reshape(b, num_keys, -1)  # [B, N, Di]
+  if index_scale is not None:
+    keys = dequantize_fp8(keys, index_scale[page_table].reshape(b, num_keys, 1))
+  logits = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
+  scores = jnp.einsum("bths,bth->bts", jnp.maximum(logits, 0.0), weights,
+                      precision=lax.Precision.HIGHEST)
+  causal = jnp.arange(num_keys)[None, None, :] <= q_positions[:, :, None]
+  return jnp.where(causal, scores, -jnp.inf)

@@ -1,0 +1,74 @@
+"""DSA key selection: indexer scores + exact top-k, with top-k's first pass fused into scoring.
+
+The scores kernel also histograms the top 8 key bits of every score it writes (topk.py's digit
+0), so the selection needs three more histogram passes and the compaction over scores that are
+still in L2 (5 x 80K scores = 1.6 MB): four launches fewer than scoring then sorting, and one
+read of the scores fewer than `indexer_scores` followed by `topk_indices`.
+
+Lowering: Triton, as the two kernels it composes (see indexer_scores.py and topk.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import topk
+from pallas_kernels.indexer_scores import (QUERY_GROUP, IndexerScoresConfig, check_indexer_args,
+                                           indexer_scores_reference, pad_queries, scores_call)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("num_keys", "k", "scores_config", "topk_config", "interpret"))
+def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
+                 index_scale: jax.Array | None, page_table: jax.Array, q_positions: jax.Array,
+                 *, num_keys: int, k: int, scores_config: IndexerScoresConfig | None = None,
+                 topk_config: topk.TopKConfig | None = None,
+                 interpret: bool | None = None) -> jax.Array:
+  """Positions of the k best-scoring cached keys for each query token.
+
+  Args: as `indexer_scores`, plus
+    k: keys to select (>= 1); contexts shorter than k select min(k, num_keys), as lax.top_k
+      over the scores would.
+    scores_config / topk_config: tuning of the two kernels; None for the defaults. The split
+      count comes from scores_config (it sets the scoring grid and the top-k chunks).
+  Returns:
+    int32 [B, T, min(k, num_keys)]: for each query token the exact top-k set of positions
+    s <= q_positions[b, t] in ascending order, then -1 where fewer positions are valid.
+  """
+  check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions, num_keys)
+  k = min(k, num_keys)
+  topk.check_topk_args(num_keys, k)
+  scores_config = scores_config or IndexerScoresConfig()
+  topk_config = topk_config or topk.TopKConfig()
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  b, t = q.shape[:2]
+  q, weights, q_positions = pad_queries(q, weights, q_positions)
+  tp = q.shape[1]
+  granule = scores_config.block_k
+  splits = scores_config.num_splits or topk.row_splits(b * pl.cdiv(tp, QUERY_GROUP), num_keys,
+                                                       granule)
+  chunk = topk.split_chunk(num_keys, splits, granule)
+  tot = jnp.zeros((topk.PASSES, b, tp, topk.BINS), jnp.float32)
+  scores, ge0, tot = scores_call(q, weights, index_k, index_scale, page_table, q_positions,
+                                 num_keys=num_keys, splits=splits, chunk=chunk,
+                                 block_k=granule, config=scores_config, interpret=interpret,
+                                 tot=tot)
+  rows = b * tp
+  out = topk.select_from_first_pass(
+      scores.reshape(rows, num_keys), ge0.reshape(rows, splits, topk.BINS),
+      tot.reshape(topk.PASSES, rows, topk.BINS), k=k, splits=splits, chunk=chunk,
+      block=topk.loop_block(chunk, topk_config.block), config=topk_config, interpret=interpret)
+  return out.reshape(b, tp, k)[:, :t]
+
+
+@functools.partial(jax.jit, static_argnames=("num_keys", "k"))
+def indexer_topk_reference(q: jax.Array, weights: jax.Array, index_k: jax.Array,
+                           index_scale: jax.Array | None, page_table: jax.Array,
+                           q_positions: jax.Array, *, num_keys: int, k: int) -> jax.Array:
+  """Reference scores + `lax.top_k` (descending score order): same arguments as the kernel."""
+  scores = indexer_scores_reference(q, weights, index_k, index_scale, page_table, q_positions,
+                                    num_keys=num_keys)
+  return topk.topk_indices_reference(scores, min(k, num_keys))
+

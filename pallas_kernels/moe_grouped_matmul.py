@@ -1,0 +1,275 @@
+"""Grouped routed-expert MLP for decode: two launches that read only the chosen experts' weights.
+
+  out[t] = sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t),  e = ids[t,s] in [0, E)
+
+x [T, D] bf16 (T = a decode step's tokens, up to ~16); stacked weights gate / up [E, I, D],
+down [E, D, I], each bf16, NVFP4Weight or FP8BlockWeight (formats may differ per projection).
+Ids outside [0, E) (experts on other ranks) contribute zero.
+
+Why grouped: at decode every chosen expert's weights are read once and the bytes are the cost
+(GLM-5, one TEP=8 rank: 32 local experts, top-8 of 5 tokens touches about 23 of them, 21 MB
+each in NVFP4). Gathering per (token, slot) in XLA reads an expert once per slot that chose it
+and dequantizes through HBM; here each chosen expert is read once, by one launch per projection.
+
+Routing table (XLA, a few hundred bytes): `experts` [U] = the sorted distinct local ids, padded
+with -1 (U = min(T*k, E)); `count` = how many are real; `route` [U, Tp] fp32 = the summed routing
+weight of token t for slot u (0 for tokens that did not choose it). Triton has no scalar prefetch,
+so the kernels read `experts` with a scalar load at program start and offset the weight pointer by
+the expert id: a program only ever touches its expert's rows.
+
+  gate_up: grid (U, I / block_n). Program (u, j) computes rows j of gate and up of expert
+           experts[u] for all Tp tokens (the tensor-core tile is 16 rows anyway), writes
+           h[u] = silu(g) * u in bf16; padding slots (-1) return at once.
+  down:    grid (D / block_n, down_split). Program (j, s) loops over slots u = s, s + S, ... <
+           count, computes h[u] @ down_e[rows j].T and accumulates route[u, t] * that in fp32;
+           XLA sums the S partials [S, Tp, D] (fp32, ~0.5 MB at GLM-5 size) over s.
+Both K loops, tile decoders and numerics are those of nvfp4_matmul.py / fp8_matmul.py.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.moe import experts_reference
+from glmjax.quant.fp8_block import BLOCK as FP8_BLOCK, FP8BlockWeight
+from glmjax.quant.nvfp4 import BLOCK as NVFP4_BLOCK, NVFP4Weight
+from pallas_kernels.fp8_matmul import load_fp8_tile
+from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, is_pow2, dot_t, load_nvfp4_tile, load_tile,
+                                         range_mask, store_tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """block_n: weight rows per program; block_k: inputs per K step (<= 128 with FP8 weights);
+  down_split: programs sharing one down row block (slots interleaved); num_warps, num_stages:
+  Triton's warps per program and K-loop pipeline depth."""
+  block_n: int = 64
+  block_k: int = 128
+  down_split: int = 4
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_n", "block_k"):
+      value = getattr(self, name)
+      if not is_pow2(value) or value < 16:
+        raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles, tensor-core dot), got {value}")
+    if self.down_split < 1:
+      raise ValueError(f"down_split must be >= 1, got {self.down_split}")
+    if not is_pow2(self.num_warps) or self.num_warps > 16:
+      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+# Per-format plumbing: the kernel operands of a stacked weight, their BlockSpecs, a tile.
+
+def _kind(w) -> str:
+  if isinstance(w, NVFP4Weight):
+    return "nvfp4"
+  if isinstance(w, FP8BlockWeight):
+    return "fp8"
+  return "bf16"
+
+
+def _operands(w) -> tuple[jax.Array, ...]:
+  if isinstance(w, NVFP4Weight):
+    return w.packed, w.block_scale, w.global_scale
+  if isinstance(w, FP8BlockWeight):
+    return w.weight, w.scale_inv
+  return (w,)
+
+
+def _whole(a: jax.Array) -> pl.BlockSpec:
+  return pl.BlockSpec(a.shape, lambda *grid: (0,) * a.ndim)
+
+
+def _specs(w, block_n: int, kp: int, row_block) -> list[pl.BlockSpec]:
+  """BlockSpecs of `_operands(w)`: all experts (the kernel picks one), rows `row_block(*grid)`."""
+  num_experts = w.shape[0]
+  rows = lambda width: pl.BlockSpec((num_experts, block_n, width), lambda *g: (0, row_block(*g), 0))
+  if isinstance(w, NVFP4Weight):
+    return [rows(kp // 2), rows(kp // NVFP4_BLOCK), _whole(w.global_scale)]
+  if isinstance(w, FP8BlockWeight):
+    return [rows(kp), _whole(w.scale_inv)]
+  return [rows(kp)]
+
+
+def _tile(kind: str, refs, e, n_block, step, *, n: int, k: int, config: MoEConfig):
+  """(bf16 [block_n, block_k] weight tile of expert e, scale for its dot or None)."""
+  bn, bk = config.block_n, config.block_k
+  rows_ok = range_mask(n_block * bn, bn, n)
+  if kind == "nvfp4":
+    return load_nvfp4_tile(refs[0], refs[1], (e,), step, block_k=bk, k=k, rows_ok=rows_ok), None
+  if kind == "fp8":
+    return load_fp8_tile(refs[0], refs[1], (e,), n_block, step, block_n=bn, block_k=bk, k=k,
+                         rows_ok=rows_ok)
+  return load_tile(refs[0].at[e, :, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k)), None
+
+
+def _expert_matmul(x_tile, weights, e, n_block, *, n: int, k: int, block_m: int,
+                   config: MoEConfig) -> list[jax.Array]:
+  """fp32 [block_m, bn] = x @ W_e[rows of n_block].T for each (kind, refs) in `weights`, one K
+  loop sharing the x tile `x_tile(step)`."""
+  def body(step, accs):
+    x = x_tile(step)
+    out = []
+    for (kind, refs), acc in zip(weights, accs):
+      w, scale = _tile(kind, refs, e, n_block, step, n=n, k=k, config=config)
+      part = dot_t(x, w)
+      out.append(acc + (part if scale is None else part * scale))
+    return tuple(out)
+
+  zeros = jnp.zeros((block_m, config.block_n), jnp.float32)
+  accs = lax.fori_loop(0, pl.cdiv(k, config.block_k), body, (zeros,) * len(weights))
+  return [acc * (refs[2][e] * DECODE_SCALE) if kind == "nvfp4" else acc
+          for (kind, refs), acc in zip(weights, accs)]
+
+
+def _gate_up_kernel(experts_ref, x_ref, *refs, kinds: tuple[str, str], num_gate_refs: int, t: int,
+                    d: int, i: int, block_m: int, config: MoEConfig):
+  # experts_ref: i32 [U]; x_ref: bf16 [block_m, Dp] of [T, D]; then gate's and up's operands as
+  # [E, bn, Dp/...] row blocks (see _specs); h_ref: bf16 [block_m, bn] of [U, block_m, I].
+  *w_refs, h_ref = refs
+  gate_refs, up_refs = w_refs[:num_gate_refs], w_refs[num_gate_refs:]
+  bk = config.block_k
+  e = experts_ref[pl.program_id(0)]
+  n_block = pl.program_id(1)
+
+  @pl.when(e >= 0)
+  def _():
+    tokens_ok = range_mask(0, block_m, t)
+    x_tile = lambda step: load_tile(x_ref.at[:, pl.ds(step * bk, bk)], tokens_ok,
+                                    range_mask(step * bk, bk, d))
+    g, u = _expert_matmul(x_tile, [(kinds[0], gate_refs), (kinds[1], up_refs)], e, n_block, n=i, k=d,
+                          block_m=block_m, config=config)
+    store_tile(h_ref, (jax.nn.silu(g) * u).astype(h_ref.dtype), None,
+               range_mask(n_block * config.block_n, config.block_n, i))
+
+
+def _down_kernel(experts_ref, count_ref, route_ref, h_ref, *refs, kind: str, d: int, i: int,
+                 block_m: int, config: MoEConfig):
+  # experts_ref: i32 [U]; count_ref: i32 [1]; route_ref: f32 [U, block_m]; h_ref: bf16
+  # [U, block_m, Ip] of [U, block_m, I]; then down's operands as [E, bn, Ip/...] row blocks;
+  # o_ref: f32 [block_m, bn] of the [down_split, block_m, D] partial sums.
+  *w_refs, o_ref = refs
+  bk, splits = config.block_k, config.down_split
+  n_block, split = pl.program_id(0), pl.program_id(1)
+
+  def per_slot(it, total):
+    u = split + it * splits
+    x_tile = lambda step: load_tile(h_ref.at[u, :, pl.ds(step * bk, bk)], None,
+                                    range_mask(step * bk, bk, i))
+    (y,) = _expert_matmul(x_tile, [(kind, w_refs)], experts_ref[u], n_block, n=d, k=i,
+                          block_m=block_m, config=config)
+    return total + route_ref[u, :][:, None] * y
+
+  trips = (jnp.maximum(count_ref[0] - split, 0) + splits - 1) // splits
+  total = lax.fori_loop(0, trips, per_slot, jnp.zeros((block_m, config.block_n), jnp.float32))
+  store_tile(o_ref, total, None, range_mask(n_block * config.block_n, config.block_n, d))
+
+
+def routing_table(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int,
+                  block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(experts i32 [U], count i32 [1], route f32 [U, block_m]), see the module docstring."""
+  t, k = topk_ids.shape
+  slots = min(t * k, num_experts)
+  valid = (topk_ids >= 0) & (topk_ids < num_experts)
+  used = jnp.zeros(num_experts, jnp.bool_).at[jnp.where(valid, topk_ids, num_experts)].set(
+      True, mode="drop")
+  experts = jnp.nonzero(used, size=slots, fill_value=-1)[0].astype(jnp.int32)
+  hit = valid[:, :, None] & (topk_ids[:, :, None] == experts)                     # [T, k, U]
+  route = jnp.sum(jnp.where(hit, topk_weights.astype(jnp.float32)[:, :, None], 0.0), axis=1).T
+  return experts, jnp.sum(used, dtype=jnp.int32).reshape(1), jnp.pad(route, ((0, 0), (0, block_m - t)))
+
+
+def _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+                  config: MoEConfig) -> None:
+  if x.ndim != 2 or x.dtype != jnp.bfloat16:
+    raise ValueError(f"moe_grouped_matmul: x must be bf16 [T, D], got {x.dtype} {x.shape}")
+  t, d = x.shape
+  if topk_ids.ndim != 2 or topk_ids.shape[0] != t or topk_ids.dtype != jnp.int32:
+    raise ValueError(f"moe_grouped_matmul: topk_ids must be int32 [T={t}, k], got "
+                     f"{topk_ids.dtype} {topk_ids.shape}")
+  if topk_weights.shape != topk_ids.shape:
+    raise ValueError(f"moe_grouped_matmul: topk_weights {topk_weights.shape} must match topk_ids "
+                     f"{topk_ids.shape}")
+  e, i = gate_proj.shape[:2]
+  for name, w, layout, shape in (("gate_proj", gate_proj, "E, I, D", (e, i, d)),
+                                 ("up_proj", up_proj, "E, I, D", (e, i, d)),
+                                 ("down_proj", down_proj, "E, D, I", (e, d, i))):
+    if tuple(w.shape) != shape:
+      raise ValueError(f"moe_grouped_matmul: {name} must be [{layout}] = {shape}, got {tuple(w.shape)}")
+    if _kind(w) == "bf16" and w.dtype != jnp.bfloat16:
+      raise ValueError(f"moe_grouped_matmul: plain {name} must be bf16, got {w.dtype}")
+    if _kind(w) == "fp8" and (config.block_n > FP8_BLOCK or config.block_k > FP8_BLOCK):
+      raise ValueError(f"moe_grouped_matmul: FP8 {name} needs block_n, block_k <= {FP8_BLOCK}, "
+                       f"got {config.block_n}, {config.block_k}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def moe_grouped_matmul(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj,
+                       up_proj, down_proj, *, config: MoEConfig | None = None,
+                       interpret: bool | None = None) -> jax.Array:
+  """Routed-expert MLP of a decode step, reading each chosen expert's weights once.
+
+  Args:
+    x: bf16 [T, D].
+    topk_ids: int32 [T, k] expert ids; outside [0, E) contributes zero.
+    topk_weights: [T, k] routing weights (applied in fp32).
+    gate_proj, up_proj: [E, I, D]; down_proj: [E, D, I]; bf16 arrays, NVFP4Weight or FP8BlockWeight.
+    config: tiling; default MoEConfig().
+    interpret: run the Pallas interpreter; default: on the CPU backend.
+  Returns:
+    bf16 [T, D].
+  """
+  config = MoEConfig() if config is None else config
+  _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, config)
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  (t, d), (e, i) = x.shape, gate_proj.shape[:2]
+  bn, bk, splits = config.block_n, config.block_k, config.down_split
+  block_m = max(16, pl.next_power_of_2(t))
+  dp, ip = pl.cdiv(d, bk) * bk, pl.cdiv(i, bk) * bk  # blocks may overhang: the overhang is masked
+  experts, count, route = routing_table(topk_ids, topk_weights, e, block_m)
+  slots = experts.shape[0]
+  params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+  h = pl.pallas_call(
+      functools.partial(_gate_up_kernel, kinds=(_kind(gate_proj), _kind(up_proj)),
+                        num_gate_refs=len(_operands(gate_proj)), t=t, d=d, i=i, block_m=block_m,
+                        config=config),
+      out_shape=jax.ShapeDtypeStruct((slots, block_m, i), x.dtype),
+      grid=(slots, pl.cdiv(i, bn)),
+      in_specs=[_whole(experts), pl.BlockSpec((block_m, dp), lambda u, j: (0, 0)),
+                *_specs(gate_proj, bn, dp, lambda u, j: j), *_specs(up_proj, bn, dp, lambda u, j: j)],
+      out_specs=pl.BlockSpec((None, block_m, bn), lambda u, j: (u, 0, j)),
+      compiler_params=params, interpret=interpret, name="moe_gate_up",
+  )(experts, x, *_operands(gate_proj), *_operands(up_proj))
+
+  partials = pl.pallas_call(
+      functools.partial(_down_kernel, kind=_kind(down_proj), d=d, i=i, block_m=block_m, config=config),
+      out_shape=jax.ShapeDtypeStruct((splits, block_m, d), jnp.float32),
+      grid=(pl.cdiv(d, bn), splits),
+      in_specs=[_whole(experts), _whole(count), _whole(route),
+                pl.BlockSpec((slots, block_m, ip), lambda j, s: (0, 0, 0)),
+                *_specs(down_proj, bn, ip, lambda j, s: j)],
+      out_specs=pl.BlockSpec((None, block_m, bn), lambda j, s: (s, 0, j)),
+      compiler_params=params, interpret=interpret, name="moe_down",
+  )(experts, count, route, h, *_operands(down_proj))
+  return partials.sum(0)[:t].astype(x.dtype)
+
+
+def moe_grouped_matmul_reference(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
+                                 gate_proj, up_proj, down_proj) -> jax.Array:
+  """fp32 reference: the model's expert MLP (glmjax.moe.experts_reference) on fp32 inputs and
+  fp32-dequantized weights, cast to x.dtype."""
+  f32 = lambda w: w.astype(jnp.float32) if _kind(w) == "bf16" else w.dequantize(jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    out = experts_reference(x.astype(jnp.float32), topk_ids, topk_weights, f32(gate_proj),
+                            f32(up_proj), f32(down_proj))
+  return out.astype(x.dtype)

@@ -1,0 +1,238 @@
+"""Weight-only NVFP4 matmul for decode: y [M, N] = x [M, K] @ dequant(w [N, K]).T, M <= 16.
+
+Why this shape of kernel: a decode GEMV reads every weight once and does 2 FLOPs per weight, so
+it is bound by HBM bytes. XLA's bf16 GEMV already runs at the H200's copy speed (4.22 TB/s,
+NOTES.md); NVFP4 moves 4.5 bits per weight instead of 16, so the ceiling is 3.56x bf16 and the
+target (80% of copy bandwidth on weights + scales) 2.8x. Dequantizing in XLA first would write
+and re-read a bf16 copy of the weight; here the packed bytes go straight to registers.
+
+Lowering: Triton (`pl.pallas_call` + `CompilerParams(num_warps, num_stages)`), not Mosaic GPU.
+- A GEMV needs neither TMA nor wgmma: Triton's vectorised loads of contiguous uint8 (16 bytes per
+  thread = 32 weights), its software pipelining of the `fori_loop` (num_stages) and mma.sync on a
+  16-row tile are enough; a plain Triton GEMV read bf16 weights at 95% of XLA's here (NOTES.md).
+  wgmma would want 64-row tiles of the 1-16 token rows, or the operands swapped.
+- The decode is elementwise bit work on register tiles (shift, mask, join, bitcast), which Triton
+  lowers from jnp as written; Mosaic GPU constrains register layouts around wgmma operands.
+- The Pallas interpreter runs it on the CPU, so the tests check this kernel, not a twin. Mosaic
+  GPU kernels (barriers, TMA) do not interpret. (Pallas marks its Triton backend deprecated in
+  jax 0.11.2; the kernel is plain load / dot / store and ports to jax_triton unchanged.)
+
+Grid: (N / block_n, split_k). Program (j, s) streams rows [j*bn, (j+1)*bn) of the packed weight
+over its share of K in block_k steps: per step a [bn, bk/2] uint8 tile (bk/2 contiguous bytes per
+row) and its [bn, bk/16] e4m3 scales. split_k > 1 (small N, e.g. one expert's gate/up) gives
+enough programs for 132 SMs; the fp32 partials [split_k, M, N] are summed by XLA (a few KB).
+
+Decode, exact in bf16: a nibble s|eem becomes the fp16 bit pattern s<<15 | eem<<9, which is
+E2M1(code) * 2^-14 (code 1 = 0.5 lands on an fp16 subnormal, which the GPU keeps). Times the e4m3
+scale in fp16 is exact (<= 6 significant bits, >= 2^-24), and so is the cast to bf16. The dot runs
+on the tensor cores with M padded to 16 rows (bf16 x bf16 -> fp32); 2^14 and the per-tensor
+scale multiply the fp32 accumulator once at the end. About 3 integer ops per weight remain (two
+shifts and a merged and/or per nibble): at 4.5 bits per weight that, not HBM, is the likely
+limit on the H200 (64 integer lanes per SM per clock), see experiments/bench_quant.py.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
+
+NUM_SMS = 132         # H200; the default configs aim for >= 2 programs per SM
+MAX_ROWS = 16         # M of one tensor-core tile; larger M is compute-bound: dequantize once
+DECODE_SCALE = 2.0 ** 14  # undoes the 2^-14 of the fp16 bit-pattern decode
+
+
+def is_pow2(v: int) -> bool:
+  return v > 0 and v & (v - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+  """Tiling of the weight-only skinny matmuls (NVFP4 here, block FP8 in fp8_matmul.py).
+
+  block_n: weight rows per program; block_k: logical inputs per loop step (NVFP4 reads block_k/2
+  bytes per row per step); split_k: programs sharing one row block along K; num_warps,
+  num_stages: Triton's warps per program and software-pipeline depth of the K loop.
+  """
+  block_n: int = 64
+  block_k: int = 256
+  split_k: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_n", "block_k"):
+      value = getattr(self, name)
+      if not is_pow2(value) or value < 16:
+        raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles, tensor-core dot), got {value}")
+    if self.split_k < 1:
+      raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+    if not is_pow2(self.num_warps) or self.num_warps > 16:
+      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def default_config(m: int, n: int, k: int, *, max_block_k: int = 256) -> MatmulConfig:
+  """Tiles for [M, K] x [N, K] on the H200. Up to 4 rows: 64 x max_block_k weight tiles. More
+  rows: 128 x 128, so the x tile (re-read from L2 by every program) stays small next to the
+  weight tile. Then split K until there are >= 2 programs per SM (or K runs out)."""
+  block_n, block_k = (64, max_block_k) if m <= 4 else (128, min(128, max_block_k))
+  block_n = min(block_n, max(16, pl.next_power_of_2(n)))
+  block_k = min(block_k, max(16, pl.next_power_of_2(k)))
+  blocks, steps = pl.cdiv(n, block_n), pl.cdiv(k, block_k)
+  split = 1
+  while blocks * split < 2 * NUM_SMS and steps >= 4 * split:
+    split *= 2
+  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+# Tile helpers shared by the weight-only kernels (fp8_matmul.py, moe_grouped_matmul.py).
+
+def range_mask(start, size: int, limit: int) -> jax.Array | None:
+  """[size] bool `start + i < limit` for a tile starting at a multiple of `size`; None when
+  every such tile is in range (statically), so aligned shapes pay for no mask."""
+  if limit % size == 0:
+    return None
+  return start + jnp.arange(size) < limit
+
+
+def _mask2(rows_ok: jax.Array | None, cols_ok: jax.Array | None) -> jax.Array | None:
+  if rows_ok is None and cols_ok is None:
+    return None
+  if rows_ok is None:
+    return cols_ok[None, :]
+  if cols_ok is None:
+    return rows_ok[:, None]
+  return rows_ok[:, None] & cols_ok[None, :]
+
+
+def load_tile(ref, rows_ok: jax.Array | None, cols_ok: jax.Array | None) -> jax.Array:
+  """Load a 2-D ref view; masked-off entries read as 0."""
+  mask = _mask2(rows_ok, cols_ok)
+  return pltriton.load(ref, mask=mask, other=None if mask is None else jnp.zeros((), ref.dtype))
+
+
+def store_tile(ref, value: jax.Array, rows_ok: jax.Array | None, cols_ok: jax.Array | None) -> None:
+  pltriton.store(ref, value, mask=_mask2(rows_ok, cols_ok))
+
+
+def dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [m, k] . w [n, k]^T -> fp32 [m, n] on the tensor cores."""
+  return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def decode_nvfp4(packed: jax.Array, scale: jax.Array) -> jax.Array:
+  """uint8 [r, c] (two codes per byte) and e4m3 [r, c/8] -> bf16 [r, 2c] = E2M1 * scale * 2^-14.
+
+  Exact: see the module docstring. Masked-off bytes and scales (0) decode to +0.
+  """
+  r, c = packed.shape
+  b = packed.astype(jnp.uint16)
+  lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)   # even column: bits 0-2 magnitude, bit 3 sign
+  hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)    # odd column: bits 4-6, bit 7
+  values = lax.bitcast_convert_type(jnp.stack([lo, hi], axis=-1).reshape(r, 2 * c), jnp.float16)
+  s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, 2 * c // BLOCK, BLOCK))
+  return (values * s.reshape(r, 2 * c)).astype(jnp.bfloat16)
+
+
+def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: int,
+                    rows_ok: jax.Array | None) -> jax.Array:
+  """Decoded bf16 [bn, block_k] weight tile of K step `step` (times 2^-14, see decode_nvfp4).
+
+  packed_ref: uint8 [..., bn, Kp/2]; scale_ref: e4m3 [..., bn, Kp/16]; `lead` indexes the leading
+  dims (an expert id) in the same indexer, as Triton takes one indexer per load.
+  """
+  kb, ks = block_k // 2, block_k // BLOCK
+  packed = load_tile(packed_ref.at[(*lead, slice(None), pl.ds(step * kb, kb))], rows_ok,
+                     range_mask(step * kb, kb, k // 2))
+  scale = load_tile(scale_ref.at[(*lead, slice(None), pl.ds(step * ks, ks))], rows_ok,
+                    range_mask(step * ks, ks, k // BLOCK))
+  return decode_nvfp4(packed, scale)
+
+
+def _nvfp4_matmul_kernel(x_ref, packed_ref, scale_ref, global_ref, o_ref, *, m: int, n: int, k: int,
+                         block_m: int, config: MatmulConfig):
+  # x_ref: bf16 [block_m, Kp] of [M, K]; packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16];
+  # global_ref: f32 [1]; o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
+  bn, bk = config.block_n, config.block_k
+  rows_ok = range_mask(0, block_m, m)
+  n_ok = range_mask(pl.program_id(0) * bn, bn, n)
+  steps = pl.cdiv(k, bk)
+  per_split = pl.cdiv(steps, config.split_k)
+  first = pl.program_id(1) * per_split
+
+  def body(step, acc):
+    x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
+    w = load_nvfp4_tile(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok)
+    return acc + dot_t(x, w)
+
+  acc = lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
+                      jnp.zeros((block_m, bn), jnp.float32))
+  out = acc * (global_ref[0] * DECODE_SCALE)
+  store_tile(o_ref, out.astype(o_ref.dtype), rows_ok, n_ok)
+
+
+def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret: bool) -> jax.Array:
+  (m, k), n = x.shape, w.shape[0]
+  bn, bk, split = config.block_n, config.block_k, config.split_k
+  block_m = max(16, pl.next_power_of_2(m))
+  kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
+  out = pl.pallas_call(
+      functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config),
+      out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32 if split > 1 else x.dtype),
+      grid=(pl.cdiv(n, bn), split),
+      in_specs=[
+          pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
+          pl.BlockSpec((bn, kp // 2), lambda j, s: (j, 0)),
+          pl.BlockSpec((bn, kp // BLOCK), lambda j, s: (j, 0)),
+          pl.BlockSpec((1,), lambda j, s: (0,)),
+      ],
+      out_specs=pl.BlockSpec((None, block_m, bn), lambda j, s: (s, 0, j)),
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="nvfp4_matmul",
+  )(x, w.packed, w.block_scale, w.global_scale.reshape(1))
+  return out[0] if split == 1 else out.sum(0).astype(x.dtype)
+
+
+def check_skinny_input(x: jax.Array, shape: tuple[int, ...], name: str) -> None:
+  """Shared input checks: x bf16 [M, K] with 1 <= M <= MAX_ROWS against a 2-D [N, K] weight."""
+  if x.ndim != 2 or x.dtype != jnp.bfloat16:
+    raise ValueError(f"{name}: x must be bf16 [M, K], got {x.dtype} {x.shape}")
+  if not 1 <= x.shape[0] <= MAX_ROWS:
+    raise ValueError(f"{name}: M must be 1..{MAX_ROWS} (decode rows), got {x.shape[0]}")
+  if len(shape) != 2 or shape[1] != x.shape[1]:
+    raise ValueError(f"{name}: weight must be [N, K={x.shape[1]}], got logical shape {shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def nvfp4_matmul(x: jax.Array, w: NVFP4Weight, *, config: MatmulConfig | None = None,
+                 interpret: bool | None = None) -> jax.Array:
+  """x @ dequant(w).T with NVFP4 weights decoded in registers, fp32 accumulation.
+
+  Args:
+    x: bf16 [M, K], 1 <= M <= 16.
+    w: NVFP4Weight of logical shape [N, K] (K a multiple of 16).
+    config: tiling; default `default_config(M, N, K)`.
+    interpret: run the Pallas interpreter; default: on the CPU backend.
+  Returns:
+    bf16 [M, N].
+  """
+  if not isinstance(w, NVFP4Weight):
+    raise ValueError(f"nvfp4_matmul needs an NVFP4Weight, got {type(w).__name__}")
+  check_skinny_input(x, w.shape, "nvfp4_matmul")
+  config = default_config(x.shape[0], *w.shape) if config is None else config
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  return _nvfp4_matmul(x, w, config, interpret)
+
+
+def nvfp4_matmul_reference(x: jax.Array, w: NVFP4Weight) -> jax.Array:
+  """fp32 reference: dequantize in fp32, matmul in fp32, cast to x.dtype."""
+  return jnp.dot(x.astype(jnp.float32), w.dequantize(jnp.float32).T,
+                 precision=lax.Precision.HIGHEST).astype(x.dtype)

@@ -1,0 +1,274 @@
+"""Sparse MLA decode attention over selected tokens of a paged latent cache (weight absorption).
+
+For each query (b, t, h): logits_j = (q_latent . latent[j] + q_rope . k_rope[j]) * softmax_scale
+over the selected tokens j = indices[b, t, :] (-1: empty slot), softmax in fp32, output
+sum_j p_j * latent[j] (the values are the latent itself; the engine applies kv_b_proj's value
+half and o_proj afterwards).
+
+Layout of the work: one program per (query token, split of its selection, sequence). It gathers
+each selected token's 512 + 64 values once and uses them for all H heads (the "one KV head"
+of MLA), with a flash-decoding online softmax over its split; a small XLA reduction then merges
+the splits' (max, sum, acc). Splitting the selection fills the GPU at batch 1 (5 query tokens x
+32 splits = 160 programs for k=2048). The query token is the fastest grid axis, so the programs
+of a step's T query tokens run together: where their selections coincide (the dense short-context
+case, or heavily overlapping top-k sets in ascending order), HBM serves a row once and L2 the rest.
+(One program per query token rather than one per step: T [16, 512] fp32 accumulators would not
+fit in one program's registers.)
+
+Numerics: bf16 tensor-core dots with fp32 accumulation for both q.k and p.v (p is rounded to
+bf16, as in FlashMLA); fp32 softmax statistics. FP8 latents are dequantised in-kernel with their
+per-128 power-of-two scales, which is exact in bf16.
+
+Lowering: Triton. Each tile is a pointer-tensor gather of block_n scattered token rows through
+the page table, vectorised along the contiguous latent row and pipelined (num_stages), feeding
+M = 16 dots. Mosaic GPU's path is TMA + wgmma: Hopper's TMA copies boxes rather than gathering
+rows (one copy per 1 KB row), and wgmma wants M >= 64 per warpgroup where H is 8 per rank.
+
+Einsum letters: b batch, t query token, h head, k selected slot, r latent (R), d rope (dr).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.cache.kv_fp8 import dequantize_fp8, fp8_block_size
+
+_MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
+_TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMLAConfig:
+  """Tuning of the sparse MLA kernel.
+
+  block_n: selected tokens per loop step (power of two >= 16).
+  num_splits: programs per query token; None picks about two programs per SM.
+  num_warps / num_stages: Triton launch parameters (stages pipeline the row gathers).
+  """
+  block_n: int = 32
+  num_splits: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if not _is_pow2(self.block_n) or self.block_n < _MIN_MMA:
+      raise ValueError(f"SparseMLAConfig.block_n must be a power of two >= 16, got {self.block_n}")
+    if self.num_splits is not None and self.num_splits < 1:
+      raise ValueError(f"SparseMLAConfig.num_splits must be >= 1, got {self.num_splits}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"SparseMLAConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+    if self.num_stages < 1:
+      raise ValueError(f"SparseMLAConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+def _first_rows(x: jax.Array, rows: int) -> jax.Array:
+  """x[:rows] for a power-of-two ratio (Triton has split, not slice)."""
+  return x if x.shape[0] == rows else jnp.split(x, x.shape[0] // rows, axis=0)[0]
+
+
+def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, chunk: int,
+                       block_n: int, page_size: int, softmax_scale: float, fp8: bool,
+                       heads_out: int):
+  """Partial attention of one query token over one split of its selected tokens."""
+  # ql_ref [Hp, R] bf16 ; qr_ref [Hp, dr] bf16 ; pt_ref [max_pages] i32 ; idx_ref [k] i32
+  # lat_ref [P, page_size, R] bf16|e4m3 ; scale_ref [P, page_size, R // blk] f32 (FP8 only)
+  # rope_ref [P, page_size, dr] bf16 ; acc_ref [Hs, R] f32 ; m_ref, l_ref [Hs] f32
+  if fp8:
+    scale_ref, rope_ref, acc_ref, m_ref, l_ref = refs
+  else:
+    rope_ref, acc_ref, m_ref, l_ref = refs
+  max_pages = pt_ref.shape[0]
+  hp, rank = ql_ref.shape
+  rope_dim = qr_ref.shape[1]
+  start = pl.program_id(1) * chunk
+  ql = ql_ref[...]
+  qr = qr_ref[...]
+  cols = jnp.arange(rank, dtype=jnp.int32)
+  rope_cols = jnp.arange(rope_dim, dtype=jnp.int32)
+  contract_last = (((1,), (1,)), ((), ()))
+
+  def body(i, carry):
+    m, l, acc = carry
+    j = start + i * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    idx = pltriton.load(idx_ref.at[pl.ds(start + i * block_n, block_n)], mask=j < k, other=-1)
+    valid = idx >= 0
+    tok = jnp.maximum(idx, 0)
+    page = jnp.where(valid, pt_ref[jnp.minimum(tok // page_size, max_pages - 1)], 0)
+    slot = (tok % page_size)[:, None]
+    page = page[:, None]
+    lat = lat_ref[page, slot, cols[None, :]]  # [bn, R]
+    if fp8:
+      groups = scale_ref.shape[-1]
+      scale = scale_ref[page, slot, jnp.arange(groups, dtype=jnp.int32)[None, :]]  # [bn, G]
+      lat = (lat.astype(jnp.float32).reshape(block_n, groups, rank // groups)
+             * scale[:, :, None]).reshape(block_n, rank)
+    lat = lat.astype(jnp.bfloat16)
+    rope = rope_ref[page, slot, rope_cols[None, :]]  # [bn, dr]
+    logits = (lax.dot_general(ql, lat, contract_last, preferred_element_type=jnp.float32)
+              + lax.dot_general(qr, rope, contract_last, preferred_element_type=jnp.float32))
+    logits = jnp.where(valid[None, :], logits * softmax_scale, -jnp.inf)  # [Hp, bn]
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid token yet: keep zeros
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(logits - m_safe[:, None])
+    acc = acc * alpha[:, None] + lax.dot(p.astype(jnp.bfloat16), lat,
+                                         preferred_element_type=jnp.float32)
+    return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+  init = (jnp.full((hp,), -jnp.inf, jnp.float32), jnp.zeros((hp,), jnp.float32),
+          jnp.zeros((hp, rank), jnp.float32))
+  m, l, acc = lax.fori_loop(0, chunk // block_n, body, init)
+  acc_ref[...] = _first_rows(acc, heads_out)
+  m_ref[...] = _first_rows(m, heads_out)
+  l_ref[...] = _first_rows(l, heads_out)
+
+
+def check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table,
+                          indices) -> None:
+  """ValueError unless the arguments form a valid sparse MLA call (shared with the reference)."""
+  if q_latent.ndim != 4 or q_latent.dtype not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"q_latent must be bf16/f32 [B, T, H, R], got "
+                     f"{q_latent.dtype}{list(q_latent.shape)}")
+  b, t, h, rank = q_latent.shape
+  if q_rope.ndim != 4 or q_rope.shape[:3] != (b, t, h):
+    raise ValueError(f"q_rope must be [{b}, {t}, {h}, dr], got {list(q_rope.shape)}")
+  if latent.ndim != 3 or latent.shape[-1] != rank:
+    raise ValueError(f"latent must be [P, page_size, {rank}], got {list(latent.shape)}")
+  if latent.dtype == jnp.float8_e4m3fn:
+    want = (*latent.shape[:2], rank // fp8_block_size(rank))
+    if latent_scale is None or latent_scale.shape != want or latent_scale.dtype != jnp.float32:
+      raise ValueError(f"an FP8 latent needs latent_scale f32 {list(want)}, got "
+                       f"{None if latent_scale is None else list(latent_scale.shape)}")
+  elif latent.dtype == jnp.bfloat16:
+    if latent_scale is not None:
+      raise ValueError("a bf16 latent takes latent_scale=None")
+  else:
+    raise ValueError(f"latent must be bf16 or float8_e4m3fn, got {latent.dtype}")
+  if k_rope.shape != (*latent.shape[:2], q_rope.shape[-1]) or k_rope.dtype != jnp.bfloat16:
+    raise ValueError(f"k_rope must be bf16 {[*latent.shape[:2], q_rope.shape[-1]]}, got "
+                     f"{k_rope.dtype}{list(k_rope.shape)}")
+  if page_table.ndim != 2 or page_table.shape[0] != b or page_table.dtype != jnp.int32:
+    raise ValueError(f"page_table must be int32 [{b}, max_pages], got "
+                     f"{page_table.dtype}{list(page_table.shape)}")
+  if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.dtype != jnp.int32:
+    raise ValueError(f"indices must be int32 [{b}, {t}, k], got "
+                     f"{indices.dtype}{list(indices.shape)}")
+
+
+def _pad_heads(x: jax.Array, heads: int) -> jax.Array:
+  h = x.shape[2]
+  return x if h == heads else jnp.pad(x, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
+
+
+def _num_splits(queries: int, k: int, block_n: int) -> int:
+  """Splits per query token: about _TARGET_PROGRAMS programs, >= block_n tokens each."""
+  return max(1, min(_TARGET_PROGRAMS // queries, pl.cdiv(k, block_n)))
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "config", "interpret"))
+def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
+                      latent_scale: jax.Array | None, k_rope: jax.Array, page_table: jax.Array,
+                      indices: jax.Array, *, softmax_scale: float,
+                      config: SparseMLAConfig | None = None,
+                      interpret: bool | None = None) -> jax.Array:
+  """Attention of T query tokens per sequence over their selected cached tokens.
+
+  Args:
+    q_latent: [B, T, H, R] bf16 or f32 absorbed queries (cast to bf16 for the MMA).
+    q_rope: [B, T, H, dr] bf16 or f32 roped queries.
+    latent: [P, page_size, R] bf16 or float8_e4m3fn latent pages (page 0: null page).
+    latent_scale: [P, page_size, R // min(128, R)] f32 power-of-two scales for FP8, else None.
+    k_rope: [P, page_size, dr] bf16 roped keys.
+    page_table: [B, max_pages] int32 physical page of each logical page.
+    indices: [B, T, k] int32 selected token positions, -1 for empty slots (any order).
+    softmax_scale: logit scale.
+    config: tuning; None for the defaults.
+    interpret: run the Pallas interpreter; None: only on a CPU backend.
+  Returns:
+    [B, T, H, R] f32 attention outputs in latent space (zeros where no slot is valid).
+  """
+  check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
+  config = config or SparseMLAConfig()
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  b, t, h, rank = q_latent.shape
+  rope_dim = q_rope.shape[-1]
+  k = indices.shape[-1]
+  for name, dim in (("R", rank), ("dr", rope_dim)):
+    if dim < _MIN_MMA or not _is_pow2(dim):
+      raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
+  heads_out = pl.next_power_of_2(h)
+  hp = max(_MIN_MMA, heads_out)  # MMA rows; padded heads have zero queries
+  ql = _pad_heads(q_latent.astype(jnp.bfloat16), hp)
+  qr = _pad_heads(q_rope.astype(jnp.bfloat16), hp)
+  splits = config.num_splits or _num_splits(b * t, k, config.block_n)
+  chunk = pl.cdiv(k, splits * config.block_n) * config.block_n
+  splits = pl.cdiv(k, chunk)  # no empty splits
+  fp8 = latent_scale is not None
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, s, j: (0,) * x.ndim)
+  caches = [latent, latent_scale, k_rope] if fp8 else [latent, k_rope]
+  part_spec = pl.BlockSpec((None, None, None, heads_out), lambda i, s, j: (j, i, s, 0))
+  acc, m, l = pl.pallas_call(
+      functools.partial(_sparse_mla_kernel, k=k, chunk=chunk, block_n=config.block_n,
+                        page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8,
+                        heads_out=heads_out),
+      grid=(t, splits, b),  # query token fastest: its programs share the selected rows
+      in_specs=[pl.BlockSpec((None, None, hp, rank), lambda i, s, j: (j, i, 0, 0)),
+                pl.BlockSpec((None, None, hp, rope_dim), lambda i, s, j: (j, i, 0, 0)),
+                pl.BlockSpec((None, page_table.shape[1]), lambda i, s, j: (j, 0)),
+                pl.BlockSpec((None, None, k), lambda i, s, j: (j, i, 0)),
+                *map(whole, caches)],
+      out_specs=[pl.BlockSpec((None, None, None, heads_out, rank),
+                              lambda i, s, j: (j, i, s, 0, 0)), part_spec, part_spec],
+      out_shape=[jax.ShapeDtypeStruct((b, t, splits, heads_out, rank), jnp.float32),
+                 jax.ShapeDtypeStruct((b, t, splits, heads_out), jnp.float32),
+                 jax.ShapeDtypeStruct((b, t, splits, heads_out), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="sparse_mla_decode",
+  )(ql, qr, page_table, indices, *caches)
+  # Merge the splits' online-softmax states (one XLA reduction fusion).
+  m_max = jnp.max(m, axis=2, keepdims=True)
+  w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [B, T, S, Hs]
+  den = jnp.sum(w * l, axis=2)
+  num = jnp.sum(w[..., None] * acc, axis=2)
+  out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+  return out[:, :, :h]
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale",))
+def sparse_mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
+                                latent_scale: jax.Array | None, k_rope: jax.Array,
+                                page_table: jax.Array, indices: jax.Array, *,
+                                softmax_scale: float) -> jax.Array:
+  """Plain-jnp sparse MLA (gather + fp32 einsum + softmax): same arguments and result."""
+  check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
+  page_size = latent.shape[1]
+  valid = indices >= 0
+  tok = jnp.maximum(indices, 0)
+  logical = jnp.minimum(tok // page_size, page_table.shape[1] - 1)
+  page = jnp.take_along_axis(page_table[:, None, :], logical, axis=2)  # [B, T, k]
+  slot = tok % page_size
+  values = latent[page, slot]  # [B, T, k, R]
+  if latent_scale is not None:
+    values = dequantize_fp8(values, latent_scale[page, slot])
+  values = values.astype(jnp.float32)
+  hi = lax.Precision.HIGHEST
+  logits = (jnp.einsum("bthr,btkr->bthk", q_latent.astype(jnp.float32), values, precision=hi)
+            + jnp.einsum("bthd,btkd->bthk", q_rope.astype(jnp.float32),
+                         k_rope[page, slot].astype(jnp.float32), precision=hi))
+  logits = jnp.where(valid[:, :, None, :], logits * softmax_scale, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m))
+  den = jnp.sum(p, axis=-1, keepdims=True)
+  out = jnp.einsum("bthk,btkr->bthr", p, values, precision=hi)
+  return out / jnp.where(den > 0, den, 1.0)

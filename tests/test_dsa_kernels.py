@@ -1,0 +1,290 @@
+"""DSA kernels (indexer scores, top-k, fused selection, sparse MLA) against their references.
+
+The kernels run in Pallas interpret mode here (small shapes: Di=32, H=4, R=64, dr=16, k <= 64,
+lengths up to ~300); `test_lowers_for_h200` also lowers each one to Triton IR for an H200.
+Tolerances: scores fp32 (rtol 1e-5); top-k exact sets; attention max error <= 1e-2 of the
+reference's largest magnitude (bf16 MMA inputs and bf16 p against an fp32 reference).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
+from pallas_kernels.indexer_scores import (IndexerScoresConfig, indexer_scores,
+                                           indexer_scores_reference)
+from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
+from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode,
+                                       sparse_mla_decode_reference)
+from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
+
+PAGE = 16
+MAX_PAGES = 12  # num_keys = 192
+NUM_KEYS = PAGE * MAX_PAGES
+LENGTHS = (190, 41, 7)  # per sequence: not multiples of the page size or of any block
+SMALL_SCORES = IndexerScoresConfig(block_k=32, num_splits=2)
+SMALL_TOPK = TopKConfig(block=32)
+
+
+def _rng(seed: int) -> np.random.Generator:
+  return np.random.default_rng(seed)
+
+
+def _page_table(rng, lengths, num_pages: int) -> jax.Array:
+  """Shuffled, non-contiguous physical pages per sequence; unused slots -> null page 0."""
+  free = rng.permutation(np.arange(1, num_pages))
+  table = np.zeros((len(lengths), MAX_PAGES), np.int32)
+  used = 0
+  for b, length in enumerate(lengths):
+    count = -(-length // PAGE)
+    table[b, :count] = free[used:used + count]
+    used += count
+  return jnp.asarray(table)
+
+
+def _positions(lengths, t: int) -> jax.Array:
+  """The last t positions of each sequence (decode / speculative verification)."""
+  return jnp.asarray([[length - t + i for i in range(t)] for length in lengths], jnp.int32)
+
+
+def _cache(rng, shape, fp8: bool):
+  """Random page contents (null page included: never zeros), as bf16 or FP8 + scales."""
+  x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.5, 4.0, shape[:-1] + (1,))
+  if fp8:
+    return quantize_fp8(jnp.asarray(x))
+  return jnp.asarray(x, jnp.bfloat16), None
+
+
+def _assert_same_sets(got: np.ndarray, ref: np.ndarray) -> None:
+  """Same index set per row; the kernel lists valid slots ascending, then -1."""
+  got = got.reshape(-1, got.shape[-1])
+  ref = ref.reshape(-1, ref.shape[-1])
+  for g, r in zip(got, ref):
+    np.testing.assert_array_equal(np.sort(g), np.sort(r))
+    valid = g[g >= 0]
+    assert np.all(np.diff(valid) > 0) and np.all(g[len(valid):] == -1)
+
+
+# --- top-k -----------------------------------------------------------------------------------
+
+def _score_rows(rng, valid_counts, n: int, ties: bool) -> jax.Array:
+  x = rng.standard_normal((len(valid_counts), n)).astype(np.float32)
+  if ties:  # few distinct values, signed zeros among them
+    x = np.round(x * 2) / 2
+    x[x == 0] = np.where(rng.random((x == 0).sum()) < 0.5, -0.0, 0.0)
+  for row, count in enumerate(valid_counts):
+    x[row, rng.permutation(n)[count:]] = -np.inf
+  return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_topk_matches_reference(ties, seed):
+  # Valid entries: all, above k, exactly k, below k.
+  scores = _score_rows(_rng(seed), (300, 200, 64, 30), 300, ties)
+  got = topk_indices(scores, 64, config=TopKConfig(block=64, num_splits=4))
+  _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 64)))
+
+
+def test_topk_batched_default_config():
+  scores = _score_rows(_rng(2), (257, 100, 17, 3, 0, 250), 257, ties=True).reshape(2, 3, 257)
+  got = topk_indices(scores, 17)
+  assert got.shape == (2, 3, 17) and got.dtype == jnp.int32
+  _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 17)))
+
+
+def test_topk_k_equals_n():
+  scores = _score_rows(_rng(3), (48, 20), 48, ties=True)
+  got = topk_indices(scores, 48, config=TopKConfig(block=16))
+  _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 48)))
+
+
+# --- indexer scores --------------------------------------------------------------------------
+
+def _indexer_inputs(seed: int, t: int, fp8: bool, q_dtype=jnp.bfloat16, heads: int = 4,
+                    dim: int = 32):
+  rng = _rng(seed)
+  num_pages = 1 + sum(-(-length // PAGE) for length in LENGTHS) + 3
+  q = jnp.asarray(rng.standard_normal((len(LENGTHS), t, heads, dim)), q_dtype)
+  weights = jnp.asarray(rng.standard_normal((len(LENGTHS), t, heads)) * heads ** -0.5,
+                        jnp.float32)
+  index_k, index_scale = _cache(rng, (num_pages, PAGE, dim), fp8)
+  return (q, weights, index_k, index_scale, _page_table(rng, LENGTHS, num_pages),
+          _positions(LENGTHS, t))
+
+
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_indexer_scores_matches_reference(t, fp8):
+  args = _indexer_inputs(10 + t, t, fp8)
+  got = indexer_scores(*args, num_keys=NUM_KEYS, config=SMALL_SCORES)
+  ref = indexer_scores_reference(*args, num_keys=NUM_KEYS)
+  assert got.shape == (len(LENGTHS), t, NUM_KEYS)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_scores_fp32_queries_default_config():
+  # T=10 > the 8-token query group (prefill chunks): two groups, the second padded.
+  args = _indexer_inputs(20, 10, fp8=False, q_dtype=jnp.float32)
+  got = indexer_scores(*args, num_keys=NUM_KEYS)
+  ref = indexer_scores_reference(*args, num_keys=NUM_KEYS)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+# --- fused selection -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t,fp8", [(1, True), (5, False), (5, True)])
+def test_indexer_topk_matches_reference(t, fp8):
+  # k=64: sequence lengths 190 (above k), 41 and 7 (below k).
+  args = _indexer_inputs(30 + t, t, fp8)
+  got = np.asarray(indexer_topk(*args, num_keys=NUM_KEYS, k=64, scores_config=SMALL_SCORES,
+                                topk_config=SMALL_TOPK))
+  # Exact against the same scores; the reference scores differ by rounding only.
+  scores = indexer_scores(*args, num_keys=NUM_KEYS, config=SMALL_SCORES)
+  _assert_same_sets(got, np.asarray(topk_indices_reference(scores, 64)))
+  ref = np.asarray(indexer_topk_reference(*args, num_keys=NUM_KEYS, k=64))
+  for g, r in zip(got.reshape(-1, 64), ref.reshape(-1, 64)):
+    assert (g == -1).sum() == (r == -1).sum()
+    assert len(np.intersect1d(g[g >= 0], r[r >= 0])) >= 0.95 * (r >= 0).sum()
+
+
+def test_indexer_topk_exactly_k_valid():
+  args = _indexer_inputs(40, 1, fp8=True)
+  positions = jnp.asarray([[63], [40], [6]], jnp.int32)  # first sequence: exactly k=64 valid
+  args = (*args[:5], positions)
+  got = np.asarray(indexer_topk(*args, num_keys=NUM_KEYS, k=64, scores_config=SMALL_SCORES,
+                                topk_config=SMALL_TOPK))
+  np.testing.assert_array_equal(got[0, 0], np.arange(64))
+  assert (got[1, 0] == -1).sum() == 64 - 41 and (got[2, 0] == -1).sum() == 64 - 7
+
+
+def test_indexer_topk_k_above_num_keys():
+  """k > num_keys selects min(k, num_keys) = every visible position, as lax.top_k would."""
+  args = _indexer_inputs(41, 1, fp8=True)
+  got = np.asarray(indexer_topk(*args, num_keys=NUM_KEYS, k=4096, scores_config=SMALL_SCORES,
+                                topk_config=SMALL_TOPK))
+  ref = np.asarray(indexer_topk_reference(*args, num_keys=NUM_KEYS, k=4096))
+  assert got.shape == ref.shape == (len(LENGTHS), 1, NUM_KEYS)
+  _assert_same_sets(got, ref)
+
+
+# --- sparse MLA ------------------------------------------------------------------------------
+
+def _mla_inputs(seed: int, t: int, fp8: bool, k: int = 64, heads: int = 4, rank: int = 64,
+                rope: int = 16):
+  rng = _rng(seed)
+  b = len(LENGTHS)
+  num_pages = 1 + sum(-(-length // PAGE) for length in LENGTHS) + 3
+  q_latent = jnp.asarray(rng.standard_normal((b, t, heads, rank)) * 0.3, jnp.bfloat16)
+  q_rope = jnp.asarray(rng.standard_normal((b, t, heads, rope)) * 0.3, jnp.bfloat16)
+  latent, latent_scale = _cache(rng, (num_pages, PAGE, rank), fp8)
+  k_rope, _ = _cache(rng, (num_pages, PAGE, rope), False)
+  positions = np.asarray(_positions(LENGTHS, t))
+  indices = np.full((b, t, k), -1, np.int32)
+  for bi in range(b):
+    for ti in range(t):
+      visible = positions[bi, ti] + 1
+      if visible <= k:  # dense case: all positions, then -1
+        indices[bi, ti, :visible] = np.arange(visible)
+      else:  # sparse: a random selection, shuffled, with a few empty slots
+        picked = rng.choice(visible, k, replace=False)
+        picked[rng.random(k) < 0.1] = -1
+        indices[bi, ti] = picked
+  return (q_latent, q_rope, latent, latent_scale, k_rope, _page_table(rng, LENGTHS, num_pages),
+          jnp.asarray(indices))
+
+
+def _assert_attention_close(got, ref):
+  got, ref = np.asarray(got), np.asarray(ref)
+  assert got.shape == ref.shape and got.dtype == np.float32
+  assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_mla_matches_reference(t, fp8):
+  args = _mla_inputs(50 + t, t, fp8)
+  scale = (64 + 16) ** -0.5
+  got = sparse_mla_decode(*args, softmax_scale=scale, config=SparseMLAConfig(block_n=16))
+  _assert_attention_close(got, sparse_mla_decode_reference(*args, softmax_scale=scale))
+
+
+def test_sparse_mla_empty_selection_and_default_config():
+  args = list(_mla_inputs(60, 2, fp8=False))
+  args[-1] = args[-1].at[1].set(-1)  # the second sequence selects nothing
+  got = sparse_mla_decode(*args, softmax_scale=0.1)
+  _assert_attention_close(got, sparse_mla_decode_reference(*args, softmax_scale=0.1))
+  assert np.all(np.asarray(got)[1] == 0)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+def test_invalid_inputs_raise():
+  scores = jnp.zeros((2, 100), jnp.float32)
+  with pytest.raises(ValueError, match="k"):
+    topk_indices(scores, 101)
+  with pytest.raises(ValueError, match="float32"):
+    topk_indices(scores.astype(jnp.bfloat16), 8)
+  q, weights, index_k, index_scale, page_table, positions = _indexer_inputs(70, 1, fp8=True)
+  for fn in (indexer_scores, indexer_scores_reference):
+    with pytest.raises(ValueError, match="num_keys"):
+      fn(q, weights, index_k, index_scale, page_table, positions, num_keys=NUM_KEYS + 1)
+    with pytest.raises(ValueError, match="index_scale"):
+      fn(q, weights, index_k, None, page_table, positions, num_keys=NUM_KEYS)
+    with pytest.raises(ValueError, match="weights"):
+      fn(q, weights.astype(jnp.bfloat16), index_k, index_scale, page_table, positions,
+         num_keys=NUM_KEYS)
+  with pytest.raises(ValueError, match="k"):
+    indexer_topk(q, weights, index_k, index_scale, page_table, positions, num_keys=NUM_KEYS,
+                 k=0)
+  args = list(_mla_inputs(71, 1, fp8=True))
+  for fn in (sparse_mla_decode, sparse_mla_decode_reference):
+    with pytest.raises(ValueError, match="latent_scale"):
+      fn(*args[:3], None, *args[4:], softmax_scale=0.1)
+    with pytest.raises(ValueError, match="indices"):
+      fn(*args[:6], args[6].astype(jnp.int16), softmax_scale=0.1)
+  with pytest.raises(ValueError, match="power-of-two R"):
+    bad = _mla_inputs(72, 1, fp8=False, rank=48)
+    sparse_mla_decode(*bad, softmax_scale=0.1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: TopKConfig(block=24), lambda: TopKConfig(num_splits=3),
+    lambda: TopKConfig(num_splits=256), lambda: IndexerScoresConfig(block_k=8),
+    lambda: IndexerScoresConfig(num_warps=3), lambda: SparseMLAConfig(block_n=48),
+    lambda: SparseMLAConfig(num_splits=0)])
+def test_invalid_configs_raise(make):
+  with pytest.raises(ValueError):
+    make()
+
+
+# --- lowering for the GPU --------------------------------------------------------------------
+
+def test_lowers_for_h200():
+  """Each kernel lowers to Triton IR for an H200 (no GPU needed: export for `cuda`)."""
+  s = jax.ShapeDtypeStruct
+  bf16, fp8, f32, i32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32, jnp.int32
+  pages, page, max_pages, num_keys = 65, 64, 64, 4096
+  idx_args = (s((1, 5, 32, 128), bf16), s((1, 5, 32), f32), s((pages, page, 128), fp8),
+              s((pages, page, 1), f32), s((1, max_pages), i32), s((1, 5), i32))
+  rank = 512
+  mla_args = (s((1, 5, 8, rank), bf16), s((1, 5, 8, 64), bf16), s((pages, page, rank), fp8),
+              s((pages, page, rank // fp8_block_size(rank)), f32), s((pages, page, 64), bf16),
+              s((1, max_pages), i32), s((1, 5, 2048), i32))
+  cases = [
+      (lambda x: topk_indices(x, 2048, interpret=False), (s((64, 131072), f32),)),
+      (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False), idx_args),
+      (lambda *a: indexer_topk(*a, num_keys=num_keys, k=2048, interpret=False), idx_args),
+      (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, interpret=False), mla_args)]
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+    warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas-Triton deprecation notice
+    for fn, args in cases:
+      exported = jax.export.export(jax.jit(fn), platforms=("cuda",),
+                                   disabled_checks=[triton_call])(*args)
+      assert "__gpu$xla.gpu.triton" in exported.mlir_module()

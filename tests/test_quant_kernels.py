@@ -1,0 +1,145 @@
+"""Weight-only Pallas kernels (interpret mode on the CPU) against their fp32 references, plus a
+check that each lowers to Triton IR for an H200.
+
+Tolerance: ||out - ref|| / ||ref|| <= 1e-2. The kernels decode weights exactly and accumulate in
+fp32, so what remains is bf16 output rounding (~2e-3) and, in the MoE, the bf16 intermediate
+silu(g) * u that the model also keeps in bf16.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
+from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
+from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
+from pallas_kernels.nvfp4_matmul import MatmulConfig, nvfp4_matmul, nvfp4_matmul_reference
+
+TOL = 1e-2
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+
+
+def rel_err(out, ref) -> float:
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def inputs(seed, m: int, n: int, k: int) -> tuple[jax.Array, np.ndarray]:
+  """Fresh non-zero x bf16 [m, k] and fp32 weight [n, k] per parametrization."""
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((m, k)) + 0.1, jnp.bfloat16)
+  return x, (rng.standard_normal((n, k)) * rng.uniform(0.5, 2, (n, 1))).astype(np.float32)
+
+
+# (M, K, N, config): K, N not powers of two with ragged tiles; one aligned split-K case.
+SKINNY_CASES = [(1, 272, 200, None), (3, 272, 200, None), (16, 272, 200, None),
+                (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3))]
+
+
+@pytest.mark.parametrize("m,k,n,config", SKINNY_CASES)
+def test_nvfp4_matmul(m, k, n, config):
+  x, w = inputs((1, m, k, n), m, n, k)
+  q = quantize_nvfp4(jnp.asarray(w))
+  out = nvfp4_matmul(x, q, config=config)
+  assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+  assert rel_err(out, nvfp4_matmul_reference(x, q)) <= TOL
+
+
+FP8_CASES = [(1, 300, 200, None), (3, 300, 130, None), (16, 272, 200, None),
+             (5, 512, 256, MatmulConfig(block_n=64, block_k=64, split_k=2))]
+
+
+@pytest.mark.parametrize("m,k,n,config", FP8_CASES)
+def test_fp8_matmul(m, k, n, config):
+  x, w = inputs((2, m, k, n), m, n, k)
+  q = quantize_fp8_block(jnp.asarray(w))
+  out = fp8_matmul(x, q, config=config)
+  assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+  assert rel_err(out, fp8_matmul_reference(x, q)) <= TOL
+
+
+def test_linear_pallas_matches_xla():
+  x, w = inputs(3, 4, 48, 80)
+  q = quantize_nvfp4(jnp.asarray(w))
+  out = linear(x.reshape(2, 2, 80), q, impl="pallas")
+  assert out.shape == (2, 2, 48)
+  assert rel_err(out.reshape(4, 48), linear(x, q, impl="xla")) <= TOL
+
+
+def moe_inputs(seed, quantize):
+  """E=6 experts, D=80, I=48 (neither a power of two), T=5 tokens, top-3. Experts repeat across
+  tokens (2 is chosen by four of them), ids 7 and -1 are not local, token 4 has no local expert."""
+  e, d, i = 6, 80, 48
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((5, d)) + 0.1, jnp.bfloat16)
+  w = lambda *shape: quantize(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32))
+  ids = jnp.array([[0, 2, 7], [2, 3, -1], [5, 0, 2], [1, 2, 3], [7, -1, 9]], jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.1, 1, (5, 3)), jnp.float32)
+  return x, ids, weights, w(e, i, d), w(e, i, d), w(e, d, i)
+
+
+FORMATS = {"bf16": lambda w: w.astype(jnp.bfloat16), "nvfp4": quantize_nvfp4, "fp8": quantize_fp8_block}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_moe_grouped_matmul(fmt):
+  args = moe_inputs(len(fmt), FORMATS[fmt])
+  out = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, down_split=2))
+  ref = moe_grouped_matmul_reference(*args)
+  assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
+  assert rel_err(out, ref) <= TOL
+  np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
+
+
+def test_moe_experts_pallas_bf16_matches_xla():
+  args = moe_inputs(11, FORMATS["bf16"])
+  out = moe_experts(*args, impl="pallas")
+  assert rel_err(out, moe_grouped_matmul_reference(*args)) <= TOL
+  assert rel_err(out, moe_experts(*args, impl="xla")) <= TOL
+  np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)
+
+
+def test_bad_inputs_raise():
+  x, w = inputs(4, 3, 64, 64)
+  q4, q8 = quantize_nvfp4(jnp.asarray(w)), quantize_fp8_block(jnp.asarray(w))
+  with pytest.raises(ValueError, match="bf16"):
+    nvfp4_matmul(x.astype(jnp.float32), q4)
+  with pytest.raises(ValueError, match="M must be"):
+    nvfp4_matmul(jnp.zeros((17, 64), jnp.bfloat16), q4)
+  with pytest.raises(ValueError, match="K=48"):
+    fp8_matmul(x[:, :48], q8)
+  with pytest.raises(ValueError, match="NVFP4Weight"):
+    nvfp4_matmul(x, q8)
+  with pytest.raises(ValueError, match="<= 128"):
+    fp8_matmul(x, q8, config=MatmulConfig(block_k=256))
+  with pytest.raises(ValueError, match="power of two"):
+    MatmulConfig(block_n=48)
+  with pytest.raises(ValueError, match="down_split"):
+    MoEConfig(down_split=0)
+  args = moe_inputs(5, FORMATS["nvfp4"])
+  with pytest.raises(ValueError, match="down_proj"):
+    moe_grouped_matmul(*args[:5], args[3])
+  with pytest.raises(ValueError, match="int32"):
+    moe_grouped_matmul(args[0], args[1].astype(jnp.float32), *args[2:])
+
+
+def test_kernels_lower_to_triton_for_h200():
+  """Lowering runs the Pallas -> Triton IR translation (shape and op support) without a GPU."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  shape = lambda f, *a: jax.eval_shape(f, *(jax.ShapeDtypeStruct(s, jnp.float32) for s in a))
+  x = jax.ShapeDtypeStruct((3, 272), jnp.bfloat16)
+  moe = moe_inputs(6, lambda w: w)
+  cases = [(nvfp4_matmul, (x, shape(quantize_nvfp4, (200, 272)))),
+           (fp8_matmul, (x, shape(quantize_fp8_block, (200, 272))))]
+  for fmt in FORMATS.values():
+    cases.append((moe_grouped_matmul, (*moe[:3], *(jax.eval_shape(fmt, w) for w in moe[3:]))))
+  with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for op, args in cases:
+      text = jax.jit(lambda *a, op=op: op(*a, interpret=False)).trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert "__gpu$xla.gpu.triton" in text
