@@ -19,8 +19,11 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, valid: jax.A
 
   q [B, T, H, D], weights [B, T, H] fp32, keys [B, S, D], valid [B, T, S] bool.
   """
-  dots = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32))
-  scores = jnp.einsum("bths,bth->bts", jax.nn.relu(dots * q.shape[-1] ** -0.5), weights)
+  # HIGHEST: fp32 dots on the GPU would otherwise round through TF32 and flip near-tied picks.
+  dots = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+  scores = jnp.einsum("bths,bth->bts", jax.nn.relu(dots * q.shape[-1] ** -0.5), weights,
+                      precision=jax.lax.Precision.HIGHEST)
   return jnp.where(valid, scores, NEG_INF)
 
 
@@ -52,11 +55,11 @@ def causal_valid(positions: jax.Array, num_keys: int) -> jax.Array:
 def cached_topk(q, weights, layer: paged.LayerCache, page_table, positions, k: int, impl: str,
                 ties: str = "index") -> jax.Array:
   """Indexer selection over the cached keys for the step's queries: [B, T, min(k, S)]."""
-  if impl in ("sparse", "pallas") and ties == "index":
+  if impl == "pallas" and ties == "index":
     from pallas_kernels import indexer_topk
-    fn = indexer_topk.indexer_topk if impl == "pallas" else indexer_topk.indexer_topk_reference
-    return fn(q, weights, layer.index_k, layer.index_scale, page_table, positions,
-              num_keys=page_table.shape[1] * layer.page_size, k=k)
+    return indexer_topk.indexer_topk(q, weights, layer.index_k, layer.index_scale, page_table, positions,
+                                     num_keys=page_table.shape[1] * layer.page_size, k=k)
+  # dense and sparse select alike (scores over every cached key); they differ in attention.
   keys = paged.gather_index_keys(layer, page_table)
   scores = index_scores(q, weights, keys, causal_valid(positions, keys.shape[1]))
   return select_topk(scores, k, ties=ties, lengths=jnp.max(positions, axis=1) + 1)
@@ -75,10 +78,12 @@ def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, posi
   # Dense reference (also used for prefill chunks, whose many queries make a gather per query costly).
   latent, k_rope = paged.gather_latent(layer, page_table)
   num_keys = latent.shape[1]
-  logits = (jnp.einsum("bthr,bsr->bths", q_latent, latent) + jnp.einsum("bthp,bsp->bths", q_rope, k_rope)) * scale
+  hi = jax.lax.Precision.HIGHEST
+  logits = (jnp.einsum("bthr,bsr->bths", q_latent, latent, precision=hi)
+            + jnp.einsum("bthp,bsp->bths", q_rope, k_rope, precision=hi)) * scale
   visible = selection_mask(topk, num_keys) & causal_valid(positions, num_keys)
   logits = jnp.where(visible[:, :, None, :], logits, NEG_INF)
   probs = jax.nn.softmax(logits, axis=-1)
   # Queries that see nothing (padding) produce NaN rows; zero them so they stay harmless.
   probs = jnp.where(jnp.any(visible, axis=-1)[:, :, None, None], probs, 0.0)
-  return jnp.einsum("bths,bsr->bthr", probs, latent)
+  return jnp.einsum("bths,bsr->bthr", probs, latent, precision=hi)

@@ -29,15 +29,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.cache.kv_fp8 import dequantize_fp8
+from glmjax import dsa
+from glmjax.cache.paged import gather_pages
 from pallas_kernels import topk
+from pallas_kernels.checks import check_launch, check_page_table, check_paged, check_splits, check_tile, is_pow2
 
 # Query tokens per program (the kernel unrolls them); more tokens (prefill) form more groups.
 QUERY_GROUP = 8
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
-
-
-def _is_pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,18 +54,9 @@ class IndexerScoresConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    if not _is_pow2(self.block_k) or self.block_k < _MIN_MMA:
-      raise ValueError(
-          f"IndexerScoresConfig.block_k must be a power of two >= 16, got {self.block_k}")
-    if self.num_splits is not None and (
-        not _is_pow2(self.num_splits) or self.num_splits > topk.MAX_SPLITS):
-      raise ValueError("IndexerScoresConfig.num_splits must be a power of two <= "
-                       f"{topk.MAX_SPLITS}, got {self.num_splits}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(
-          f"IndexerScoresConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-    if self.num_stages < 1:
-      raise ValueError(f"IndexerScoresConfig.num_stages must be >= 1, got {self.num_stages}")
+    check_tile("IndexerScoresConfig", "block_k", self.block_k, _MIN_MMA)
+    check_splits("IndexerScoresConfig", self.num_splits, topk.MAX_SPLITS)
+    check_launch("IndexerScoresConfig", self.num_warps, self.num_stages)
 
 
 def _bf16_parts(q: jax.Array) -> list[jax.Array]:
@@ -140,21 +130,8 @@ def check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions
   b, t, h, di = q.shape
   if weights.shape != (b, t, h) or weights.dtype != jnp.float32:
     raise ValueError(f"weights must be f32 {[b, t, h]}, got {weights.dtype}{list(weights.shape)}")
-  if index_k.ndim != 3 or index_k.shape[-1] != di:
-    raise ValueError(f"index_k must be [P, page_size, {di}], got {list(index_k.shape)}")
-  if index_k.dtype == jnp.float8_e4m3fn:
-    want = (*index_k.shape[:2], 1)
-    if index_scale is None or index_scale.shape != want or index_scale.dtype != jnp.float32:
-      raise ValueError(f"an FP8 index_k needs index_scale f32 {list(want)}, got "
-                       f"{None if index_scale is None else list(index_scale.shape)}")
-  elif index_k.dtype == jnp.bfloat16:
-    if index_scale is not None:
-      raise ValueError("a bf16 index_k takes index_scale=None")
-  else:
-    raise ValueError(f"index_k must be bf16 or float8_e4m3fn, got {index_k.dtype}")
-  if page_table.ndim != 2 or page_table.shape[0] != b or page_table.dtype != jnp.int32:
-    raise ValueError(f"page_table must be int32 [{b}, max_pages], got "
-                     f"{page_table.dtype}{list(page_table.shape)}")
+  check_paged("index_k", index_k, "index_scale", index_scale, di, 1)
+  check_page_table(page_table, b)
   if q_positions.shape != (b, t) or q_positions.dtype != jnp.int32:
     raise ValueError(f"q_positions must be int32 {[b, t]}, got "
                      f"{q_positions.dtype}{list(q_positions.shape)}")
@@ -184,7 +161,7 @@ def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, nu
   Returns scores [B, Tp, N] f32, or (scores, ge0 [B, Tp, splits, 256], tot) when `tot` is given.
   """
   b, tp, hp, di = q.shape
-  if di < _MIN_MMA or not _is_pow2(di):
+  if di < _MIN_MMA or not is_pow2(di):
     raise ValueError(f"the kernel needs a power-of-two head dim >= 16, got {di}")
   tg = min(tp, QUERY_GROUP)
   fp8 = index_scale is not None
@@ -267,13 +244,5 @@ def indexer_scores_reference(q: jax.Array, weights: jax.Array, index_k: jax.Arra
                              q_positions: jax.Array, *, num_keys: int) -> jax.Array:
   """Plain-jnp indexer scores (gather + fp32 einsum): same arguments and result as the kernel."""
   check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions, num_keys)
-  b = q.shape[0]
-  keys = index_k[page_table].reshape(b, num_keys, -1)  # [B, N, Di]
-  if index_scale is not None:
-    keys = dequantize_fp8(keys, index_scale[page_table].reshape(b, num_keys, 1))
-  logits = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
-                      precision=lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
-  scores = jnp.einsum("bths,bth->bts", jnp.maximum(logits, 0.0), weights,
-                      precision=lax.Precision.HIGHEST)
-  causal = jnp.arange(num_keys)[None, None, :] <= q_positions[:, :, None]
-  return jnp.where(causal, scores, -jnp.inf)
+  keys = gather_pages(index_k, index_scale, page_table)  # [B, N, Di] fp32
+  return dsa.index_scores(q, weights, keys, dsa.causal_valid(q_positions, num_keys))

@@ -39,7 +39,8 @@ from glmjax.moe import experts_reference
 from glmjax.quant.fp8_block import BLOCK as FP8_BLOCK, FP8BlockWeight
 from glmjax.quant.nvfp4 import BLOCK as NVFP4_BLOCK, NVFP4Weight
 from pallas_kernels.fp8_matmul import load_fp8_tile
-from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, is_pow2, dot_t, load_nvfp4_tile, load_tile,
+from pallas_kernels.checks import check_at_least, check_launch, check_tile
+from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, dot_t, load_nvfp4_tile, load_tile,
                                          range_mask, store_tile)
 
 
@@ -55,16 +56,10 @@ class MoEConfig:
   num_stages: int = 3
 
   def __post_init__(self):
-    for name in ("block_n", "block_k"):
-      value = getattr(self, name)
-      if not is_pow2(value) or value < 16:
-        raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles, tensor-core dot), got {value}")
-    if self.down_split < 1:
-      raise ValueError(f"down_split must be >= 1, got {self.down_split}")
-    if not is_pow2(self.num_warps) or self.num_warps > 16:
-      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+    check_tile("MoEConfig", "block_n", self.block_n)
+    check_tile("MoEConfig", "block_k", self.block_k)
+    check_at_least("MoEConfig", "down_split", self.down_split)
+    check_launch("MoEConfig", self.num_warps, self.num_stages)
 
 
 # Per-format plumbing: the kernel operands of a stacked weight, their BlockSpecs, a tile.

@@ -41,14 +41,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
+from pallas_kernels.checks import check_at_least, check_launch, check_tile
 
 NUM_SMS = 132         # H200; the default configs aim for >= 2 programs per SM
 MAX_ROWS = 16         # M of one tensor-core tile; larger M is compute-bound: dequantize once
 DECODE_SCALE = 2.0 ** 14  # undoes the 2^-14 of the fp16 bit-pattern decode
-
-
-def is_pow2(v: int) -> bool:
-  return v > 0 and v & (v - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +63,10 @@ class MatmulConfig:
   num_stages: int = 3
 
   def __post_init__(self):
-    for name in ("block_n", "block_k"):
-      value = getattr(self, name)
-      if not is_pow2(value) or value < 16:
-        raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles, tensor-core dot), got {value}")
-    if self.split_k < 1:
-      raise ValueError(f"split_k must be >= 1, got {self.split_k}")
-    if not is_pow2(self.num_warps) or self.num_warps > 16:
-      raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+    check_tile("MatmulConfig", "block_n", self.block_n)
+    check_tile("MatmulConfig", "block_k", self.block_k)
+    check_at_least("MatmulConfig", "split_k", self.split_k)
+    check_launch("MatmulConfig", self.num_warps, self.num_stages)
 
 
 def default_config(m: int, n: int, k: int, *, max_block_k: int = 256) -> MatmulConfig:

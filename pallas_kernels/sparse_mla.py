@@ -37,13 +37,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.cache.kv_fp8 import dequantize_fp8, fp8_block_size
+from glmjax.cache.paged import token_slots
+from pallas_kernels.checks import check_at_least, check_launch, check_page_table, check_paged, check_tile, is_pow2
 
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 _TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM
-
-
-def _is_pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +58,10 @@ class SparseMLAConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    if not _is_pow2(self.block_n) or self.block_n < _MIN_MMA:
-      raise ValueError(f"SparseMLAConfig.block_n must be a power of two >= 16, got {self.block_n}")
-    if self.num_splits is not None and self.num_splits < 1:
-      raise ValueError(f"SparseMLAConfig.num_splits must be >= 1, got {self.num_splits}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"SparseMLAConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-    if self.num_stages < 1:
-      raise ValueError(f"SparseMLAConfig.num_stages must be >= 1, got {self.num_stages}")
+    check_tile("SparseMLAConfig", "block_n", self.block_n, _MIN_MMA)
+    if self.num_splits is not None:
+      check_at_least("SparseMLAConfig", "num_splits", self.num_splits)
+    check_launch("SparseMLAConfig", self.num_warps, self.num_stages)
 
 
 def _first_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -141,24 +135,11 @@ def check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_t
   b, t, h, rank = q_latent.shape
   if q_rope.ndim != 4 or q_rope.shape[:3] != (b, t, h):
     raise ValueError(f"q_rope must be [{b}, {t}, {h}, dr], got {list(q_rope.shape)}")
-  if latent.ndim != 3 or latent.shape[-1] != rank:
-    raise ValueError(f"latent must be [P, page_size, {rank}], got {list(latent.shape)}")
-  if latent.dtype == jnp.float8_e4m3fn:
-    want = (*latent.shape[:2], rank // fp8_block_size(rank))
-    if latent_scale is None or latent_scale.shape != want or latent_scale.dtype != jnp.float32:
-      raise ValueError(f"an FP8 latent needs latent_scale f32 {list(want)}, got "
-                       f"{None if latent_scale is None else list(latent_scale.shape)}")
-  elif latent.dtype == jnp.bfloat16:
-    if latent_scale is not None:
-      raise ValueError("a bf16 latent takes latent_scale=None")
-  else:
-    raise ValueError(f"latent must be bf16 or float8_e4m3fn, got {latent.dtype}")
+  check_paged("latent", latent, "latent_scale", latent_scale, rank, rank // fp8_block_size(rank))
   if k_rope.shape != (*latent.shape[:2], q_rope.shape[-1]) or k_rope.dtype != jnp.bfloat16:
     raise ValueError(f"k_rope must be bf16 {[*latent.shape[:2], q_rope.shape[-1]]}, got "
                      f"{k_rope.dtype}{list(k_rope.shape)}")
-  if page_table.ndim != 2 or page_table.shape[0] != b or page_table.dtype != jnp.int32:
-    raise ValueError(f"page_table must be int32 [{b}, max_pages], got "
-                     f"{page_table.dtype}{list(page_table.shape)}")
+  check_page_table(page_table, b)
   if indices.ndim != 3 or indices.shape[:2] != (b, t) or indices.dtype != jnp.int32:
     raise ValueError(f"indices must be int32 [{b}, {t}, k], got "
                      f"{indices.dtype}{list(indices.shape)}")
@@ -203,7 +184,7 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
   rope_dim = q_rope.shape[-1]
   k = indices.shape[-1]
   for name, dim in (("R", rank), ("dr", rope_dim)):
-    if dim < _MIN_MMA or not _is_pow2(dim):
+    if dim < _MIN_MMA or not is_pow2(dim):
       raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
   heads_out = pl.next_power_of_2(h)
   hp = max(_MIN_MMA, heads_out)  # MMA rows; padded heads have zero queries
@@ -252,12 +233,9 @@ def sparse_mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: 
                                 softmax_scale: float) -> jax.Array:
   """Plain-jnp sparse MLA (gather + fp32 einsum + softmax): same arguments and result."""
   check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
-  page_size = latent.shape[1]
   valid = indices >= 0
-  tok = jnp.maximum(indices, 0)
-  logical = jnp.minimum(tok // page_size, page_table.shape[1] - 1)
-  page = jnp.take_along_axis(page_table[:, None, :], logical, axis=2)  # [B, T, k]
-  slot = tok % page_size
+  page, slot = (a.reshape(indices.shape) for a in
+                token_slots(page_table, indices.reshape(indices.shape[0], -1), latent.shape[1]))
   values = latent[page, slot]  # [B, T, k, R]
   if latent_scale is not None:
     values = dequantize_fp8(values, latent_scale[page, slot])

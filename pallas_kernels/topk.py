@@ -45,6 +45,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from glmjax import dsa
+from pallas_kernels.checks import check_launch, check_splits, check_tile
+
 DIGIT_BITS = 8
 BINS = 1 << DIGIT_BITS
 PASSES = 32 // DIGIT_BITS
@@ -53,10 +56,6 @@ _NIBBLE = 16
 TARGET_PROGRAMS = 2 * 132
 # The compaction gathers O(splits) counts per program, i.e. O(rows * splits^2) in all.
 MAX_SPLITS = 128
-
-
-def _is_pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +71,9 @@ class TopKConfig:
   num_warps: int = 4
 
   def __post_init__(self):
-    if not _is_pow2(self.block) or self.block < 16:
-      raise ValueError(f"TopKConfig.block must be a power of two >= 16, got {self.block}")
-    if self.num_splits is not None and (
-        not _is_pow2(self.num_splits) or self.num_splits > MAX_SPLITS):
-      raise ValueError(
-          f"TopKConfig.num_splits must be a power of two <= {MAX_SPLITS}, got {self.num_splits}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"TopKConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+    check_tile("TopKConfig", "block", self.block)
+    check_splits("TopKConfig", self.num_splits, MAX_SPLITS)
+    check_launch("TopKConfig", self.num_warps)
 
 
 def row_splits(rows: int, n: int, granule: int) -> int:
@@ -352,5 +346,4 @@ def topk_indices_reference(scores: jax.Array, k: int) -> jax.Array:
   if scores.ndim < 1 or scores.dtype != jnp.float32:
     raise ValueError(f"scores must be float32 [..., N], got {scores.dtype}{list(scores.shape)}")
   check_topk_args(scores.shape[-1], k)
-  values, indices = lax.top_k(scores, k)
-  return jnp.where(values == -jnp.inf, -1, indices)
+  return dsa.select_topk(scores, k)

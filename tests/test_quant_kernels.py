@@ -37,28 +37,22 @@ def inputs(seed, m: int, n: int, k: int) -> tuple[jax.Array, np.ndarray]:
 # (M, K, N, config): K, N not powers of two with ragged tiles; one aligned split-K case.
 SKINNY_CASES = [(1, 272, 200, None), (3, 272, 200, None), (16, 272, 200, None),
                 (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3))]
-
-
-@pytest.mark.parametrize("m,k,n,config", SKINNY_CASES)
-def test_nvfp4_matmul(m, k, n, config):
-  x, w = inputs((1, m, k, n), m, n, k)
-  q = quantize_nvfp4(jnp.asarray(w))
-  out = nvfp4_matmul(x, q, config=config)
-  assert out.shape == (m, n) and out.dtype == jnp.bfloat16
-  assert rel_err(out, nvfp4_matmul_reference(x, q)) <= TOL
-
-
 FP8_CASES = [(1, 300, 200, None), (3, 300, 130, None), (16, 272, 200, None),
              (5, 512, 256, MatmulConfig(block_n=64, block_k=64, split_k=2))]
 
+# (format tag, quantize, kernel, reference): each weight-only kernel against its reference.
+WEIGHT_ONLY = {"nvfp4": (1, quantize_nvfp4, nvfp4_matmul, nvfp4_matmul_reference, SKINNY_CASES),
+           "fp8": (2, quantize_fp8_block, fp8_matmul, fp8_matmul_reference, FP8_CASES)}
 
-@pytest.mark.parametrize("m,k,n,config", FP8_CASES)
-def test_fp8_matmul(m, k, n, config):
-  x, w = inputs((2, m, k, n), m, n, k)
-  q = quantize_fp8_block(jnp.asarray(w))
-  out = fp8_matmul(x, q, config=config)
+
+@pytest.mark.parametrize("fmt,m,k,n,config", [(f, *case) for f, v in WEIGHT_ONLY.items() for case in v[-1]])
+def test_weight_only_matmul(fmt, m, k, n, config):
+  tag, quantize, kernel, reference, _ = WEIGHT_ONLY[fmt]
+  x, w = inputs((tag, m, k, n), m, n, k)
+  q = quantize(jnp.asarray(w))
+  out = kernel(x, q, config=config)
   assert out.shape == (m, n) and out.dtype == jnp.bfloat16
-  assert rel_err(out, fp8_matmul_reference(x, q)) <= TOL
+  assert rel_err(out, reference(x, q)) <= TOL
 
 
 def test_linear_pallas_matches_xla():

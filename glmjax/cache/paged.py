@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.cache.kv_fp8 import dequantize_fp8, fp8_block_size, quantize_fp8
+from glmjax.cache.prefix_cache import NULL_PAGE
 from glmjax.config import ModelConfig
 
 KVDtype = Literal["bf16", "fp32", "fp8"]
 KV_DTYPES = ("bf16", "fp32", "fp8")
-NULL_PAGE = 0
 
 
 @jax.tree_util.register_dataclass
@@ -126,8 +126,9 @@ def write_layer(layer: LayerCache, page_table: jax.Array, positions: jax.Array, 
   return LayerCache(new_latent, new_latent_scale, new_rope, new_index, new_index_scale)
 
 
-def _load(pages: jax.Array, scales: jax.Array | None, page_table: jax.Array) -> jax.Array:
-  """Gather a sequence's pages into [B, max_pages * page_size, dim] fp32."""
+def gather_pages(pages: jax.Array, scales: jax.Array | None, page_table: jax.Array) -> jax.Array:
+  """Gather each sequence's pages [P, page_size, dim] (FP8 dequantised with its scales) into
+  [B, max_pages * page_size, dim] fp32."""
   b, m = page_table.shape
   flat = lambda a: a[page_table].reshape(b, m * a.shape[1], a.shape[2])
   if scales is None:
@@ -137,9 +138,9 @@ def _load(pages: jax.Array, scales: jax.Array | None, page_table: jax.Array) -> 
 
 def gather_latent(layer: LayerCache, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(latent [B, S, R], k_rope [B, S, dr]) in fp32 for every addressable position."""
-  return _load(layer.latent, layer.latent_scale, page_table), _load(layer.k_rope, None, page_table)
+  return gather_pages(layer.latent, layer.latent_scale, page_table), gather_pages(layer.k_rope, None, page_table)
 
 
 def gather_index_keys(layer: LayerCache, page_table: jax.Array) -> jax.Array:
   """Indexer keys [B, S, Di] fp32 for every addressable position."""
-  return _load(layer.index_k, layer.index_scale, page_table)
+  return gather_pages(layer.index_k, layer.index_scale, page_table)

@@ -12,6 +12,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from glmjax.quant.leaf import QuantizedWeight
 from glmjax.quant.nvfp4 import divide_exact
 
 BLOCK = 128
@@ -30,7 +31,7 @@ def expand_block_scale(scale_inv: jax.Array, out: int, k: int) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class FP8BlockWeight:
+class FP8BlockWeight(QuantizedWeight):
   """An e4m3 weight of logical shape [..., out, in] with 128x128 block scales."""
   weight: jax.Array     # float8_e4m3fn [..., out, in]
   scale_inv: jax.Array  # float32 [..., ceil(out/128), ceil(in/128)]
@@ -40,14 +41,6 @@ class FP8BlockWeight:
   @property
   def shape(self) -> tuple[int, ...]:
     return tuple(self.weight.shape)
-
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
-  @property
-  def nbytes(self) -> int:
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
 
   def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
     """[..., out, in] in `dtype` (computed in fp32, rounded once)."""

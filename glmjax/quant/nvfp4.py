@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glmjax.quant.leaf import QuantizedWeight
+
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -30,7 +32,7 @@ _TIE_ROUNDS_UP = np.array([False, True, False, True, False, True, False])
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NVFP4Weight:
+class NVFP4Weight(QuantizedWeight):
   """A ModelOpt NVFP4 weight of logical shape [..., out, in] (see the module docstring)."""
   packed: jax.Array        # uint8 [..., out, in/2]
   block_scale: jax.Array   # float8_e4m3fn [..., out, in/16]
@@ -43,14 +45,6 @@ class NVFP4Weight:
   def shape(self) -> tuple[int, ...]:
     """Logical [..., out, in], derived from the arrays so it stays right under vmap / scan."""
     return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
-
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
-  @property
-  def nbytes(self) -> int:
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
 
   def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
     """[..., out, in] in `dtype` (computed in fp32, rounded once)."""

@@ -1,0 +1,62 @@
+"""Input and tuning checks shared by the kernels: one wording, one place.
+
+Tuning dataclasses validate themselves with these; the wrappers check paged-cache operands
+(values, their FP8 scales, page tables) before building BlockSpecs.
+"""
+
+import jax
+import jax.numpy as jnp
+
+NUM_WARPS = (1, 2, 4, 8, 16)
+
+
+def is_pow2(v: int) -> bool:
+  return v > 0 and v & (v - 1) == 0
+
+
+def check_tile(owner: str, name: str, value: int, minimum: int = 16) -> None:
+  """Triton tiles and tensor-core dots need power-of-two sizes of at least 16."""
+  if not is_pow2(value) or value < minimum:
+    raise ValueError(f"{owner}.{name} must be a power of two >= {minimum}, got {value}")
+
+
+def check_at_least(owner: str, name: str, value: int, minimum: int = 1) -> None:
+  if value < minimum:
+    raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+
+
+def check_splits(owner: str, value: int | None, maximum: int) -> None:
+  """Programs per row or sequence: None (picked from the problem size) or a power of two <= maximum."""
+  if value is not None and (not is_pow2(value) or value > maximum):
+    raise ValueError(f"{owner}.num_splits must be a power of two <= {maximum}, got {value}")
+
+
+def check_launch(owner: str, num_warps: int, num_stages: int | None = None) -> None:
+  """Triton launch parameters: warps per program and (where tuned) software-pipeline depth."""
+  if num_warps not in NUM_WARPS:
+    raise ValueError(f"{owner}.num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+  if num_stages is not None:
+    check_at_least(owner, "num_stages", num_stages)
+
+
+def check_paged(name: str, pages: jax.Array, scale_name: str, scales: jax.Array | None, dim: int,
+                scale_cols: int) -> None:
+  """pages [P, page_size, dim] bf16 with scales None, or e4m3 with f32 scales [P, page_size, scale_cols]."""
+  if pages.ndim != 3 or pages.shape[-1] != dim:
+    raise ValueError(f"{name} must be [P, page_size, {dim}], got {list(pages.shape)}")
+  if pages.dtype == jnp.float8_e4m3fn:
+    want = (*pages.shape[:2], scale_cols)
+    if scales is None or scales.shape != want or scales.dtype != jnp.float32:
+      raise ValueError(f"an FP8 {name} needs {scale_name} f32 {list(want)}, got "
+                       f"{None if scales is None else list(scales.shape)}")
+  elif pages.dtype == jnp.bfloat16:
+    if scales is not None:
+      raise ValueError(f"a bf16 {name} takes {scale_name}=None")
+  else:
+    raise ValueError(f"{name} must be bf16 or float8_e4m3fn, got {pages.dtype}")
+
+
+def check_page_table(page_table: jax.Array, batch: int) -> None:
+  if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+    raise ValueError(f"page_table must be int32 [{batch}, max_pages], got "
+                     f"{page_table.dtype}{list(page_table.shape)}")
