@@ -361,3 +361,20 @@ def check_consistent(cache: PrefixCache, dev: Device, live: list[SequenceAlloc])
   stats = cache.stats
   assert pool.num_free + pool.num_evictable + stats.pages_in_use == pool.usable
   assert stats.pages_cached == len(cache.cached_pages())
+
+
+def test_reserved_pages_are_in_the_table_and_freed_unless_reached():
+  cache = PrefixCache(num_pages=16, page_size=4)
+  seq = cache.open_sequence(list(range(10)), session="a")
+  assert len(seq.pages) == 3
+  reserved = cache.reserve(seq, 9)                      # positions 10..18: pages 3 and 4
+  assert len(reserved) == 2 and seq.length == 10
+  table, length = cache.page_table(seq, 6)
+  assert list(table[:5]) == seq.pages and length == 10
+  assert cache.extend(seq, [20, 21, 22]) == []           # lands in reserved pages
+  free_before = cache.pool.num_free
+  cache.release(seq)                                     # 13 tokens: page 4 was never reached
+  assert cache.pool.num_free == free_before + 1
+  # The session's partial page is the one holding token 12, not the unreached reserved page.
+  nxt = cache.open_sequence(list(range(10)) + [20, 21, 22, 5], session="a")
+  assert nxt.num_cached == 13 and nxt.pages[3] == seq.pages[3]

@@ -323,13 +323,21 @@ class PrefixCache:
         namespace=namespace, session=session, _pinned=pinned)
 
   def extend(self, seq: SequenceAlloc, tokens: Iterable[int]) -> list[int]:
-    """Append decode tokens; returns the newly allocated pages. PoolExhausted changes nothing."""
-    self._check_live(seq)
+    """Append decode tokens (into reserved pages first); returns the newly allocated pages.
+    PoolExhausted changes nothing."""
     toks = as_tokens(tokens)
-    self._check_fits(seq.length + len(toks))
-    fresh = self.pool.allocate(self._pages_for(seq.length + len(toks)) - len(seq.pages))
-    seq.pages += fresh
+    fresh = self.reserve(seq, len(toks))
     seq.tokens += toks
+    return fresh
+
+  def reserve(self, seq: SequenceAlloc, num_tokens: int) -> list[int]:
+    """Pages for `num_tokens` more positions ahead of their tokens (a decode budget, so that the
+    device can write them and `extend` cannot fail); returns the new pages. Reserved pages are
+    in the page table, freed by `truncate` and `release` when no token reached them."""
+    self._check_live(seq)
+    self._check_fits(seq.length + num_tokens)
+    fresh = self.pool.allocate(max(0, self._pages_for(seq.length + num_tokens) - len(seq.pages)))
+    seq.pages += fresh
     return fresh
 
   def truncate(self, seq: SequenceAlloc, new_len: int) -> None:
@@ -355,8 +363,9 @@ class PrefixCache:
         self._unindex(self._index[skey].page)
       tail = tuple(seq.tokens[seq.length // self.page_size * self.page_size:])
       if tail and parent is not None:
-        self._publish(skey, _Entry(seq.pages[-1], tail, parent))
-        touched.append(seq.pages[-1])
+        tail_page = seq.pages[seq.length // self.page_size]
+        self._publish(skey, _Entry(tail_page, tail, parent))
+        touched.append(tail_page)
     for page in reversed(touched):  # leaf first: on equal history children go before parents
       self.pool.lru.touch(page)
     for page in seq.pages + seq._pinned:

@@ -128,9 +128,9 @@ class Engine:
                                         session=s.id if self.prefix_cache_enabled else None)
         seqs.append(seq)
         # Reserve the decode budget now, so decoding can never run out of pages.
-        self.prefix.extend(seq, [0] * (max_new_tokens - 1))
+        self.prefix.reserve(seq, max_new_tokens - 1)
     except Exception:
-      for seq in seqs:  # undo this round's reservations; other sessions' pages are untouched
+      for seq in seqs:  # undo this round's admissions: keep only pages that already held KV
         self.prefix.truncate(seq, seq.write_floor)
         self.prefix.release(seq)
       raise
@@ -138,9 +138,8 @@ class Engine:
     key = jax.random.key(seed)
     start = time.perf_counter()
     firsts, ttfts = [], []
-    for slot, (seq, ctx) in enumerate(zip(seqs, contexts)):
-      real = dataclasses.replace(seq, tokens=ctx)  # the prefill covers the real context only
-      logits, _ = self._prefill(slot, real)
+    for slot, seq in enumerate(seqs):
+      logits, _ = self._prefill(slot, seq)
       key, sub = jax.random.split(key)
       firsts.append((int(sample(logits[None], sub, sampling)[0]), np.asarray(logits)))
       ttfts.append(time.perf_counter() - start)
@@ -163,9 +162,7 @@ class Engine:
     for slot, (s, seq, ctx) in enumerate(zip(sessions, seqs, contexts)):
       emitted = out[slot, :counts[slot]].tolist()
       # The cache holds the context and every emitted token but the last (the next input).
-      written = len(ctx) + len(emitted) - 1
-      self.prefix.truncate(seq, written)
-      seq.tokens[len(ctx):written] = emitted[:-1]
+      self.prefix.extend(seq, emitted[:-1])
       self.prefix.release(seq)
       s.history = ctx + emitted
       results.append(RoundStats(prompt_tokens=len(ctx), cached_tokens=seq.num_cached,
