@@ -1,0 +1,55 @@
+"""Every kernel against its XLA path at GLM-5 shapes: time, bytes, achieved bandwidth, floor.
+
+  python -m experiments.kernels_bench --suites=dsa,quant --output=/tmp/kernels.json
+
+Rows come from `experiments.bench_dsa.dsa_rows` (indexer scores, top-k, sparse MLA: one TEP=8
+rank's shapes) and `experiments.bench_quant.quant_rows` (NVFP4 / FP8 weight-only GEMV and the
+grouped MoE kernel). Device time is measured as METHOD.md says (glmjax.bench.time_device: many
+calls dispatched, one sync, median); XLA is measured in the same run.
+"""
+
+import json
+import platform
+
+import jax
+from absl import app, flags
+
+from experiments.bench_dsa import dsa_rows
+from experiments.bench_quant import quant_rows
+
+SUITES = {"dsa": dsa_rows, "quant": quant_rows}
+_SUITES = flags.DEFINE_list("suites", list(SUITES), "which suites to run")
+_QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
+_OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
+
+
+def format_rows(rows: list[dict]) -> str:
+  """A plain table of every row's scalar fields, columns in first-seen order."""
+  columns = []
+  for row in rows:
+    columns += [k for k, v in row.items() if k not in columns and isinstance(v, (int, float, str))]
+  fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+  cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+  lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+  lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+  return "\n".join(lines)
+
+
+def main(_):
+  unknown = set(_SUITES.value) - set(SUITES)
+  if unknown:
+    raise app.UsageError(f"unknown suites {sorted(unknown)}; known: {sorted(SUITES)}")
+  report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+                host=platform.node(), jax=jax.__version__, suites={})
+  for name in _SUITES.value:
+    rows = SUITES[name](quick=_QUICK.value)
+    report["suites"][name] = rows
+    print(f"\n== {name} on {report['device']} ==\n{format_rows(rows)}", flush=True)
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "w") as f:
+      json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  app.run(main)
