@@ -42,7 +42,7 @@ def get_config() -> ModelConfig:
     n_group=4,
     topk_group=2,
     n_shared_experts=1,
-    max_position_embeddings=8192,
+    max_position_embeddings=131072,  # RoPE only: long-context benchmarks (80K-128K) run on it
     rope_theta=1e6,
     num_nextn_predict_layers=1,
   )
