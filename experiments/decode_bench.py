@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from configs import get_model_config
 from glmjax import footprint
+from glmjax.bench import maybe_profile
 from glmjax.engine.engine import Engine
 from glmjax.model import init_params
 from glmjax.runtime import make_runtime
@@ -31,6 +32,7 @@ _KV = flags.DEFINE_list("kv_dtype", ["bf16", "fp8"], "KV storage dtypes")
 _NEW = flags.DEFINE_integer("new_tokens", 128, "decode tokens timed per case")
 _PAGE = flags.DEFINE_integer("page_size", 64, "tokens per page")
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 1024, "prefill chunk")
+_PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON output path")
 
 
@@ -60,7 +62,8 @@ def main(_):
   cases = [(int(c), a, k) for c in _CONTEXTS.value for a in _ATTENTION.value for k in _KV.value]
   rows = []
   for case in tqdm(cases, desc="cases"):
-    rows.append(measure(config, params, *case))
+    with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{'_'.join(map(str, case))}"):
+      rows.append(measure(config, params, *case))
     r = rows[-1]
     print(f"ctx {r['context']:>7} {r['attention']:>6} {r['kv_dtype']:>4}: {r['decode_tokens_per_s']:8.1f} tok/s, "
           f"{r['step_ms']:.2f} ms/step, cold TTFT {r['cold_prefill_ttft_s'] * 1e3:.0f} ms, "

@@ -16,10 +16,12 @@ from absl import app, flags
 
 from experiments.bench_dsa import dsa_rows
 from experiments.bench_quant import quant_rows
+from glmjax.bench import maybe_profile
 
 SUITES = {"dsa": dsa_rows, "quant": quant_rows}
 _SUITES = flags.DEFINE_list("suites", list(SUITES), "which suites to run")
 _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
+_PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
 
 
@@ -43,7 +45,8 @@ def main(_):
   report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 host=platform.node(), jax=jax.__version__, suites={})
   for name in _SUITES.value:
-    rows = SUITES[name](quick=_QUICK.value)
+    with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{name}"):
+      rows = SUITES[name](quick=_QUICK.value)
     report["suites"][name] = rows
     print(f"\n== {name} on {report['device']} ==\n{format_rows(rows)}", flush=True)
   if _OUTPUT.value:

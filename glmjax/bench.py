@@ -6,9 +6,10 @@ many kernels take, so back-to-back dispatches measure the host. `time_device` in
 the loop-carried inputs keeps XLA from hoisting the loop-invariant call out of the loop.
 """
 
+import contextlib
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -38,3 +39,13 @@ def time_device(fn: Callable[..., Any], *args: Any, iters: int = 50, repeats: in
 def bandwidth_tbs(num_bytes: float, seconds: float) -> float:
   """Achieved bandwidth in TB/s for `num_bytes` moved in `seconds`."""
   return num_bytes / seconds / 1e12
+
+
+@contextlib.contextmanager
+def maybe_profile(log_dir: str) -> Iterator[None]:
+  """A jax.profiler trace (TensorBoard / XProf) of the block into log_dir; nothing when empty."""
+  if not log_dir:
+    yield
+    return
+  with jax.profiler.trace(log_dir):
+    yield
