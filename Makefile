@@ -22,7 +22,7 @@ demo: $(STAMP)
 # The main suite, then the tests that need 8 simulated CPU devices in their own process.
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not multidevice" tests
+	$(PY) -m pytest -q -m "not multidevice" --ignore-glob='tests/test_multidevice_*.py' tests
 	@if ls tests/test_multidevice_*.py >/dev/null 2>&1; then \
 	  $(PY) -m pytest -q -m multidevice tests/test_multidevice_*.py; fi
 

@@ -104,18 +104,32 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-  """Routed experts (only this rank's local ones are stored) plus the shared expert."""
+  """Routed experts (only this rank's local ones are stored) plus the shared expert.
+
+  Traced under `glmjax.parallel.use_mesh(mesh)` with a TEP degree > 1, the experts run as one
+  expert-parallel shard_map (glmjax.parallel.expert_parallel): the router stays replicated, the
+  `experts` and `shared_experts` weights are read from this module's variables (their modules
+  are not called there; they create the params at init), and one psum combines both.
+  """
   config: ModelConfig
   dtype: jnp.dtype
   param_dtype: jnp.dtype
 
   @nn.compact
   def __call__(self, x: jax.Array, *, runtime=None) -> jax.Array:
+    from glmjax.parallel import expert_parallel, mesh  # the parallel package imports the model
+
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     flat = x.reshape(-1, x.shape[-1])
     ids, weights = Router(c, self.param_dtype, name="gate")(flat)
     matmul = "xla" if runtime is None else runtime.matmul
+    tep_mesh = mesh.active_mesh()
+    if tep_mesh is not None and not self.is_initializing():
+      params = self.variables["params"]
+      out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
+                                matmul=matmul, mesh=tep_mesh, **kw)
+      return out.reshape(x.shape)
     routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=matmul)
     shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, name="shared_experts", **kw)(x)
     return routed.reshape(x.shape).astype(self.dtype) + shared

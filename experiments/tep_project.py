@@ -1,0 +1,195 @@
+"""Projected TEP=8 decode speed: one rank's measured step time plus the step's collectives.
+
+  python -m experiments.tep_project --rank_step_ms=MS --draft_steps=3 --accept_length=3.48
+  python -m experiments.tep_project --config=tep8_shard --context=80000 --measure_layers=4,8  # on a GPU
+  python -m experiments.tep_project --config=tiny --full_config=tiny --tep=2 --context=256 --quick
+
+`--config` is the model one rank runs (tep8_shard: 8 of 64 heads, 32 of 256 experts, 1/8 of the
+vocabulary; the router still scores all 256 experts and ids of other ranks' experts add nothing
+locally). Without --rank_step_ms, its decode step is timed on the current device: the engine's
+decode program (steps.decode_loop, batch 1) over a cache of `--context` random tokens, as the
+difference of two loop lengths, so dispatch is left out. tep8_shard does not fit one H200 in bf16
+(~197 GB): --measure_layers=a,b times a- and b-layer models and extends linearly to every layer.
+The collectives come from glmjax.parallel.comm_model (its docstring states the link and latency
+assumptions); the table shows several latencies. The printout also compares the weights the
+rank config holds with what one device holds in the rules' layout (glmjax.parallel.rules).
+"""
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from configs import get_model_config
+from glmjax import parallel
+from glmjax.bench import time_device
+from glmjax.cache.paged import KVCache, init_cache
+from glmjax.config import ModelConfig
+from glmjax.engine import steps
+from glmjax.engine.sampling import Sampling
+from glmjax.footprint import H200_BANDWIDTH
+from glmjax.model import abstract_params, init_params
+from glmjax.parallel import comm_model
+from glmjax.runtime import ATTENTION_IMPLS, make_runtime
+
+_CONFIG = flags.DEFINE_string("config", "tep8_shard", "the model one rank runs (timed here)")
+_FULL = flags.DEFINE_string("full_config", "glm5", "the whole model, for the layout comparison")
+_TEP = flags.DEFINE_integer("tep", 8, "TEP degree (GPUs)")
+_RANK_STEP = flags.DEFINE_float("rank_step_ms", 0.0, "measured per-rank step; 0: time it here")
+_CONTEXT = flags.DEFINE_integer("context", 80_000, "cached tokens of the timed decode")
+_LAYERS = flags.DEFINE_list("measure_layers", [], "a,b: time a- and b-layer models, extend linearly")
+_ATTENTION = flags.DEFINE_enum("attention", "sparse", list(ATTENTION_IMPLS), "DSA attention")
+_KV = flags.DEFINE_enum("kv_dtype", "bf16", ["bf16", "fp8"], "KV page storage")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "params and compute dtype")
+_STEPS = flags.DEFINE_integer("decode_steps", 16, "extra decode steps of the longer timed loop")
+_QUICK = flags.DEFINE_bool("quick", False, "few timing iterations (CPU smoke runs)")
+_DRAFT = flags.DEFINE_integer("draft_steps", 0, "MTP draft passes per step (verify draft_steps+1)")
+_ACCEPT = flags.DEFINE_float("accept_length", 1.0, "tokens emitted per step (<= draft_steps + 1)")
+_LATENCY = flags.DEFINE_list("latency_us", ["5", "10", "15"], "per-collective latencies to show")
+_BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", comm_model.NVLINK4_BANDWIDTH / 1e9,
+                                "link bandwidth per direction per GPU, GB/s")
+_OUTPUT = flags.DEFINE_string("output", "tep_project.json", "JSON output path ('' for none)")
+
+PAGE_SIZE = 64
+
+
+def with_layers(config: ModelConfig, layers: int) -> ModelConfig:
+  """The first `layers` decoder layers of config, without MTP layers (decode does not run them)."""
+  return dataclasses.replace(config, num_hidden_layers=layers, num_nextn_predict_layers=0,
+                             mlp_layer_types=config.mlp_layer_types[:layers],
+                             indexer_types=config.indexer_types[:layers])
+
+
+def _random_cache(config: ModelConfig, context: int, extra: int, kv_dtype: str, key: jax.Array) -> KVCache:
+  """One sequence of `context` cached tokens with random values, room for `extra` more."""
+  pages = math.ceil((context + extra) / PAGE_SIZE)
+  cache = init_cache(config, num_pages=pages + 1, page_size=PAGE_SIZE, batch=1, max_pages=pages,
+                     kv_dtype=kv_dtype)
+  leaves, treedef = jax.tree.flatten(cache.layers)
+  keys = jax.random.split(key, len(leaves))
+  # Values become standard normal; the only f32 leaves, the scales of fp8 pages, stay 1.
+  fill = lambda a, k: a if a.dtype == jnp.float32 else jax.random.normal(k, a.shape).astype(a.dtype)
+  layers = jax.tree.unflatten(treedef, [fill(a, k) for a, k in zip(leaves, keys)])
+  return cache.replace(layers=layers, page_table=1 + jnp.arange(pages, dtype=jnp.int32)[None],
+                       lengths=jnp.full((1,), context, jnp.int32))
+
+
+def time_decode_step(config: ModelConfig, *, context: int, attention: str, kv_dtype: str, dtype: str,
+                     steps_apart: int, quick: bool) -> float:
+  """Seconds per decode step of `config` at `context` on the default device (batch 1)."""
+  params = init_params(config, jax.random.key(0), param_dtype=jnp.dtype(dtype))
+  spec = steps.StepSpec(config, make_runtime(config, attention=attention), dtype)
+  lengths = (2, 2 + steps_apart)
+  cache = _random_cache(config, context, lengths[-1], kv_dtype, jax.random.key(1))
+  timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=10, repeats=3, warmup=1)
+
+  def decode(max_new_tokens: int):
+    # Each call decodes from the same `context` tokens; the cache copy this costs (the loop keeps
+    # its input) is the same for both lengths and drops out of the difference.
+    return lambda params, cache: steps.decode_loop(
+        params, cache, jnp.zeros(1, jnp.int32), jnp.ones(1, bool), jax.random.key(2),
+        jnp.asarray([], jnp.int32), jnp.full((1,), max_new_tokens, jnp.int32), spec=spec,
+        sampling=Sampling(), max_new_tokens=max_new_tokens)[0]
+
+  short, long = (time_device(decode(n), params, cache, **timing) for n in lengths)
+  if long <= short:
+    raise ValueError(f"{steps_apart} more decode steps were not slower ({long:.6f} s vs {short:.6f} s): "
+                     "timing noise; raise --decode_steps or drop --quick")
+  return (long - short) / steps_apart
+
+
+def measure_rank_step(config: ModelConfig, measure_layers: list[int], **kw) -> dict[str, Any]:
+  """Time the rank's decode step, whole or extended linearly from two layer counts."""
+  if not measure_layers:
+    return dict(rank_step_s=time_decode_step(config, **kw), measured_layers=[config.num_hidden_layers])
+  a, b = measure_layers
+  types = config.mlp_layer_types
+  if not 0 < a < b <= config.num_hidden_layers or len(set(types[a:])) != 1:
+    raise ValueError(f"measure_layers {a},{b}: need 0 < a < b <= {config.num_hidden_layers} with layers "
+                     f"a.. all of one MLP type (got {sorted(set(types[a:]))})")
+  t_a, t_b = (time_decode_step(with_layers(config, n), **kw) for n in (a, b))
+  per_layer = (t_b - t_a) / (b - a)
+  return dict(rank_step_s=t_a + (config.num_hidden_layers - a) * per_layer, measured_layers=[a, b],
+              measured_s=[t_a, t_b], per_layer_s=per_layer)
+
+
+def device_weight_bytes(config: ModelConfig, tep: int, dtype: str) -> int:
+  """Param bytes one device holds in the rules' TEP layout."""
+  abstract = abstract_params(config, param_dtype=jnp.dtype(dtype))
+  shardings = jax.tree.leaves(parallel.param_shardings(abstract, parallel.abstract_mesh(tep)))
+  return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+             for a, s in zip(jax.tree.leaves(nn.unbox(abstract)), shardings))
+
+
+def layout_comparison(rank: ModelConfig, full: ModelConfig, tep: int, dtype: str) -> dict[str, float]:
+  """Weights the rank config holds vs one device of the rules' layout. The tensors that differ
+  (indexer heads, dense MLPs, shared expert) are read whole every step, so the difference over
+  the H200 bandwidth estimates the layout's rank step minus the timed rank's."""
+  held = sum(a.size * a.dtype.itemsize
+             for a in jax.tree.leaves(nn.unbox(abstract_params(rank, param_dtype=jnp.dtype(dtype)))))
+  layout = device_weight_bytes(full, tep, dtype)
+  return dict(rank_config_gb=held / 1e9, layout_gb=layout / 1e9,
+              bandwidth_ms=(layout - held) / H200_BANDWIDTH * 1e3)
+
+
+def format_report(report: dict[str, Any]) -> str:
+  rows = report["projection"]
+  lines = ["assumptions:"] + [f"  {a}" for a in report["assumptions"]]
+  lines += ["", f"{'latency us':>10}{'colls/step':>11}{'comm ms':>9}{'rank ms':>9}{'step ms':>9}"
+            f"{'tok/s':>9}{'comm %':>8}"]
+  lines += [f"{r['latency_us']:>10.1f}{r['collectives']:>11}{r['comm_ms']:>9.3f}{r['rank_step_ms']:>9.3f}"
+            f"{r['step_ms']:>9.3f}{r['tokens_per_s']:>9.1f}{100 * r['comm_share']:>8.1f}" for r in rows]
+  lines += ["", "collectives of one step (latency row 1):"]
+  lines += [f"  {c['count']:>4} x {c['kind']:<10} {c['nbytes']:>9,} B  {c['us_each']:7.2f} us  {c['where']}"
+            for c in rows[0]["detail"]]
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  rank, full, tep = get_model_config(_CONFIG.value), get_model_config(_FULL.value), _TEP.value
+  act_bytes = jnp.dtype(_DTYPE.value).itemsize
+  if _RANK_STEP.value > 0:
+    measured = dict(rank_step_s=_RANK_STEP.value / 1e3, source="--rank_step_ms")
+  elif _DRAFT.value:
+    raise ValueError("the timed step is a 1-token decode (the engine has no MTP step yet): with "
+                     "--draft_steps, pass the rank's measured speculative step as --rank_step_ms")
+  else:
+    measured = measure_rank_step(rank, [int(n) for n in _LAYERS.value], context=_CONTEXT.value,
+                                 attention=_ATTENTION.value, kv_dtype=_KV.value, dtype=_DTYPE.value,
+                                 steps_apart=_STEPS.value, quick=_QUICK.value)
+    measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}, context "
+                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_KV.value} KV, {_DTYPE.value}")
+  layout = layout_comparison(rank, full, tep, _DTYPE.value)
+  rows = [comm_model.project(full, rank_step_s=measured["rank_step_s"], tep=tep, accept_length=_ACCEPT.value,
+                             draft_steps=_DRAFT.value, act_bytes=act_bytes,
+                             link=comm_model.Link(bandwidth=_BANDWIDTH.value * 1e9, latency=float(us) * 1e-6))
+          for us in _LATENCY.value]
+  report = dict(
+    config=_CONFIG.value, full_config=_FULL.value, tep=tep, measured=measured, layout=layout,
+    draft_steps=_DRAFT.value, accept_length=_ACCEPT.value, projection=rows,
+    assumptions=[
+      f"per-rank step: {measured['source']}: {measured['rank_step_s'] * 1e3:.3f} ms (collectives excluded)",
+      f"link: {_BANDWIDTH.value:.0f} GB/s per direction per GPU (NVLink 4, NVIDIA H200 datasheet: "
+      "900 GB/s bidirectional); ring algorithms",
+      "latency per collective: assumed (8-15 us small NCCL all-reduce on 8 GPUs, ~5 us one-shot "
+      "custom all-reduce); collectives do not overlap compute (each layer waits for its sums)",
+      f"step: verify {_DRAFT.value + 1} token(s) through {full.num_hidden_layers} layers + {_DRAFT.value} "
+      f"MTP draft pass(es); {_ACCEPT.value} tokens emitted per step",
+      f"weights: the rank config holds {layout['rank_config_gb']:.2f} GB, one device of the rules' layout "
+      f"{layout['layout_gb']:.2f} GB: the layout's rank would take {layout['bandwidth_ms']:+.3f} ms/step "
+      f"at {H200_BANDWIDTH / 1e12:.2f} TB/s (not applied)",
+    ])
+  print(format_report(report))
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "w") as f:
+      json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,38 @@
+"""TEP=N sharding with JAX's own machinery: a one-axis mesh, one rules table from the params'
+logical axes to it, GSPMD for everything but the MoE layer, and an explicit expert-parallel
+shard_map there.
+
+    mesh = parallel.make_mesh(8)
+    params = parallel.shard_params(config, params, mesh)
+    with parallel.use_mesh(mesh):                       # traced under the mesh: MoE is expert-parallel
+      logits = glmjax.forward(config, params, ids)
+      ... steps.prefill_chunk / decode_loop with parallel.shard_cache(cache, mesh) ...
+
+or load straight into the layout: `load_pretrained(path, shardings=parallel.shardings_fn(config, mesh))`
+(each device reads only its slice).
+"""
+
+import jax
+
+from glmjax.cache.paged import KVCache
+from glmjax.config import ModelConfig
+from glmjax.model import abstract_params
+from glmjax.parallel.mesh import (TEP, abstract_mesh, active_mesh, initialize_distributed, make_mesh,
+                                  use_mesh)
+from glmjax.parallel.rules import RULES, cache_shardings, check_config, param_shardings, shardings_fn
+
+__all__ = ["RULES", "TEP", "abstract_mesh", "active_mesh", "cache_shardings", "check_config",
+           "initialize_distributed", "make_mesh", "param_shardings", "shard_cache", "shard_params",
+           "shardings_fn", "use_mesh"]
+
+
+def shard_params(config: ModelConfig, params, mesh: jax.sharding.Mesh):
+  """Place params (unboxed arrays of `config`) in the TEP layout of the rules table. Params in
+  host memory of one process; across hosts, load with `shardings_fn` instead."""
+  check_config(config, mesh)
+  return jax.device_put(params, param_shardings(abstract_params(config), mesh))
+
+
+def shard_cache(cache: KVCache, mesh: jax.sharding.Mesh) -> KVCache:
+  """Place a KVCache on the mesh (replicated, see rules.cache_shardings)."""
+  return jax.device_put(cache, cache_shardings(cache, mesh))

@@ -1,0 +1,299 @@
+"""TEP=2/4/8 sharding on 8 simulated CPU devices: same tokens and fp32 logits as one device, two
+collectives per decoder layer in the compiled decode step (the ones comm_model lists), donated
+caches that keep their sharding, per-device checkpoint reads, clear errors for indivisible
+degrees; the communication model and the tep_project entry point.
+
+Needs its own process (the device count is fixed when JAX's backend starts):
+  pytest -m multidevice tests/test_multidevice_sharding.py
+"""
+
+import jax
+
+try:
+  jax.config.update("jax_num_cpu_devices", 8)
+  _BACKEND_WAS_UP = False
+except RuntimeError:  # collected in a process whose backend already runs: the fixture below skips
+  _BACKEND_WAS_UP = True
+
+import collections
+import dataclasses
+import json
+import math
+import re
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import glmjax
+from configs import get_model_config
+from glmjax import parallel
+from glmjax.cache.paged import init_cache
+from glmjax.checkpoint import TensorFiles, load_params, save_pretrained
+from glmjax.engine import steps
+from glmjax.engine.sampling import Sampling
+from glmjax.model import abstract_params, init_params
+from glmjax.parallel import comm_model, rules
+from glmjax.runtime import Runtime
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.multidevice
+
+DEGREES = (2, 4, 8)
+# An HLO collective instruction (async ones by their -start); the result may be a tuple.
+COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                        r"(-start)?\(")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eight_devices():
+  if _BACKEND_WAS_UP:
+    pytest.skip("JAX's backend started before this module could ask for 8 CPU devices; run it in its "
+                "own process: pytest -m multidevice tests/test_multidevice_sharding.py")
+  assert len(jax.devices()) >= 8, f"needs 8 devices, JAX has {jax.devices()}"
+
+
+@pytest.fixture(scope="module")
+def model():
+  """tiny with 8 heads and 8 experts (divisible by every degree), fresh random fp32 params."""
+  config = dataclasses.replace(get_model_config("tiny"), num_attention_heads=8, num_key_value_heads=8,
+                               n_routed_experts=8)
+  return config, init_params(config, jax.random.key(7), param_dtype=jnp.float32)
+
+
+def _prompt(config, key: int, shape: tuple[int, int]) -> np.ndarray:
+  return np.asarray(jax.random.randint(jax.random.key(key), shape, 0, config.vocab_size), np.int32)
+
+
+@pytest.mark.parametrize("tep", DEGREES)
+def test_forward_matches_one_device(model, tep):
+  config, params = model
+  ids = _prompt(config, tep, (2, 12))
+  want = glmjax.forward(config, params, ids)
+  mesh = parallel.make_mesh(tep)
+  with parallel.use_mesh(mesh):
+    got = glmjax.forward(config, parallel.shard_params(config, params, mesh), ids)
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tep")), 3)  # vocab-split
+  assert rel_err(got, want) < 1e-5
+  np.testing.assert_array_equal(np.argmax(got, -1), np.argmax(want, -1))
+
+
+@pytest.mark.parametrize("tep", (2,))
+def test_generate_matches_one_device(model, tep):
+  """The public API through the cache. Batch 1 at TEP=2 is the case whose local experts (4)
+  outnumber the token slots (2), so experts_reference gathers (ids of the other device's experts
+  included); the step test below covers every degree."""
+  config, params = model
+  prompt = _prompt(config, 10 + tep, (1, 14))
+  want = glmjax.generate(config, params, prompt, 6, ignore_eos=True)
+  mesh = parallel.make_mesh(tep)
+  with parallel.use_mesh(mesh):
+    got = glmjax.generate(config, parallel.shard_params(config, params, mesh), prompt, 6, ignore_eos=True)
+  np.testing.assert_array_equal(got, want)
+
+
+def _collectives(hlo: str) -> list[tuple[str, str, int]]:
+  """(scope, kind, elements of the result) of every collective of a compiled module; scope is the
+  decoder layer ("layers_3") or the op name."""
+  found = []
+  for line in hlo.splitlines():
+    if match := COLLECTIVE.search(line):
+      elements = sum(math.prod(int(d) for d in dims.split(",") if d)
+                     for dims in re.findall(r"\w+\[([\d,]*)\]", match.group(1)))
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      op_name = op_name.group(1) if op_name else line.strip()
+      layer = re.search(r"/(layers_\d+)/", op_name)
+      found.append((layer.group(1) if layer else op_name, match.group(2), elements))
+  return found
+
+
+def _empty_cache(config):
+  cache = init_cache(config, num_pages=9, page_size=4, batch=2, max_pages=4, kv_dtype="fp32")
+  return cache.replace(page_table=1 + jnp.arange(8, dtype=jnp.int32).reshape(2, 4))
+
+
+def _check_donated_and_replicated(before, after, mesh):
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(before))
+  for leaf in jax.tree.leaves(after):
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P()), leaf.ndim), leaf.sharding
+
+
+@pytest.fixture(scope="module")
+def reference_steps(model):
+  """A batch of 2 prefilled, then decoded, on one device."""
+  config, params = model
+  spec = steps.StepSpec(config, Runtime(), "float32")
+  prompt = jnp.asarray(_prompt(config, 3, (2, 10)))
+  positions = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), prompt.shape)
+  logits, _, cache = steps.prefill_chunk(params, _empty_cache(config), prompt, positions, spec=spec)
+  first = jnp.argmax(logits, -1).astype(jnp.int32)
+  args = (first, jnp.ones(2, bool), jax.random.key(0), jnp.asarray([], jnp.int32),
+          jnp.full((2,), 5, jnp.int32))
+  static = dict(spec=spec, sampling=Sampling(), max_new_tokens=5)
+  want, _, _, _ = steps.decode_loop(params, cache, *args, **static)
+  return (prompt, positions, spec), np.asarray(logits), args, static, np.asarray(want)
+
+
+@pytest.mark.parametrize("tep", DEGREES)
+def test_sharded_steps_collectives_and_donated_caches(model, reference_steps, tep):
+  """prefill_chunk and decode_loop under GSPMD: the reference's logits and tokens, donated caches
+  that stay replicated, and in the compiled decode two all-reduces of [tokens, hidden] per decoder
+  layer (after o_proj, after the MLP / MoE psum) plus, per step, the embedding's all-reduce and
+  sampling's gathers: the collectives comm_model lists."""
+  config, params = model
+  (prompt, positions, spec), want_logits, args, static, want = reference_steps
+  mesh = parallel.make_mesh(tep)
+  with parallel.use_mesh(mesh):
+    sharded_params = parallel.shard_params(config, params, mesh)
+    empty = parallel.shard_cache(_empty_cache(config), mesh)
+    logits, _, cache = steps.prefill_chunk(sharded_params, empty, prompt, positions, spec=spec)
+    _check_donated_and_replicated(empty, cache, mesh)
+    compiled = steps.decode_loop.lower(sharded_params, cache, *args, **static).compile()
+    out, _, _, new_cache = compiled(sharded_params, cache, *args)
+  assert rel_err(logits, want_logits) < 1e-5
+  np.testing.assert_array_equal(np.asarray(out), want)
+  _check_donated_and_replicated(cache, new_cache, mesh)
+
+  found = _collectives(compiled.as_text())
+  message = 2 * config.hidden_size  # [batch 2, hidden]: no weight ever moves
+  per_layer = collections.defaultdict(list)
+  for scope, kind, elements in found:
+    if scope.startswith("layers_"):
+      per_layer[scope].append((kind, elements))
+  layers = range(config.num_hidden_layers)
+  assert per_layer == {f"layers_{i}": [("all-reduce", message)] * 2 for i in layers}, per_layer
+  assert [e for scope, _, e in found if "embed_tokens" in scope] == [message], found
+  # fp32 here: 4 bytes per element.
+  listed = comm_model.pass_collectives(config, tokens=2, layers=config.num_hidden_layers, tep=tep,
+                                       act_bytes=4, label="decode")
+  expected = collections.Counter()
+  for c in listed:
+    expected[(c.kind, c.nbytes // 4)] += c.count
+  assert collections.Counter((kind, e) for _, kind, e in found) == expected, found
+
+
+class _RecordingFiles(TensorFiles):
+  """TensorFiles that remembers the size of every read, per tensor."""
+
+  def __init__(self, directory):
+    super().__init__(directory)
+    self.reads = collections.defaultdict(list)
+
+  def read(self, name, index=()):
+    part = super().read(name, index)
+    self.reads[name].append(part.nbytes)
+    return part
+
+
+@pytest.mark.parametrize("tep", (2, 8))
+def test_sharded_load_reads_only_local_slices(model, tmp_path, tep):
+  config, params = model
+  save_pretrained(config, params, tmp_path)
+  mesh = parallel.make_mesh(tep)
+  files = _RecordingFiles(tmp_path)
+  loaded = load_params(files, config, dtype=jnp.float32, shardings=parallel.shardings_fn(config, mesh))
+  shardings = rules.param_shardings(abstract_params(config), mesh)
+  per_device, replicated = collections.Counter(), 0
+  for leaf, sharding, got in zip(*map(jax.tree.leaves, (params, shardings, loaded))):
+    assert got.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(leaf))
+    if sharding.is_fully_replicated:
+      replicated += leaf.nbytes  # JAX reads a replicated tensor once for all devices
+    else:
+      for device in mesh.devices.flat:  # each device's own slice
+        per_device[device.id] += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+  assert len(per_device) == tep and files.bytes_read == sum(per_device.values()) + replicated
+  # A split tensor is never read whole: each read is one device's slice of it.
+  q_b = "model.layers.1.self_attn.q_b_proj.weight"
+  assert files.reads[q_b] == [params["layers_1"]["self_attn"]["q_b_proj"]["weight"].nbytes // tep] * tep
+  expert = "model.layers.1.mlp.experts.0.gate_proj.weight"
+  assert len(files.reads[expert]) == 1  # read by the one device that holds expert 0
+
+
+def test_rules_layout(model):
+  """The TEP layout: heads, experts, MLP intermediates and vocabulary split; the rest replicated."""
+  config, _ = model
+  shardings = rules.param_shardings(abstract_params(config), parallel.make_mesh(8))
+  layer, mlp = shardings["layers_1"], shardings["layers_1"]["mlp"]
+  specs = {
+    "q_b_proj": (layer["self_attn"]["q_b_proj"]["weight"], P("tep", None)),
+    "kv_b_proj": (layer["self_attn"]["kv_b_proj"]["weight"], P("tep", None)),
+    "o_proj": (layer["self_attn"]["o_proj"]["weight"], P(None, "tep")),
+    "q_a_proj": (layer["self_attn"]["q_a_proj"]["weight"], P(None, None)),
+    "indexer wq_b": (layer["self_attn"]["indexer"]["wq_b"]["weight"], P(None, None)),
+    "router": (mlp["gate"]["weight"], P(None, None)),
+    "experts down": (mlp["experts"]["down_proj"], P("tep", None, None)),
+    "shared down": (mlp["shared_experts"]["down_proj"]["weight"], P(None, "tep")),
+    "dense gate": (shardings["layers_0"]["mlp"]["gate_proj"]["weight"], P("tep", None)),
+    "embedding": (shardings["embed_tokens"]["weight"], P("tep", None)),
+    "lm_head": (shardings["lm_head"]["weight"], P("tep", None)),
+  }
+  assert {k: s.spec for k, (s, _) in specs.items()} == {k: spec for k, (_, spec) in specs.items()}
+
+
+@pytest.mark.parametrize("overrides, tep", [
+  (dict(num_attention_heads=4, num_key_value_heads=4), 8),  # rows 4 * 40 divide by 8, heads do not
+  (dict(n_routed_experts=6), 4),
+  (dict(vocab_size=500), 8),
+])
+def test_indivisible_degree_is_a_clear_error(model, overrides, tep):
+  config = dataclasses.replace(model[0], **overrides)
+  field, value = next(iter(overrides.items()))
+  with pytest.raises(ValueError, match=rf"{field}: {value} .* not divisible by the TEP degree {tep}"):
+    parallel.shardings_fn(config, parallel.make_mesh(tep))
+
+
+def test_param_level_errors_name_the_param(model):
+  config = dataclasses.replace(model[0], n_routed_experts=6)
+  mesh = parallel.make_mesh(4)
+  with pytest.raises(ValueError, match=r"layers_1/mlp/experts/\w+_proj: dim 'experts' of size 6 is not "
+                                       r"divisible by the tep degree 4"):
+    rules.param_shardings(abstract_params(config), mesh)
+  with pytest.raises(ValueError, match="two dims on mesh axis 'tep'"):
+    rules.mesh_spec(("experts", "heads"), (8, 8), mesh, param="w")
+  with pytest.raises(ValueError, match="logical axis 'rows' has no rule"):
+    rules.mesh_spec(("rows",), (8,), mesh, param="w")
+  with pytest.raises(ValueError, match="tep=16 needs 1..8 devices"):
+    parallel.make_mesh(16)
+  unboxed = nn.unbox(abstract_params(model[0]))
+  with pytest.raises(ValueError, match="no logical axis names"):
+    rules.param_shardings(unboxed, mesh)
+
+
+@pytest.mark.parametrize("draft_steps, accept_length", [(0, 1.0), (3, 3.48)])
+@pytest.mark.parametrize("latency_us", [5.0, 15.0])
+def test_comm_model_projection(draft_steps, accept_length, latency_us):
+  """GLM-5 at TEP=8: 2 all-reduces per layer of [tokens, 6144] bf16, latency-bound."""
+  config = get_model_config("glm5")
+  link = comm_model.Link(latency=latency_us * 1e-6)
+  got = comm_model.project(config, rank_step_s=0.02, tep=8, link=link, accept_length=accept_length,
+                           draft_steps=draft_steps)
+  passes = (draft_steps + 1, 78), *[(1, 1)] * draft_steps  # (tokens, layers) of each pass
+  assert got["collectives"] == sum(2 * layers + 3 for _, layers in passes)
+  ring = lambda nbytes, share: latency_us * 1e-6 + share * nbytes / 450e9
+  comm = sum((2 * layers + 1) * ring(tokens * 6144 * 2, 2 * 7 / 8) + 2 * ring(tokens * 8 * 4, 7 / 8)
+             for tokens, layers in passes)
+  assert got["comm_ms"] == pytest.approx(comm * 1e3)
+  assert got["tokens_per_s"] == pytest.approx(accept_length / (0.02 + comm))
+  with pytest.raises(ValueError, match="accept_length"):
+    comm_model.project(config, rank_step_s=0.02, tep=8, link=link, accept_length=draft_steps + 2,
+                       draft_steps=draft_steps)
+
+
+def test_tep_project_writes_the_table(tmp_path, capsys):
+  from absl import flags
+  from experiments import tep_project
+
+  out = tmp_path / "tep.json"
+  flags.FLAGS(["tep_project", "--config=tiny", "--full_config=tiny", "--tep=2", "--rank_step_ms=2",
+               "--latency_us=0,10", f"--output={out}"])
+  tep_project.main([])
+  report = json.loads(out.read_text())
+  assert [r["latency_us"] for r in report["projection"]] == [0, 10]
+  no_latency, slow = report["projection"]
+  assert no_latency["step_ms"] == pytest.approx(2, rel=1e-3) and slow["step_ms"] > 2 + 4 * 2 * 10e-3
+  # tiny holds every weight: one device of the TEP=2 layout holds less.
+  assert report["layout"]["layout_gb"] < report["layout"]["rank_config_gb"]
+  assert "latency per collective: assumed" in capsys.readouterr().out
