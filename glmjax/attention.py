@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glmjax import dsa
+from glmjax import dsa, quant
 from glmjax.cache import paged
 from glmjax.config import ModelConfig
 from glmjax.layers import LayerNorm, Linear, RMSNorm, apply_rope, init_normal
@@ -62,8 +62,8 @@ class Weight(nn.Module):
 
   @nn.compact
   def __call__(self) -> jax.Array:
-    return self.param("weight", nn.with_logical_partitioning(init_normal(0.02), self.axes), self.shape,
-                      self.param_dtype)
+    return quant.param(self, "weight", nn.with_logical_partitioning(init_normal(0.02), self.axes), self.shape,
+                       self.param_dtype)
 
 
 class MLAttention(nn.Module):
@@ -88,14 +88,15 @@ class MLAttention(nn.Module):
                            c.kv_lora_rank, c.v_head_dim)
     with jax.named_scope("mla_proj"):
       q_resid = RMSNorm(1e-6, name="q_a_layernorm", **kw)(
-          Linear(c.q_lora_rank, ("q_lora", "embed"), name="q_a_proj", **kw)(x))
-      q = Linear(h * c.qk_head_dim, ("heads", "q_lora"), name="q_b_proj", **kw)(q_resid)
+          Linear(c.q_lora_rank, ("q_lora", "embed"), name="q_a_proj", **kw)(x, matmul=runtime.matmul))
+      q = Linear(h * c.qk_head_dim, ("heads", "q_lora"), name="q_b_proj", **kw)(q_resid, matmul=runtime.matmul)
       q = q.reshape(b, t, h, c.qk_head_dim)
       q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos, sin)
-      kv_a = Linear(r + rope, (None, "embed"), name="kv_a_proj_with_mqa", **kw)(x)
+      kv_a = Linear(r + rope, (None, "embed"), name="kv_a_proj_with_mqa", **kw)(x, matmul=runtime.matmul)
       latent = RMSNorm(1e-6, name="kv_a_layernorm", **kw)(kv_a[..., :r])  # [b, t, r]
       k_pe = apply_rope(kv_a[..., r:], cos, sin)                            # [b, t, p]
       kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()
+      kv_b = kv_b if isinstance(kv_b, jax.Array) else kv_b.dequantize(jnp.float32)  # used raw (absorbed)
 
     run_indexer = runtime.runs_indexer(layer_id, self.has_indexer) or prev_topk is None
     if run_indexer and not self.has_indexer:
@@ -110,7 +111,8 @@ class MLAttention(nn.Module):
     else:
       out, topk, new_layer = self._cached(q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
                                           cache, cache_slot, runtime)
-    out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype))
+    out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype),
+                                                                          matmul=runtime.matmul)
     return out, topk, new_layer
 
   def _reference(self, q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime):

@@ -11,20 +11,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glmjax import quant
+from glmjax.quant import linear  # arrays: the reference einsum; quantized leaves: weight-only, by impl
+
 init_normal = nn.initializers.normal
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-  """x [..., in] @ w.T for w [out, in]: a plain einsum for arrays (the reference numerics),
-  glmjax.quant's weight-only matmul for quantized leaves."""
-  if isinstance(w, jax.Array):
-    return jnp.einsum("...k,nk->...n", x, w)
-  from glmjax import quant
-  return quant.linear(x, w)
-
-
 class Linear(nn.Module):
-  """y = x @ weight.T with weight [out, in] (HF layout); no bias (GLM-5 has none)."""
+  """y = x @ weight.T with weight [out, in] (HF layout); no bias (GLM-5 has none). The weight may
+  be a quantized leaf (NVFP4 / block FP8), applied through the `matmul` impl of the call."""
   features: int
   axes: tuple[str | None, str | None] = (None, None)  # logical axes of (out, in)
   dtype: jnp.dtype = jnp.float32
@@ -32,10 +27,10 @@ class Linear(nn.Module):
   init_std: float = 0.02
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    weight = self.param("weight", nn.with_logical_partitioning(init_normal(self.init_std), self.axes),
-                        (self.features, x.shape[-1]), self.param_dtype)
-    return linear(x.astype(self.dtype), weight)
+  def __call__(self, x: jax.Array, *, matmul: str = "xla") -> jax.Array:
+    weight = quant.param(self, "weight", nn.with_logical_partitioning(init_normal(self.init_std), self.axes),
+                         (self.features, x.shape[-1]), self.param_dtype)
+    return linear(x.astype(self.dtype), weight, impl=matmul)
 
 
 class RMSNorm(nn.Module):
@@ -103,11 +98,11 @@ class MLP(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, *, matmul: str = "xla") -> jax.Array:
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    gate = Linear(self.intermediate_size, ("mlp", "embed"), name="gate_proj", **kw)(x)
-    up = Linear(self.intermediate_size, ("mlp", "embed"), name="up_proj", **kw)(x)
-    return Linear(self.hidden_size, ("embed", "mlp"), name="down_proj", **kw)(nn.silu(gate) * up)
+    gate = Linear(self.intermediate_size, ("mlp", "embed"), name="gate_proj", **kw)(x, matmul=matmul)
+    up = Linear(self.intermediate_size, ("mlp", "embed"), name="up_proj", **kw)(x, matmul=matmul)
+    return Linear(self.hidden_size, ("embed", "mlp"), name="down_proj", **kw)(nn.silu(gate) * up, matmul=matmul)
 
 
 def split_last(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:

@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
       else:
-        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h)
+        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, matmul=runtime.matmul)
     return x + h.astype(x.dtype), topk, layer_cache
 
 
@@ -69,15 +69,15 @@ class MTPBlock(nn.Module):
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, embedded, hidden, cos, sin, *, positions, runtime, cache):
+  def __call__(self, embedded, hidden, cos, sin, *, positions, runtime, cache, prev_topk=None):
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     joined = jnp.concatenate([RMSNorm(c.rms_norm_eps, name="enorm", **kw)(embedded),
                               RMSNorm(c.rms_norm_eps, name="hnorm", **kw)(hidden)], axis=-1)
-    x = Linear(c.hidden_size, ("embed", None), name="eh_proj", **kw)(joined)
-    x, _, layer_cache = DecoderLayer(c, c.num_hidden_layers, True, True, name="block", **kw)(
-        x, cos, sin, None, positions=positions, runtime=runtime, cache=cache, cache_slot=0)
-    return x, RMSNorm(c.rms_norm_eps, name="shared_head_norm", **kw)(x), layer_cache
+    x = Linear(c.hidden_size, ("embed", None), name="eh_proj", **kw)(joined, matmul=runtime.matmul)
+    x, topk, layer_cache = DecoderLayer(c, c.num_hidden_layers, True, True, name="block", **kw)(
+        x, cos, sin, prev_topk, positions=positions, runtime=runtime, cache=cache, cache_slot=0)
+    return x, RMSNorm(c.rms_norm_eps, name="shared_head_norm", **kw)(x), topk, layer_cache
 
 
 class CausalLM(nn.Module):
@@ -122,20 +122,23 @@ class CausalLM(nn.Module):
     return logits, hidden, new_cache
 
   def mtp_step(self, next_tokens, hidden, positions, *, cache: paged.KVCache | None = None,
-               runtime: Runtime = DEFAULT_RUNTIME):
+               runtime: Runtime = DEFAULT_RUNTIME, prev_topk: jax.Array | None = None):
     """MTP draft: next_tokens [B, T] (the token after each position), hidden [B, T, D] (the main
     model's final normed hidden state there, as vLLM and SGLang feed it) -> (logits [B, T, V],
     the MTP block's output [B, T, D] before shared_head.norm, which chained draft steps feed back
-    as `hidden`, new MTP cache). `cache` is the MTP layer's own single-layer KVCache.
+    as `hidden`, new MTP cache, the MTP layer's top-k [B, T, k] or None). `cache` is the MTP
+    layer's own single-layer KVCache. `prev_topk` [B, T, k] is a selection to reuse instead of
+    running the MTP indexer (IndexShare across draft steps); it is used when `runtime` marks the
+    MTP layer (index num_hidden_layers) as shared.
     """
     c = self.config
     cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta)
     embedded = self.embed_tokens(jnp.clip(next_tokens, 0, c.vocab_size - 1)).astype(self.dtype)
-    h, normed, layer_cache = self.mtp(embedded, hidden.astype(self.dtype), cos, sin, positions=positions,
-                                      runtime=runtime, cache=cache)
+    h, normed, topk, layer_cache = self.mtp(embedded, hidden.astype(self.dtype), cos, sin, positions=positions,
+                                            runtime=runtime, cache=cache, prev_topk=prev_topk)
     logits = self.lm_head(normed).astype(jnp.float32)
     new_cache = None if cache is None else cache.replace(layers=(layer_cache,))
-    return logits, h, new_cache
+    return logits, h, new_cache, topk
 
 
 def init_params(config: ModelConfig, key: jax.Array, *, param_dtype=jnp.bfloat16):

@@ -4,6 +4,8 @@ A `Session` is one conversation. Each round appends its new tokens to the conver
 prefix cache which pages already hold its KV (this session's own pages, the trailing partial page
 included, or full pages shared with other sessions), prefills only the rest in chunks, then
 decodes on device. Sessions of one round run as one decode batch (concurrency = batch).
+With `mtp_cache=True` the engine also keeps the MTP layer's pages (same page ids) so that rounds
+can decode speculatively (`run_round(..., spec=SpecConfig(...))`, glmjax.engine.speculative).
 """
 
 import dataclasses
@@ -17,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.api import check_tokens, params_dtype
-from glmjax.cache.paged import KVCache, init_cache
-from glmjax.cache.prefix_cache import PrefixCache, SequenceAlloc
+from glmjax.cache.paged import KVCache, LayerCache, init_cache
+from glmjax.cache.prefix_cache import NULL_PAGE, PrefixCache, SequenceAlloc
 from glmjax.config import ModelConfig
 from glmjax.engine import steps
 from glmjax.engine.sampling import Sampling, sample
+from glmjax.engine.speculative import SpecConfig, copy_pages, init_mtp_layer, prefill_chunk_mtp, spec_decode_loop
 from glmjax.runtime import Runtime
 
 
@@ -35,10 +38,22 @@ class RoundStats:
   decode_s: float
   output: list[int]
   first_logits: np.ndarray    # [V] fp32: the distribution the first output token was drawn from
+  decode_steps: int = 0       # device loop iterations (shared by the batch)
+  dispatch_s: float = 0.0     # host time to submit the decode program (until the call returns; a first call compiles)
+  verify_steps: int = 0       # speculative steps of this sequence (drafts verified)
+  plain_steps: int = 0        # single-token steps (fallback, or num_draft 0)
+  acceptance_length: float = 0.0            # tokens per verify step: accepted drafts + 1, <= k + 1
+  acceptance_rate_per_position: list[float] = dataclasses.field(default_factory=list)
+  drafts_per_position: list[int] = dataclasses.field(default_factory=list)  # verify steps drafting there
 
   @property
   def decode_tokens_per_s(self) -> float:
     return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+  @property
+  def step_s(self) -> float:
+    """Average device step: total decode time / loop steps (steps are not timed one by one)."""
+    return self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
 @dataclasses.dataclass
@@ -48,11 +63,11 @@ class Session:
   history: list[int] = dataclasses.field(default_factory=list)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-  """Copy whole pages (values and scales together) src[i] -> dst[i] in every layer."""
-  copy = lambda a: None if a is None else a.at[dst].set(a[src])
-  return cache.replace(layers=tuple(jax.tree.map(copy, layer) for layer in cache.layers))
+@functools.partial(jax.jit, donate_argnames=("cache", "mtp"))
+def _copy_pages(cache: KVCache, mtp: LayerCache | None, src: jax.Array, dst: jax.Array):
+  """Copy whole pages src[i] -> dst[i] in every layer, the MTP layer's included."""
+  layers = tuple(copy_pages(layer, src, dst) for layer in cache.layers)
+  return cache.replace(layers=layers), None if mtp is None else copy_pages(mtp, src, dst)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -65,7 +80,8 @@ class Engine:
 
   def __init__(self, config: ModelConfig, params, *, runtime: Runtime = Runtime(), num_pages: int = 1024,
                page_size: int = 16, max_batch: int = 1, max_seq_len: int | None = None,
-               kv_dtype: str = "bf16", prefix_cache: bool = True, prefill_chunk: int = 512):
+               kv_dtype: str = "bf16", prefix_cache: bool = True, prefill_chunk: int = 512,
+               mtp_cache: bool = False):
     max_seq_len = max_seq_len or config.max_position_embeddings
     if prefill_chunk <= 0:
       raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -81,6 +97,10 @@ class Engine:
     self.prefix = PrefixCache(num_pages, page_size)
     self.cache = init_cache(config, num_pages=num_pages, page_size=page_size, batch=max_batch,
                             max_pages=self.max_pages, kv_dtype=kv_dtype)
+    if mtp_cache and not config.num_nextn_predict_layers:
+      raise ValueError("mtp_cache=True needs a model with an MTP layer (num_nextn_predict_layers >= 1)")
+    # Every round keeps the MTP pages current when they exist, so cached pages serve later drafts.
+    self.mtp = init_mtp_layer(config, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype) if mtp_cache else None
     self.spec = steps.StepSpec(config, runtime, jnp.dtype(params_dtype(params)).name)
     self._ids = itertools.count()
 
@@ -95,7 +115,7 @@ class Engine:
     """Apply page copies, point the slot at the sequence's pages, prefill the uncached suffix."""
     if seq.copies:
       src, dst = map(jnp.asarray, zip(*seq.copies))
-      self.cache = _copy_pages(self.cache, src, dst)
+      self.cache, self.mtp = _copy_pages(self.cache, self.mtp, src, dst)
     table, _ = self.prefix.page_table(seq, self.max_pages)
     self.cache = _set_slot(self.cache, jnp.int32(slot), jnp.asarray(table), jnp.int32(seq.num_cached))
     tokens = np.asarray(seq.tokens, np.int32)
@@ -105,30 +125,49 @@ class Engine:
       piece = tokens[start:start + self.prefill_chunk]
       chunk[slot, :len(piece)] = piece
       positions[slot, :len(piece)] = np.arange(start, start + len(piece))
-      logits, hidden, self.cache = steps.prefill_chunk(self.params, self.cache, jnp.asarray(chunk),
-                                                       jnp.asarray(positions), spec=self.spec)
+      if self.mtp is None:
+        logits, hidden, self.cache = steps.prefill_chunk(self.params, self.cache, jnp.asarray(chunk),
+                                                         jnp.asarray(positions), spec=self.spec)
+        continue
+      # MTP slot p needs the token after p: known for all but the prompt's last position.
+      following = np.full_like(chunk, -1)
+      nxt = tokens[start + 1:start + self.prefill_chunk + 1]
+      following[slot, :len(nxt)] = nxt
+      logits, hidden, self.cache, self.mtp = prefill_chunk_mtp(
+          self.params, self.cache, self.mtp, jnp.asarray(chunk), jnp.asarray(positions),
+          jnp.asarray(following), spec=self.spec)
     return logits[slot], hidden[slot]
 
   def run_round(self, sessions: list[Session], new_tokens: list[list[int]], max_new_tokens: int, *,
-                sampling: Sampling = Sampling(), seed: int = 0, ignore_eos: bool = False) -> list[RoundStats]:
-    """Append each session's new tokens, prefill what is not cached, decode up to max_new_tokens."""
+                sampling: Sampling = Sampling(), seed: int = 0, ignore_eos: bool = False,
+                spec: SpecConfig | None = None) -> list[RoundStats]:
+    """Append each session's new tokens, prefill what is not cached, decode up to max_new_tokens
+    (speculatively with `spec`: needs mtp_cache=True)."""
     if not 1 <= len(sessions) <= self.max_batch or len(sessions) != len(new_tokens):
       raise ValueError(f"need 1..{self.max_batch} sessions with one token list each, "
                        f"got {len(sessions)} sessions and {len(new_tokens)} lists")
+    if spec is not None and self.mtp is None:
+      raise ValueError("speculative decoding needs the MTP layer's pages: build the Engine with mtp_cache=True")
+    # With MTP pages and no spec, single-token steps that still keep the MTP pages current.
+    draft = (spec or SpecConfig(num_draft=0)).shape
+    ahead = draft.num_draft  # drafted positions are written past the accepted length
     contexts = [s.history + list(t) for s, t in zip(sessions, new_tokens)]
     for ctx in contexts:
-      check_tokens(self.config, np.asarray([ctx]), extra_positions=max_new_tokens)
-      if len(ctx) + max_new_tokens > self.max_pages * self.page_size:
-        raise ValueError(f"context {len(ctx)} + {max_new_tokens} new tokens exceeds the engine's "
-                         f"max_seq_len {self.max_pages * self.page_size}")
+      check_tokens(self.config, np.asarray([ctx]), extra_positions=max_new_tokens + ahead)
+      if len(ctx) + max_new_tokens + ahead > self.max_pages * self.page_size:
+        raise ValueError(f"context {len(ctx)} + {max_new_tokens} new tokens + {ahead} drafts exceeds the "
+                         f"engine's max_seq_len {self.max_pages * self.page_size}")
     seqs: list[SequenceAlloc] = []
+    scratch: list[int] = []
+    nspan = draft.span_pages(self.page_size)
     try:
       for s, ctx in zip(sessions, contexts):
         seq = self.prefix.open_sequence(ctx, namespace=self._namespace(),
                                         session=s.id if self.prefix_cache_enabled else None)
         seqs.append(seq)
         # Reserve the decode budget now, so decoding can never run out of pages.
-        self.prefix.reserve(seq, max_new_tokens - 1)
+        self.prefix.reserve(seq, max_new_tokens - 1 + ahead)
+      scratch = self.prefix.pool.allocate(len(seqs) * (draft.paths - 1) * nspan)
     except Exception:
       for seq in seqs:  # undo this round's admissions: keep only pages that already held KV
         self.prefix.truncate(seq, seq.write_floor)
@@ -137,11 +176,12 @@ class Engine:
 
     key = jax.random.key(seed)
     start = time.perf_counter()
-    firsts, ttfts = [], []
+    firsts, ttfts, hiddens = [], [], []
     for slot, seq in enumerate(seqs):
-      logits, _ = self._prefill(slot, seq)
+      logits, hidden = self._prefill(slot, seq)
       key, sub = jax.random.split(key)
       firsts.append((int(sample(logits[None], sub, sampling)[0]), np.asarray(logits)))
+      hiddens.append(hidden)
       ttfts.append(time.perf_counter() - start)
     b = self.max_batch
     first = np.zeros(b, np.int32)
@@ -150,13 +190,27 @@ class Engine:
     self.cache = self.cache.replace(lengths=jnp.asarray(
         [len(c) for c in contexts] + [0] * (b - len(seqs)), jnp.int32))
     eos = jnp.asarray([] if ignore_eos else self.config.eos_token_ids, jnp.int32)
+    budget = jnp.full((b,), max_new_tokens, jnp.int32)
     decode_start = time.perf_counter()
-    out, counts, _, self.cache = steps.decode_loop(
-        self.params, self.cache, jnp.asarray(first), jnp.asarray(active), key, eos,
-        jnp.full((b,), max_new_tokens, jnp.int32), spec=self.spec, sampling=sampling,
-        max_new_tokens=max_new_tokens)
-    out, counts = np.asarray(out), np.asarray(counts)
+    if self.mtp is None:
+      out, counts, steps_run, self.cache = steps.decode_loop(
+          self.params, self.cache, jnp.asarray(first), jnp.asarray(active), key, eos, budget, spec=self.spec,
+          sampling=sampling, max_new_tokens=max_new_tokens)
+      steps_run, stats = steps_run - 1, None  # decode_loop counts from 1 (the first token's column)
+    else:
+      table = np.full((b, draft.paths - 1, nspan), NULL_PAGE, np.int32)
+      table[:len(seqs)] = np.asarray(scratch, np.int32).reshape(len(seqs), draft.paths - 1, nspan)
+      last_hidden = jnp.zeros((b, hiddens[0].shape[-1]), hiddens[0].dtype).at[:len(seqs)].set(jnp.stack(hiddens))
+      out, counts, steps_run, self.cache, self.mtp, stats = spec_decode_loop(
+          self.params, self.cache, self.mtp, jnp.asarray(first), last_hidden, jnp.asarray(active), key, eos,
+          budget, jnp.asarray(table), (spec or SpecConfig(num_draft=0)).knobs(), spec=self.spec,
+          sampling=sampling, max_new_tokens=max_new_tokens, draft=draft)
+    dispatch_s = time.perf_counter() - decode_start
+    out, counts, steps_run = np.asarray(out), np.asarray(counts), int(steps_run)
     decode_s = time.perf_counter() - decode_start
+    stats = None if stats is None else jax.tree.map(np.asarray, stats)
+    for page in scratch:
+      self.prefix.pool.decref(page)
 
     results = []
     for slot, (s, seq, ctx) in enumerate(zip(sessions, seqs, contexts)):
@@ -165,8 +219,17 @@ class Engine:
       self.prefix.extend(seq, emitted[:-1])
       self.prefix.release(seq)
       s.history = ctx + emitted
-      results.append(RoundStats(prompt_tokens=len(ctx), cached_tokens=seq.num_cached,
-                                prefilled_tokens=len(ctx) - seq.num_cached, ttft_s=ttfts[slot],
-                                decode_tokens=len(emitted) - 1, decode_s=decode_s, output=emitted,
-                                first_logits=firsts[slot][1]))
+      st = RoundStats(prompt_tokens=len(ctx), cached_tokens=seq.num_cached,
+                      prefilled_tokens=len(ctx) - seq.num_cached, ttft_s=ttfts[slot],
+                      decode_tokens=len(emitted) - 1, decode_s=decode_s, output=emitted,
+                      first_logits=firsts[slot][1], decode_steps=steps_run, dispatch_s=dispatch_s)
+      if stats is not None:
+        verify = int(stats["verify_steps"][slot])
+        drafted, accepted = stats["proposed"][slot], stats["accepted"][slot]
+        st = dataclasses.replace(
+            st, verify_steps=verify, plain_steps=int(stats["plain_steps"][slot]),
+            acceptance_length=float(stats["verified_tokens"][slot]) / verify if verify else 0.0,
+            acceptance_rate_per_position=[float(a / d) if d else 0.0 for a, d in zip(accepted, drafted)],
+            drafts_per_position=drafted.tolist())
+      results.append(st)
     return results

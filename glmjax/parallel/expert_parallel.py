@@ -54,7 +54,7 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
     offset = jax.lax.axis_index(TEP) * local_experts
     routed = quant.moe_experts(x, ids - offset, weights, experts["gate_proj"], experts["up_proj"],
                                experts["down_proj"], impl=matmul)
-    partial = routed + shared_mlp.apply({"params": shared}, x)
+    partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul)
     return jax.lax.psum(partial, TEP)
 
   specs = (P(), P(), P(), EXPERT_SPEC, SHARED_SPECS)

@@ -5,27 +5,33 @@
   moe_experts(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, *, impl)
                               sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,s],
                               over stacked expert weights ([E, I, D] gate/up, [E, D, I] down).
-  quantize_nvfp4 / quantize_fp8_block / quantize_params(params, policy)
+  param(module, name, init_fn, shape, dtype)
+                              a Flax module's weight, which may be a quantized leaf.
+  quantize_nvfp4 / quantize_fp8_block / quantize_params(params, policy) / quantize_leaf
 
 impl="xla" dequantizes and runs XLA's einsum (x.dtype inputs, fp32 accumulation); impl="pallas"
-runs the weight-only kernels in pallas_kernels/ (decode-sized inputs). Plain arrays always take
-the plain einsum: it is the reference model path and XLA's bf16 GEMV is already at copy speed.
+runs the weight-only kernels in pallas_kernels/ on decode-sized bf16 inputs (at most
+nvfp4_matmul.MAX_ROWS rows), else the XLA path: more rows are compute-bound, and the kernels take
+bf16 only (not the fp32 indexer or fp32 models). Plain arrays always take the plain einsum: it is
+the reference model path and XLA's bf16 GEMV is already at copy speed.
 """
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from glmjax.quant.fp8_block import FP8BlockWeight, quantize_fp8_block
 from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
-from glmjax.quant.policy import POLICIES, quantize_params, quantizes
+from glmjax.quant.policy import POLICIES, quantize_leaf, quantize_params, quantizes
 
 IMPLS = ("xla", "pallas")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
-__all__ = ["FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight", "linear",
-           "moe_experts", "quantize_fp8_block", "quantize_nvfp4", "quantize_params", "quantizes"]
+__all__ = ["FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight",
+           "linear", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
+           "quantize_params", "quantizes"]
 
 
 def _check_impl(impl: str) -> None:
@@ -33,12 +39,34 @@ def _check_impl(impl: str) -> None:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def _kernel_sized(x: jax.Array, rows: int) -> bool:
+  """Whether impl="pallas" runs its kernels on x (decode-sized bf16), see the module docstring."""
+  from pallas_kernels.nvfp4_matmul import MAX_ROWS  # the kernels import the formats
+  return x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_ROWS
+
+
+def param(module: nn.Module, name: str, init_fn, shape: tuple[int, ...], dtype):
+  """`module.param(name, init_fn, shape, dtype)`, or the quantized leaf the params hold there.
+
+  Flax checks a given param against init_fn's shape leaf by leaf, and a quantized leaf's first
+  array is not of the logical shape (NVFP4 packs [out, in/2]); this checks the logical shape.
+  """
+  if module.has_variable("params", name):
+    value = module.get_variable("params", name)
+    if isinstance(value, QuantizedWeight):
+      if value.shape != tuple(shape):
+        raise ValueError(f"quantized param {'/'.join(module.scope.path)}/{name} has logical shape "
+                         f"{value.shape}, the module expects {tuple(shape)}")
+      return value
+  return module.param(name, init_fn, shape, dtype)
+
+
 def linear(x: jax.Array, w, *, impl: str = "xla") -> jax.Array:
   """x [..., in] @ w.T for w of logical shape [out, in] -> [..., out] in x.dtype.
 
   Plain array: `jnp.einsum('...k,nk->...n', x, w)`, untouched. Quantized, impl="xla": dequantize
-  to x.dtype, einsum with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny kernel (bf16 x)
-  when x has at most 16 rows (decode); more rows are compute-bound and dequantize once via XLA.
+  to x.dtype, einsum with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny kernel for
+  decode-sized bf16 x, else the XLA path (see the module docstring).
   """
   _check_impl(impl)
   if not isinstance(w, QuantizedWeight):
@@ -46,11 +74,10 @@ def linear(x: jax.Array, w, *, impl: str = "xla") -> jax.Array:
   if w.ndim != 2 or w.shape[1] != x.shape[-1]:
     raise ValueError(f"linear: weight must be [out, in={x.shape[-1]}], got logical shape {w.shape}")
   rows = math.prod(x.shape[:-1])
-  if impl == "pallas":
+  if impl == "pallas" and _kernel_sized(x, rows):
     from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
-    if 1 <= rows <= nvfp4_matmul.MAX_ROWS:
-      matmul = nvfp4_matmul.nvfp4_matmul if isinstance(w, NVFP4Weight) else fp8_matmul.fp8_matmul
-      return matmul(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    matmul = nvfp4_matmul.nvfp4_matmul if isinstance(w, NVFP4Weight) else fp8_matmul.fp8_matmul
+    return matmul(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
   return jnp.einsum("...k,nk->...n", x, w.dequantize(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -62,10 +89,11 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   Ids outside [0, E) (experts of other ranks) add nothing. Returns [T, D] in x.dtype.
 
   impl="xla": the model's jnp reference (glmjax.moe.experts_reference). impl="pallas": the
-  grouped kernels, one launch per projection that reads only the chosen experts' weights.
+  grouped kernels, one launch per projection that reads only the chosen experts' weights, for
+  decode-sized bf16 x (else the reference, as in `linear`).
   """
   _check_impl(impl)
-  if impl == "pallas":
+  if impl == "pallas" and _kernel_sized(x, x.shape[0]):
     from pallas_kernels.moe_grouped_matmul import moe_grouped_matmul
     return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
   from glmjax.moe import experts_reference

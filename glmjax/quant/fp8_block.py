@@ -47,13 +47,21 @@ class FP8BlockWeight(QuantizedWeight):
     *_, out, k = self.weight.shape
     return (self.weight.astype(jnp.float32) * expand_block_scale(self.scale_inv, out, k)).astype(dtype)
 
+  @staticmethod
+  def storage(shape: tuple[int, ...]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The arrays (field -> shape and dtype) that hold a weight of logical shape [..., out, in]."""
+    if len(shape) < 2:
+      raise ValueError(f"FP8 block quantization needs [..., out, in] weights, got shape {tuple(shape)}")
+    *lead, out, k = shape
+    return {"weight": jax.ShapeDtypeStruct(tuple(shape), jnp.float8_e4m3fn),
+            "scale_inv": jax.ShapeDtypeStruct((*lead, _cdiv(out, BLOCK), _cdiv(k, BLOCK)), jnp.float32)}
+
   @classmethod
   def from_checkpoint(cls, weight: jax.Array, weight_scale_inv: jax.Array) -> "FP8BlockWeight":
     """Wrap the checkpoint tensors (HF names), checking their dtypes and shapes."""
     if weight.dtype != jnp.float8_e4m3fn:
       raise ValueError(f"FP8 weight must be float8_e4m3fn, got {weight.dtype}")
-    *lead, out, k = weight.shape
-    expected = (*lead, _cdiv(out, BLOCK), _cdiv(k, BLOCK))
+    expected = cls.storage(weight.shape)["scale_inv"].shape
     if weight_scale_inv.shape != expected:
       raise ValueError(f"FP8 weight_scale_inv {weight_scale_inv.shape} does not match weight "
                        f"{weight.shape}: need {expected} ({BLOCK}x{BLOCK} blocks)")
@@ -64,8 +72,7 @@ class FP8BlockWeight(QuantizedWeight):
 def quantize_fp8_block(w: jax.Array) -> FP8BlockWeight:
   """[..., out, in] float -> FP8BlockWeight with scale_inv = amax|block| / 448 (0 for all-zero
   blocks, whose codes are 0)."""
-  if w.ndim < 2:
-    raise ValueError(f"FP8 block quantization needs [..., out, in] weights, got shape {w.shape}")
+  FP8BlockWeight.storage(w.shape)  # checks the shape
   *lead, out, k = w.shape
   nb, kb = _cdiv(out, BLOCK), _cdiv(k, BLOCK)
   w32 = w.astype(jnp.float32)

@@ -52,6 +52,19 @@ class NVFP4Weight(QuantizedWeight):
     scale = jnp.repeat(self.block_scale.astype(jnp.float32), BLOCK, axis=-1)
     return (values * scale * self.global_scale[..., None, None]).astype(dtype)
 
+  @staticmethod
+  def storage(shape: tuple[int, ...]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The arrays (field -> shape and dtype) that hold a weight of logical shape [..., out, in]."""
+    if len(shape) < 2:
+      raise ValueError(f"NVFP4 quantizes [..., out, in] weights, got shape {tuple(shape)}")
+    *lead, out, k = shape
+    if k % BLOCK:
+      raise ValueError(f"NVFP4 needs the input dim divisible by {BLOCK}, got {k} (shape {tuple(shape)})")
+    return {"packed": jax.ShapeDtypeStruct((*lead, out, k // 2), jnp.uint8),
+            "block_scale": jax.ShapeDtypeStruct((*lead, out, k // BLOCK), jnp.float8_e4m3fn),
+            "global_scale": jax.ShapeDtypeStruct(tuple(lead), jnp.float32),
+            "input_scale": jax.ShapeDtypeStruct(tuple(lead), jnp.float32)}
+
   @classmethod
   def from_modelopt(cls, weight: jax.Array, weight_scale: jax.Array, weight_scale_2: jax.Array,
                     input_scale: jax.Array | None = None) -> "NVFP4Weight":
@@ -62,10 +75,11 @@ class NVFP4Weight(QuantizedWeight):
       raise ValueError(f"NVFP4 weight must be uint8 (two codes per byte), got {weight.dtype}")
     if weight_scale.dtype != jnp.float8_e4m3fn:
       raise ValueError(f"NVFP4 weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
-    if weight_scale.shape != (*weight.shape[:-1], weight.shape[-1] * 2 // BLOCK):
+    want = cls.storage((*weight.shape[:-1], 2 * weight.shape[-1]))
+    if weight_scale.shape != want["block_scale"].shape:
       raise ValueError(f"NVFP4 weight_scale {weight_scale.shape} does not match weight {weight.shape}: "
                        f"need one scale per {BLOCK} inputs")
-    if weight_scale_2.shape != weight.shape[:-2]:
+    if weight_scale_2.shape != want["global_scale"].shape:
       raise ValueError(f"NVFP4 weight_scale_2 {weight_scale_2.shape} must have the leading dims "
                        f"{weight.shape[:-2]} of weight")
     return cls(weight, weight_scale, weight_scale_2, jnp.asarray(input_scale, jnp.float32))
@@ -107,11 +121,8 @@ def quantize_nvfp4(w: jax.Array, input_scale: jax.Array | None = None) -> NVFP4W
   whose scale underflows e4m3 to 0 (or an all-zero tensor) gets codes 0 instead of NaN.
   `input_scale` defaults to 1.0 (uncalibrated; weight-only compute never reads it).
   """
-  if w.ndim < 2:
-    raise ValueError(f"NVFP4 quantizes [..., out, in] weights, got shape {w.shape}")
+  NVFP4Weight.storage(w.shape)  # checks the shape
   *lead, out, k = w.shape
-  if k % BLOCK:
-    raise ValueError(f"NVFP4 needs the input dim divisible by {BLOCK}, got {k} (shape {w.shape})")
   w32 = w.astype(jnp.float32)
   global_scale = divide_exact(jnp.max(jnp.abs(w32), axis=(-2, -1)), E2M1_MAX * E4M3_MAX)
   blocks = w32.reshape(*lead, out, k // BLOCK, BLOCK)

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from glmjax.quant.fp8_block import quantize_fp8_block
+from glmjax.quant.leaf import QuantizedWeight
 from glmjax.quant.nvfp4 import quantize_nvfp4
 
 POLICIES = ("none", "fp8", "nvfp4_experts", "nvfp4")
@@ -51,13 +52,17 @@ def _names(path) -> tuple[str, ...]:
   return tuple(names)
 
 
+def quantize_leaf(path: tuple[str, ...], leaf: Any, policy: str) -> Any:
+  """`leaf` in the policy's format if `quantizes` selects it, else unchanged (a leaf that is
+  already quantized stays as it is: re-quantizing its dequantized values would only lose more)."""
+  if isinstance(leaf, QuantizedWeight) or not quantizes(path, leaf.ndim, policy):
+    return leaf
+  return quantize_fp8_block(leaf) if policy == "fp8" else quantize_nvfp4(leaf)
+
+
 def quantize_params(params: Any, policy: str) -> Any:
   """Replace every leaf `policy` selects by its NVFP4Weight / FP8BlockWeight (jnp, jit-able)."""
   if policy not in POLICIES:
     raise ValueError(f"quantization policy must be one of {POLICIES}, got {policy!r}")
-  quantize = quantize_fp8_block if policy == "fp8" else quantize_nvfp4
-
-  def convert(path, leaf):
-    return quantize(leaf) if quantizes(_names(path), leaf.ndim, policy) else leaf
-
-  return jax.tree_util.tree_map_with_path(convert, params)
+  return jax.tree_util.tree_map_with_path(lambda path, leaf: quantize_leaf(_names(path), leaf, policy),
+                                          params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

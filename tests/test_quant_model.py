@@ -1,0 +1,128 @@
+"""The model with quantized weights: equal to the model on the dequantized weights (XLA impl), the
+Pallas impl (interpret mode) close to the XLA impl, and Flax's param check on quantized leaves."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+import glmjax
+from configs import get_model_config
+from glmjax.layers import Linear
+from glmjax.model import abstract_params
+from glmjax.quant import QuantizedWeight, quantize_fp8_block, quantize_nvfp4, quantize_params
+from glmjax.runtime import Runtime
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+# tiny's features (a dense and an MoE layer, MLA, indexer, IndexShare) in two layers: quicker to
+# compile, and the interpret-mode kernels compile once per distinct weight shape.
+CONFIG = dataclasses.replace(get_model_config("tiny"), num_hidden_layers=2, indexer_types=("full", "shared"),
+                             mlp_layer_types=("dense", "sparse"))
+MOE_LAYERS = ("layers_1",)
+
+
+def is_quantized(x) -> bool:
+  return isinstance(x, QuantizedWeight)
+
+
+def quantized(params, case: str):
+  """Params under a quantization policy."""
+  return quantize_params(params, case)
+
+
+def dequantized(params, dtype):
+  return jax.tree.map(lambda w: w.dequantize(dtype) if is_quantized(w) else w, params, is_leaf=is_quantized)
+
+
+def kernel_launches(jaxpr) -> int:
+  """pallas_call equations in a jaxpr, counted per call site through nested jaxprs."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      count += 1
+      continue
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+          count += kernel_launches(getattr(sub, "jaxpr", sub))
+  return count
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def random_params(seed: int, dtype) -> dict:
+  """Fresh params drawn in numpy from the params' shapes (model.init would compile the model):
+  vectors (norm scales, biases) around 1, matrices N(0, 0.05)."""
+  rng = np.random.default_rng(seed)
+  draw = lambda s: (1 + 0.1 * rng.standard_normal(s.shape)) if len(s.shape) == 1 else 0.05 * rng.standard_normal(s.shape)
+  return jax.tree.map(lambda s: jnp.asarray(draw(s), s.dtype), nn.unbox(abstract_params(CONFIG, param_dtype=dtype)))
+
+
+@pytest.fixture(scope="module")
+def params_fp32():
+  return random_params(21, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def params_bf16():
+  return random_params(22, jnp.bfloat16)
+
+
+def tokens(seed: int, batch: int, length: int) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, CONFIG.vocab_size, (batch, length), dtype=np.int32)
+
+
+CASES = ["fp8", "nvfp4_experts", "nvfp4"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_quantized_model_equals_dequantized_model(params_fp32, case):
+  """fp32 compute: the XLA impl dequantizes to fp32 and the plain einsum runs on the same values,
+  so only the accumulation order may differ."""
+  q = quantized(params_fp32, case)
+  assert isinstance(q["layers_1"]["self_attn"]["kv_b_proj"]["weight"], QuantizedWeight) != (case == "nvfp4_experts")
+  ids = tokens(len(case), 2, 12)
+  out = glmjax.forward(CONFIG, q, ids)
+  ref = glmjax.forward(CONFIG, dequantized(q, jnp.float32), ids)
+  assert rel_err(out, ref) <= 1e-5
+
+
+def test_quantized_generate_equals_dequantized(params_fp32):
+  """Through the paged cache (kv_b_proj absorbed into the query, decode-sized linears)."""
+  q = quantized(params_fp32, "fp8")
+  prompt = tokens(5, 2, 7)
+  out = glmjax.generate(CONFIG, q, prompt, 6, ignore_eos=True)
+  np.testing.assert_array_equal(out, glmjax.generate(CONFIG, dequantized(q, jnp.float32), prompt, 6, ignore_eos=True))
+
+
+@pytest.mark.parametrize("case", ["fp8", "nvfp4"])
+def test_pallas_matmul_matches_xla(params_bf16, case):
+  """bf16, 8 rows: every quantized linear (and MoE) runs its interpret-mode kernel. Tolerance: the
+  kernels round their outputs to bf16 once where XLA's path may round differently (~4e-3 per
+  matmul), compounded over the layers and the MoE's routing."""
+  q = quantized(params_bf16, case)
+  ids = tokens(len(case) + 1, 1, 8)
+  launches = {impl: kernel_launches(jax.make_jaxpr(
+      lambda p: glmjax.forward(CONFIG, p, ids, runtime=Runtime(matmul=impl)))(q).jaxpr) for impl in ("xla", "pallas")}
+  # 8 attention and 3 dense-MLP projections, 2 MoE launches (+3 once the shared expert gets the impl).
+  assert launches == {"xla": 0, "pallas": launches["pallas"]} and launches["pallas"] >= 13
+  xla = glmjax.forward(CONFIG, q, ids)
+  pallas = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas"))
+  assert rel_err(pallas, xla) <= 2e-2
+
+
+@pytest.mark.parametrize("quantize", [quantize_nvfp4, quantize_fp8_block])
+def test_linear_checks_a_quantized_weights_logical_shape(quantize):
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 32)), jnp.float32)
+  w = quantize(jnp.asarray(np.random.default_rng(1).standard_normal((8, 32)), jnp.float32))
+  out = Linear(8).apply({"params": {"weight": w}}, x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(x @ w.dequantize(jnp.float32).T), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"quantized param .*weight has logical shape \(8, 32\), the module expects \(16, 32\)"):
+    Linear(16).apply({"params": {"weight": w}}, x)
