@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glmjax import quant
 from glmjax.config import ModelConfig
 from glmjax.layers import MLP, init_normal
 
@@ -91,14 +92,13 @@ class Experts(nn.Module):
   def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, *, matmul: str = "xla") -> jax.Array:
     c = self.config
     e, i, d = c.num_local_experts, c.moe_intermediate_size, c.hidden_size
-    make = lambda name, shape, axes: self.param(
-        name, nn.with_logical_partitioning(init_normal(0.02), ("experts",) + axes), shape, self.param_dtype)
+    make = lambda name, shape, axes: quant.param(
+        self, name, nn.with_logical_partitioning(init_normal(0.02), ("experts",) + axes), shape, self.param_dtype)
     gate = make("gate_proj", (e, i, d), ("expert_mlp", "embed"))
     up = make("up_proj", (e, i, d), ("expert_mlp", "embed"))
     down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
     x = x.astype(self.dtype)
     if matmul == "pallas":
-      from glmjax import quant
       return quant.moe_experts(x, ids, weights, gate, up, down, impl="pallas")
     return experts_reference(x, ids, weights, gate, up, down)
 
@@ -131,5 +131,6 @@ class MoE(nn.Module):
                                 matmul=matmul, mesh=tep_mesh, **kw)
       return out.reshape(x.shape)
     routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=matmul)
-    shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, name="shared_experts", **kw)(x)
+    shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, name="shared_experts", **kw)(
+        x, matmul=matmul)
     return routed.reshape(x.shape).astype(self.dtype) + shared
