@@ -4,11 +4,13 @@
 
 Shapes: one TEP=8 rank at batch 1: MLA 8 heads (kv_lora_rank 512, rope 64), indexer 32 x 128,
 top-k 2048, page size 64; contexts 8K/32K/80K/128K, 1 and 5 query tokens, bf16 and FP8 caches;
-plus top-k alone over 1 and 64 rows of 131,072. `bytes` is what a kernel must move through HBM
-at least (its bandwidth floor at 4.22 TB/s): cache rows read once, outputs written once; the
-scores between scoring and top-k, and the attention's split partials, stay in L2. Selections
-for the attention rows are random and independent per query token (no shared rows: the worst
-case). quick=True: tiny shapes for a CPU smoke test (interpret mode; times mean nothing).
+plus top-k alone over 1 and 64 rows of 131,072. Queries are fp32, as the engine passes them
+(the kernels split them into bf16 MMA terms for fp32-faithful results: see sparse_mla.py).
+`bytes` is what a kernel must move through HBM at least (its bandwidth floor at 4.22 TB/s):
+cache rows read once, outputs written once; the scores between scoring and top-k, and the
+attention's split partials, stay in L2. Selections for the attention rows are random and
+independent per query token (no shared rows: the worst case). quick=True: tiny shapes for a
+CPU smoke test (interpret mode; times mean nothing).
 """
 
 import functools
@@ -57,13 +59,13 @@ def _indexer_cases(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
   kq, kw, kk, kp = jax.random.split(key, 4)
   h, d = s["index_heads"], s["index_dim"]
   pages = context // s["page"] + 1
-  q = jax.random.normal(kq, (1, t, h, d), jnp.bfloat16)
+  q = jax.random.normal(kq, (1, t, h, d), jnp.float32)
   weights = jax.random.normal(kw, (1, t, h), jnp.float32) * h ** -0.5
   index_k, index_scale = _cache(kk, (pages, s["page"], d), fp8)
   positions = jnp.arange(context - t, context, dtype=jnp.int32)[None]
   args = (q, weights, index_k, index_scale, _page_table(kp, context, s["page"]), positions)
   key_bytes = context * (d * (1 if fp8 else 2) + (4 if fp8 else 0))
-  small = q.size * 2 + weights.size * 4 + context // s["page"] * 4
+  small = q.size * 4 + weights.size * 4 + context // s["page"] * 4
   return args, key_bytes + small
 
 
@@ -72,8 +74,8 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
   kq, kr, kl, ke, kp, ki = jax.random.split(key, 6)
   h, rank, rope, k = s["heads"], s["rank"], s["rope"], s["k"]
   pages = context // s["page"] + 1
-  q_latent = jax.random.normal(kq, (1, t, h, rank), jnp.bfloat16)
-  q_rope = jax.random.normal(kr, (1, t, h, rope), jnp.bfloat16)
+  q_latent = jax.random.normal(kq, (1, t, h, rank), jnp.float32)
+  q_rope = jax.random.normal(kr, (1, t, h, rope), jnp.float32)
   latent, latent_scale = _cache(kl, (pages, s["page"], rank), fp8)
   k_rope = jax.random.normal(ke, (pages, s["page"], rope), jnp.bfloat16)
   picks = [jnp.sort(jax.random.choice(sub, context - t + i + 1, (min(k, context),),
@@ -83,7 +85,7 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
   args = (q_latent, q_rope, latent, latent_scale, k_rope, _page_table(kp, context, s["page"]),
           indices)
   row = rank * (1 if fp8 else 2) + (rank // fp8_block_size(rank) * 4 if fp8 else 0) + rope * 2
-  num_bytes = t * k * (row + 4) + (q_latent.size + q_rope.size) * 2 + t * h * rank * 4
+  num_bytes = t * k * (row + 4) + (q_latent.size + q_rope.size) * 4 + t * h * rank * 4
   return args, num_bytes
 
 

@@ -1,4 +1,5 @@
-"""Input and tuning checks shared by the kernels: one wording, one place.
+"""Pieces shared by the kernels: input and tuning checks (one wording, one place), and the
+exact bf16 split of fp32 operands for the tensor cores.
 
 Tuning dataclasses validate themselves with these; the wrappers check paged-cache operands
 (values, their FP8 scales, page tables) before building BlockSpecs.
@@ -6,6 +7,7 @@ Tuning dataclasses validate themselves with these; the wrappers check paged-cach
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 NUM_WARPS = (1, 2, 4, 8, 16)
 
@@ -60,3 +62,33 @@ def check_page_table(page_table: jax.Array, batch: int) -> None:
   if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
     raise ValueError(f"page_table must be int32 [{batch}, max_pages], got "
                      f"{page_table.dtype}{list(page_table.shape)}")
+
+
+def bf16_parts(x: jax.Array) -> list[jax.Array]:
+  """x as bf16 terms whose sum is exactly x, largest first: [x] for bf16, three for fp32.
+
+  Why: a Triton fp32 dot at default precision rounds its inputs to tf32 (10 mantissa bits), and
+  an IEEE one runs on the CUDA cores. Three bf16 terms hold all 24 bits of an fp32 value.
+  """
+  if x.dtype == jnp.bfloat16:
+    return [x]
+  parts = []
+  rest = x
+  for _ in range(3):
+    part = rest.astype(jnp.bfloat16)
+    parts.append(part)
+    rest = rest - part.astype(jnp.float32)  # exact: part is rest rounded to 8 bits
+  return parts
+
+
+def parts_dot(parts: list[jax.Array], rhs: jax.Array, dimension_numbers) -> jax.Array:
+  """sum_i dot(parts[i], rhs) with fp32 accumulation, smallest term first, for a bf16 rhs.
+
+  Each term's products are exact (8 x 8 bits), so over `bf16_parts` of an fp32 operand this is
+  an fp32 dot up to summation order, on bf16 tensor cores (one MMA per term).
+  """
+  out = None
+  for part in reversed(parts):
+    term = lax.dot_general(part, rhs, dimension_numbers, preferred_element_type=jnp.float32)
+    out = term if out is None else out + term
+  return out

@@ -8,8 +8,11 @@ T x H queries on the tensor cores; the kernel reads each cached key once (memory
 
 Numerics: products are exact in bf16 x bf16 (and in bf16 x e4m3 codes, whose per-token
 power-of-two scale is applied after the dot, exactly); sums are fp32. An fp32 q is split into
-three bf16 parts (hi + mid + lo, 24 mantissa bits) because a plain fp32 Triton dot would round
-it to tf32. The head weights stay fp32: bf16 rounding flips near-tied selections.
+three bf16 parts (`checks.bf16_parts`: 24 mantissa bits) because a plain fp32 Triton dot would
+round it to tf32. The head weights stay fp32: bf16 rounding flips near-tied selections. So the
+scores equal the jnp path's (fp32 HIGHEST einsums) up to the order of the fp32 sums: a selection
+differs from `--attention=sparse` only where two keys straddling the k-th score are within that
+rounding (about 1e-7 relative), as they would between any two fp32 implementations.
 
 Lowering: Triton. Keys arrive through the page table, one row per token: a pointer-tensor gather
 that Triton vectorises along the contiguous Di axis and pipelines (num_stages). Mosaic GPU moves
@@ -28,11 +31,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.cache.kv_fp8 import dequantize_fp8
 from glmjax import dsa
 from glmjax.cache.paged import gather_pages
 from pallas_kernels import topk
-from pallas_kernels.checks import check_launch, check_page_table, check_paged, check_splits, check_tile, is_pow2
+from pallas_kernels.checks import (bf16_parts, check_launch, check_page_table, check_paged, check_splits,
+                                   check_tile, is_pow2, parts_dot)
 
 # Query tokens per program (the kernel unrolls them); more tokens (prefill) form more groups.
 QUERY_GROUP = 8
@@ -59,25 +62,12 @@ class IndexerScoresConfig:
     check_launch("IndexerScoresConfig", self.num_warps, self.num_stages)
 
 
-def _bf16_parts(q: jax.Array) -> list[jax.Array]:
-  """q as bf16 terms whose sum is q: one for bf16, three (24 bits) for fp32."""
-  if q.dtype == jnp.bfloat16:
-    return [q]
-  parts = []
-  rest = q
-  for _ in range(3):
-    part = rest.astype(jnp.bfloat16)
-    parts.append(part)
-    rest = rest - part.astype(jnp.float32)
-  return parts
-
-
 def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, n: int, chunk: int,
                    block_k: int, page_size: int, fp8: bool, histogram: bool):
   """Scores of one sequence's key chunk for a group of Tg query tokens (+ digit-0 histograms)."""
   # q_ref [Tg, Hp, Di] bf16|f32 ; w_ref [Tg, Hp] f32 ; pos_ref [Tg] i32 ; pt_ref [max_pages] i32
   # k_ref [P, page_size, Di] bf16|e4m3 ; scale_ref [P, page_size, 1] f32 (FP8 only)
-  # o_ref [Tg, chunk] f32 ; ge_ref [Tg, 256] f32 ; tot_ref [4, Tg, 256] f32 (histogram only; its
+  # o_ref [Tg, chunk] f32 ; ge_ref [Tg, 256] f32 ; tot_ref [2, Tg, 256] f32 (histogram only; its
   # input twin is the same buffer and goes unread)
   refs = list(refs)
   scale_ref = refs.pop(0) if fp8 else None
@@ -87,7 +77,7 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, n: i
   max_pages = pt_ref.shape[0]
   head_dim = k_ref.shape[-1]
   start = pl.program_id(2) * chunk
-  queries = [_bf16_parts(q_ref[t]) for t in range(num_t)]
+  queries = [bf16_parts(q_ref[t]) for t in range(num_t)]
   weights = [w_ref[t] for t in range(num_t)]
   positions = [pos_ref[t] for t in range(num_t)]
   dims = jnp.arange(head_dim, dtype=jnp.int32)
@@ -103,9 +93,7 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, n: i
       scale = scale_ref[page, slot, jnp.zeros_like(slot)] * scale  # [bk] power of two * Di^-0.5
     new_hists = []
     for t in range(num_t):
-      logits = sum(lax.dot_general(part, keys, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-                   for part in queries[t])  # [Hp, bk]
+      logits = parts_dot(queries[t], keys, (((1,), (1,)), ((), ())))  # [Hp, bk]
       score = jnp.sum(jnp.maximum(logits * scale, 0.0) * weights[t][:, None], axis=0)
       score = jnp.where(inside & (tok <= positions[t]), score, -jnp.inf)
       pltriton.store(o_ref.at[jnp.int32(t), pl.ds(i * block_k, block_k)], score, mask=inside)
@@ -179,7 +167,7 @@ def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, nu
   out_shape = [jax.ShapeDtypeStruct((b, tp, num_keys), jnp.float32)]
   aliases = {}
   if tot is not None:
-    tot_spec = pl.BlockSpec((topk.PASSES, None, tg, topk.BINS), lambda i, g, j: (0, i, g, 0))
+    tot_spec = pl.BlockSpec((topk.PREFIX_DIGITS, None, tg, topk.BINS), lambda i, g, j: (0, i, g, 0))
     in_specs.append(tot_spec)
     args.append(tot)
     aliases = {len(args) - 1: 2}

@@ -1,9 +1,9 @@
 """DSA key selection: indexer scores + exact top-k, with top-k's first pass fused into scoring.
 
 The scores kernel also histograms the top 8 key bits of every score it writes (topk.py's digit
-0), so the selection needs three more histogram passes and the compaction over scores that are
-still in L2 (5 x 80K scores = 1.6 MB): four launches fewer than scoring then sorting, and one
-read of the scores fewer than `indexer_scores` followed by `topk_indices`.
+0), so the selection needs three more launches (digit 1, the gather, the per-row select) over
+scores that are still in L2 (5 x 80K scores = 1.6 MB): one launch and one read of the scores
+fewer than `indexer_scores` followed by `topk_indices`.
 
 Lowering: Triton, as the two kernels it composes (see indexer_scores.py and topk.py).
 """
@@ -35,7 +35,7 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
       count comes from scores_config (it sets the scoring grid and the top-k chunks).
   Returns:
     int32 [B, T, min(k, num_keys)]: for each query token the exact top-k set of positions
-    s <= q_positions[b, t] in ascending order, then -1 where fewer positions are valid.
+    s <= q_positions[b, t] (order: see topk.py), then -1 where fewer positions are valid.
   """
   check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions, num_keys)
   k = min(k, num_keys)
@@ -50,7 +50,7 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   splits = scores_config.num_splits or topk.row_splits(b * pl.cdiv(tp, QUERY_GROUP), num_keys,
                                                        granule)
   chunk = topk.split_chunk(num_keys, splits, granule)
-  tot = jnp.zeros((topk.PASSES, b, tp, topk.BINS), jnp.float32)
+  tot = jnp.zeros((topk.PREFIX_DIGITS, b, tp, topk.BINS), jnp.float32)
   scores, ge0, tot = scores_call(q, weights, index_k, index_scale, page_table, q_positions,
                                  num_keys=num_keys, splits=splits, chunk=chunk,
                                  block_k=granule, config=scores_config, interpret=interpret,
@@ -58,7 +58,7 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   rows = b * tp
   out = topk.select_from_first_pass(
       scores.reshape(rows, num_keys), ge0.reshape(rows, splits, topk.BINS),
-      tot.reshape(topk.PASSES, rows, topk.BINS), k=k, splits=splits, chunk=chunk,
+      tot.reshape(topk.PREFIX_DIGITS, rows, topk.BINS), k=k, splits=splits, chunk=chunk,
       block=topk.loop_block(chunk, topk_config.block), config=topk_config, interpret=interpret)
   return out.reshape(b, tp, k)[:, :t]
 

@@ -11,13 +11,27 @@ of MLA), with a flash-decoding online softmax over its split; a small XLA reduct
 the splits' (max, sum, acc). Splitting the selection fills the GPU at batch 1 (5 query tokens x
 32 splits = 160 programs for k=2048). The query token is the fastest grid axis, so the programs
 of a step's T query tokens run together: where their selections coincide (the dense short-context
-case, or heavily overlapping top-k sets in ascending order), HBM serves a row once and L2 the rest.
+case, or heavily overlapping top-k sets, which topk.py lists largely in index order), HBM serves
+a row once and L2 the rest.
 (One program per query token rather than one per step: T [16, 512] fp32 accumulators would not
 fit in one program's registers.)
 
-Numerics: bf16 tensor-core dots with fp32 accumulation for both q.k and p.v (p is rounded to
-bf16, as in FlashMLA); fp32 softmax statistics. FP8 latents are dequantised in-kernel with their
-per-128 power-of-two scales, which is exact in bf16.
+Numerics follow the queries' dtype. The cached rows are exact in bf16 (bf16 pages, or e4m3
+codes times a power-of-two scale per 128 values, dequantised in-kernel), so every dot has an
+exact bf16 right-hand side and only the left one can lose bits:
+- fp32 queries (the engine's): q and the softmax weights p enter the MMAs as three bf16 terms
+  each (`checks.bf16_parts`), so q.k and p.v are fp32 dots up to summation order, as the jnp
+  path's HIGHEST-precision einsums; greedy decoding then picks the tokens `--attention=sparse`
+  picks. A plain fp32 Triton dot would not do: at default precision it rounds to tf32 (10
+  bits), and IEEE fp32 runs on the CUDA cores. The cost is 3x the MMAs of bf16: at Hp = 16
+  rows, (512 + 64 + 512) x 3 MACs per row and token is about 160 flops per byte of FP8 row
+  (90 for bf16 rows), near or past the ridge of Hopper's mma.sync (about 100), so the kernel
+  may turn compute bound where bf16 is memory bound (estimate; bench_dsa measures it).
+- bf16 queries: one bf16 MMA per dot and p rounded to bf16, as in FlashMLA: the faster choice
+  where matching the jnp path's tokens matters less than speed.
+Softmax statistics are fp32 either way. On the GPU the tensor cores' fp32 accumulation rounds
+differently from the CPU's fp32 adds (and the splits merge in another order than one softmax),
+so the kernel matches the reference to fp32 rounding, not bit for bit.
 
 Lowering: Triton. Each tile is a pointer-tensor gather of block_n scattered token rows through
 the page table, vectorised along the contiguous latent row and pipelined (num_stages), feeding
@@ -38,7 +52,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.cache.kv_fp8 import dequantize_fp8, fp8_block_size
 from glmjax.cache.paged import token_slots
-from pallas_kernels.checks import check_at_least, check_launch, check_page_table, check_paged, check_tile, is_pow2
+from pallas_kernels.checks import (bf16_parts, check_at_least, check_launch, check_page_table,
+                                   check_paged, check_tile, is_pow2, parts_dot)
 
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 _TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM
@@ -50,11 +65,13 @@ class SparseMLAConfig:
 
   block_n: selected tokens per loop step (power of two >= 16).
   num_splits: programs per query token; None picks about two programs per SM.
-  num_warps / num_stages: Triton launch parameters (stages pipeline the row gathers).
+  num_warps / num_stages: Triton launch parameters (stages pipeline the row gathers). 8 warps:
+    with fp32 queries a program holds q as three bf16 terms (48 KB at Hp=16, R=512) next to its
+    [Hp, R] fp32 accumulator and a [block_n, R] row tile, about 110 registers a thread at 8.
   """
   block_n: int = 32
   num_splits: int | None = None
-  num_warps: int = 4
+  num_warps: int = 8
   num_stages: int = 2
 
   def __post_init__(self):
@@ -73,7 +90,7 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
                        block_n: int, page_size: int, softmax_scale: float, fp8: bool,
                        heads_out: int):
   """Partial attention of one query token over one split of its selected tokens."""
-  # ql_ref [Hp, R] bf16 ; qr_ref [Hp, dr] bf16 ; pt_ref [max_pages] i32 ; idx_ref [k] i32
+  # ql_ref [Hp, R] bf16|f32 ; qr_ref [Hp, dr] bf16|f32 ; pt_ref [max_pages] i32 ; idx_ref [k] i32
   # lat_ref [P, page_size, R] bf16|e4m3 ; scale_ref [P, page_size, R // blk] f32 (FP8 only)
   # rope_ref [P, page_size, dr] bf16 ; acc_ref [Hs, R] f32 ; m_ref, l_ref [Hs] f32
   if fp8:
@@ -84,8 +101,9 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
   hp, rank = ql_ref.shape
   rope_dim = qr_ref.shape[1]
   start = pl.program_id(1) * chunk
-  ql = ql_ref[...]
-  qr = qr_ref[...]
+  exact = ql_ref.dtype == jnp.float32  # fp32 queries: fp32-faithful dots (module docstring)
+  ql = bf16_parts(ql_ref[...])
+  qr = bf16_parts(qr_ref[...])
   cols = jnp.arange(rank, dtype=jnp.int32)
   rope_cols = jnp.arange(rope_dim, dtype=jnp.int32)
   contract_last = (((1,), (1,)), ((), ()))
@@ -107,15 +125,14 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
              * scale[:, :, None]).reshape(block_n, rank)
     lat = lat.astype(jnp.bfloat16)
     rope = rope_ref[page, slot, rope_cols[None, :]]  # [bn, dr]
-    logits = (lax.dot_general(ql, lat, contract_last, preferred_element_type=jnp.float32)
-              + lax.dot_general(qr, rope, contract_last, preferred_element_type=jnp.float32))
+    logits = parts_dot(ql, lat, contract_last) + parts_dot(qr, rope, contract_last)
     logits = jnp.where(valid[None, :], logits * softmax_scale, -jnp.inf)  # [Hp, bn]
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid token yet: keep zeros
     alpha = jnp.exp(m - m_safe)
     p = jnp.exp(logits - m_safe[:, None])
-    acc = acc * alpha[:, None] + lax.dot(p.astype(jnp.bfloat16), lat,
-                                         preferred_element_type=jnp.float32)
+    p_parts = bf16_parts(p) if exact else [p.astype(jnp.bfloat16)]
+    acc = acc * alpha[:, None] + parts_dot(p_parts, lat, (((1,), (0,)), ((), ())))
     return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
   init = (jnp.full((hp,), -jnp.inf, jnp.float32), jnp.zeros((hp,), jnp.float32),
@@ -133,8 +150,9 @@ def check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_t
     raise ValueError(f"q_latent must be bf16/f32 [B, T, H, R], got "
                      f"{q_latent.dtype}{list(q_latent.shape)}")
   b, t, h, rank = q_latent.shape
-  if q_rope.ndim != 4 or q_rope.shape[:3] != (b, t, h):
-    raise ValueError(f"q_rope must be [{b}, {t}, {h}, dr], got {list(q_rope.shape)}")
+  if q_rope.ndim != 4 or q_rope.shape[:3] != (b, t, h) or q_rope.dtype != q_latent.dtype:
+    raise ValueError(f"q_rope must be {q_latent.dtype}[{b}, {t}, {h}, dr] like q_latent, got "
+                     f"{q_rope.dtype}{list(q_rope.shape)}")
   check_paged("latent", latent, "latent_scale", latent_scale, rank, rank // fp8_block_size(rank))
   if k_rope.shape != (*latent.shape[:2], q_rope.shape[-1]) or k_rope.dtype != jnp.bfloat16:
     raise ValueError(f"k_rope must be bf16 {[*latent.shape[:2], q_rope.shape[-1]]}, got "
@@ -164,8 +182,9 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
   """Attention of T query tokens per sequence over their selected cached tokens.
 
   Args:
-    q_latent: [B, T, H, R] bf16 or f32 absorbed queries (cast to bf16 for the MMA).
-    q_rope: [B, T, H, dr] bf16 or f32 roped queries.
+    q_latent: [B, T, H, R] bf16 or f32 absorbed queries; f32 gives fp32-faithful numerics,
+      bf16 FlashMLA's (module docstring).
+    q_rope: [B, T, H, dr] roped queries, of q_latent's dtype.
     latent: [P, page_size, R] bf16 or float8_e4m3fn latent pages (page 0: null page).
     latent_scale: [P, page_size, R // min(128, R)] f32 power-of-two scales for FP8, else None.
     k_rope: [P, page_size, dr] bf16 roped keys.
@@ -188,8 +207,8 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
       raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
   heads_out = pl.next_power_of_2(h)
   hp = max(_MIN_MMA, heads_out)  # MMA rows; padded heads have zero queries
-  ql = _pad_heads(q_latent.astype(jnp.bfloat16), hp)
-  qr = _pad_heads(q_rope.astype(jnp.bfloat16), hp)
+  ql = _pad_heads(q_latent, hp)
+  qr = _pad_heads(q_rope, hp)
   splits = config.num_splits or _num_splits(b * t, k, config.block_n)
   chunk = pl.cdiv(k, splits * config.block_n) * config.block_n
   splits = pl.cdiv(k, chunk)  # no empty splits

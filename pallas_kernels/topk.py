@@ -4,30 +4,41 @@ Why: `lax.top_k` sorts; on the H200 it takes 132 us for k=2048 of 131,072 scores
 1.03 ms for 64 rows. Selection needs no sort, only the k-th largest key and a compaction.
 
 Keys: each score maps to a uint32 that orders like the float (the total order `lax.top_k` uses:
--0.0 below +0.0); -inf maps to 0 and is never selected. Four passes resolve the k-th largest key
-8 bits at a time (digit p = bits 31-8p .. 24-8p). Pass p runs a grid of (rows, splits): program
-(r, s) reduces its chunk of row r into a 256-bin histogram of digit p over the keys that share the
-prefix chosen so far, and publishes it twice: its own suffix counts (`ge[r, s, d]` = keys with
-digit >= d) and an atomic add of them into the row total. The next pass starts by reading the
-1 KB row total to choose its digit, so combining the splits costs no launch of its own. A fifth
-call compacts: every key above the threshold, plus the first ties by index, goes to the slot given
-by the counts of the splits before it (read back from the suffix counts, O(splits) per program).
+-0.0 below +0.0); -inf maps to 0 and is never selected. The k-th largest key is resolved 8 bits
+at a time (digit p = bits 31-8p .. 24-8p), in four launches:
+1-2. digits 0 and 1, over whole rows: a grid of (rows, splits) where program (r, s) reduces
+   its chunk of row r into a 256-bin histogram of the digit over the keys that share the prefix
+   chosen so far, and publishes it twice: its own suffix counts (`ge[r, s, d]` = keys with digit
+   >= d) and an atomic add of them into the row total. A launch starts by reading the 1 KB row
+   totals to choose the digits before its own, so combining the splits costs no launch.
+3. gather, same grid: with the 16-bit prefix P of the k-th key known, every key above P is
+   selected: it goes straight to the output, at the slot that the counts of the splits before it
+   give (read back from the suffix counts, O(splits) per program). The keys sharing P are the
+   only candidates left; they are compacted, in index order, into per-row buffers (score and
+   position; as large as the scores, since a whole row can share P, but written only there).
+4. select, one program per row: digits 2 and 3 from histograms of the candidates, then the
+   candidates above the k-th key and the first ties by index fill the remaining slots.
+(`indexer_topk` fuses launch 1 into the scoring kernel.)
 
 Histogram: 256 bins = 16 x 16 (high nibble, low nibble), counted as onehot(hi)^T @ onehot(lo) on
 the tensor cores (exact in fp32 below 2^24). Pallas-Triton exposes no shared-memory atomics, and
 global atomics per element would serialise on the few bins that hold most of a score row.
 
-Cost: each pass streams the row (from L2 after the first) and spends about 80 instructions per
-score building the one-hot operands. One row of 131,072 is launch-bound (a memset and five calls,
-about 12 us expected on the H200); 64 rows are issue-bound (about 20 us a pass, 0.1 ms). The next
-step for many rows: after digit 1, compact the keys sharing the 16-bit prefix (about 1% of a row
-of real scores) so that digits 2-3 and the ties touch only those.
+Cost (estimates for the H200, not yet measured): a histogram pass spends about 80 instructions
+per score building the one-hot operands, so 64 rows of 131,072 are issue-bound at about 20 us a
+pass; the gather pass costs a compare, a scan and a masked store per score (about 8 us). Two
+full-row histograms instead of four plus a compaction: about 50 us for 64 rows (0.1 ms with
+four), launch-bound for one row (a memset and four calls). Candidates: P fixes the sign, exponent
+and 7 mantissa bits, a bucket 2^-7 wide around the k-th score: about 0.1% of a row of normal
+scores at k = n / 64 (the scores' distribution near the k-th sets the share). A row
+whose k-th key shares P with most of the row (many equal scores) is still exact, but its one
+select program then walks that many candidates three times.
 
-Output order: ascending index (valid slots first, then -1). That is the order the compaction
-produces for free; sorting 2048 entries by score would cost a bitonic network (about 10 us on one
-SM) that no consumer needs: the sparse attention treats the selection as a set and gathers pages
-in ascending order. `topk_indices_reference` returns `lax.top_k`'s order (descending score, then
-ascending index); compare the two as sets.
+Output order: the set, as two ascending runs (the keys above P, then the chosen candidates), then
+-1 for slots beyond the row's valid entries. Sorting 2048 entries would cost a bitonic network
+(about 10 us on one SM) that no consumer needs: the sparse attention treats the selection as a
+set. `topk_indices_reference` returns `lax.top_k`'s order (descending score, then ascending
+index); compare the two as sets.
 
 Lowering: Triton (`pl.pallas_call` + `CompilerParams`). The kernels are per-element bit work,
 reductions, scans, a data-dependent scatter store and atomics on pointer tensors: Triton's
@@ -50,11 +61,12 @@ from pallas_kernels.checks import check_launch, check_splits, check_tile
 
 DIGIT_BITS = 8
 BINS = 1 << DIGIT_BITS
-PASSES = 32 // DIGIT_BITS
+PREFIX_DIGITS = 2  # digits resolved over whole rows; the other two over the candidates
+_PREFIX_SHIFT = 32 - PREFIX_DIGITS * DIGIT_BITS
 _NIBBLE = 16
 # Two programs per H200 SM (132 SMs).
 TARGET_PROGRAMS = 2 * 132
-# The compaction gathers O(splits) counts per program, i.e. O(rows * splits^2) in all.
+# The gather pass reads O(splits) counts per program, i.e. O(rows * splits^2) in all.
 MAX_SPLITS = 128
 
 
@@ -120,29 +132,44 @@ def block_histogram(digits: jax.Array, counted: jax.Array) -> jax.Array:
   return lax.dot(rows, cols, preferred_element_type=jnp.float32)
 
 
+def _suffix_counts(hist: jax.Array) -> jax.Array:
+  """[16, 16] histogram -> [256] counts of keys with digit >= d."""
+  counts = hist.reshape(BINS)
+  return jnp.sum(counts) - jnp.cumsum(counts) + counts
+
+
 def publish_histogram(hist: jax.Array, ge_ref, ge_index: tuple, tot_ref, tot_index: tuple):
   """Stores a split's suffix counts at ge_ref[*ge_index] and adds them into tot_ref[*tot_index].
 
   Counts are integers below 2^24, so the fp32 atomic adds are exact in any order.
   """
   # ge_ref [..., 256] f32 ; tot_ref [..., 256] f32 (row totals, zero before the pass)
-  counts = hist.reshape(BINS)
-  ge = jnp.sum(counts) - jnp.cumsum(counts) + counts  # keys with digit >= d
+  ge = _suffix_counts(hist)
   ge_ref[(*ge_index, slice(None))] = ge
   pltriton.atomic_add(tot_ref, (*map(jnp.int32, tot_index), pl.ds(0, BINS)), ge)
+
+
+def _count_at(ge: jax.Array, digit: jax.Array) -> jax.Array:
+  """ge[digit] of int32 suffix counts [256]; 0 for digit 256 (past the top)."""
+  return jnp.sum(jnp.where(jnp.arange(BINS, dtype=jnp.int32) == digit, ge, 0))
 
 
 def _choose_digit(prefix: jax.Array, k_rem: jax.Array, row_ge: jax.Array):
   """Next digit from the row's suffix counts: (prefix with it appended, ranks still to fill)."""
   ge = row_ge.astype(jnp.int32)
   digit = jnp.sum((ge >= k_rem).astype(jnp.int32)) - 1  # largest d with ge[d] >= k_rem
-  above = jnp.sum(jnp.where(jnp.arange(BINS, dtype=jnp.int32) == digit + 1, ge, 0))
-  return (prefix << DIGIT_BITS) | digit.astype(jnp.uint32), k_rem - above
+  return (prefix << DIGIT_BITS) | digit.astype(jnp.uint32), k_rem - _count_at(ge, digit + 1)
 
 
-def _load_state(state_ref):
-  # state_ref [2] int32: (prefix bits, ranks still to fill)
-  return lax.bitcast_convert_type(state_ref[0], jnp.uint32), state_ref[1]
+def _row_prefix(tot_ref, k: int, digits: int = PREFIX_DIGITS):
+  """The top `digits` digits of the row's k-th largest key and the ranks left to fill under
+  them (the keys above fill k minus that many). The 16-bit prefix P is 0 iff fewer than k keys
+  are valid (only -inf has it)."""
+  # tot_ref [2, 256] f32: the row's suffix counts of digits 0 and 1
+  prefix, k_rem = jnp.uint32(0), jnp.int32(k)
+  for digit in range(digits):
+    prefix, k_rem = _choose_digit(prefix, k_rem, tot_ref[digit])
+  return prefix, k_rem
 
 
 def _chunk_histogram(scores_ref, *, digit: int, prefix, n: int, chunk: int, block: int):
@@ -165,81 +192,130 @@ def _chunk_histogram(scores_ref, *, digit: int, prefix, n: int, chunk: int, bloc
 
 def _first_pass_kernel(scores_ref, _, ge_ref, tot_ref, *, n: int, chunk: int, block: int):
   """Digit 0: histogram of the top 8 key bits of this chunk."""
-  # scores_ref [chunk] f32 ; ge_ref [256] f32 ; tot_ref [4, 256] f32 (aliases the unused input)
+  # scores_ref [chunk] f32 ; ge_ref [256] f32 ; tot_ref [2, 256] f32 (aliases the unused input)
   hist = _chunk_histogram(scores_ref, digit=0, prefix=None, n=n, chunk=chunk, block=block)
   publish_histogram(hist, ge_ref, (), tot_ref, (0,))
 
 
-def _pass_kernel(scores_ref, state_ref, tot_in_ref, ge_ref, tot_ref, state_out_ref, *,
-                 digit: int, n: int, chunk: int, block: int):
-  """Digit >= 1: choose digit-1 from the row total, then histogram digit `digit` under it."""
-  # scores_ref [chunk] f32 ; state_ref, state_out_ref [2] i32 ; ge_ref [256] f32
-  # tot_in_ref, tot_ref [4, 256] f32: one buffer; row digit-1 is complete, row digit accumulates
-  prefix, k_rem = _choose_digit(*_load_state(state_ref), tot_in_ref[digit - 1])
-  state_out_ref[0] = lax.bitcast_convert_type(prefix, jnp.int32)  # same value in every split
-  state_out_ref[1] = k_rem
-  hist = _chunk_histogram(scores_ref, digit=digit, prefix=prefix, n=n, chunk=chunk, block=block)
-  publish_histogram(hist, ge_ref, (), tot_ref, (digit,))
+def _second_pass_kernel(scores_ref, tot_in_ref, ge_ref, tot_ref, *, k: int, n: int, chunk: int,
+                        block: int):
+  """Digit 1: choose digit 0 from the row total, then histogram digit 1 under it."""
+  # scores_ref [chunk] f32 ; ge_ref [256] f32
+  # tot_in_ref, tot_ref [2, 256] f32: one buffer; row 0 is complete, row 1 accumulates
+  prefix, _ = _row_prefix(tot_in_ref, k, digits=1)
+  hist = _chunk_histogram(scores_ref, digit=1, prefix=prefix, n=n, chunk=chunk, block=block)
+  publish_histogram(hist, ge_ref, (), tot_ref, (1,))
 
 
-def _split_counts(ge_ref, digit_plus_one: jax.Array, splits: int) -> jax.Array:
-  """Per-split counts of keys with digit >= digit_plus_one: int32 [splits] (0 past the top)."""
+def _split_counts(ge_ref, digit: jax.Array, splits: int) -> jax.Array:
+  """Per-split counts of keys with digit >= `digit`: int32 [splits] (0 past the top)."""
   # ge_ref [splits, 256] f32
-  col = jnp.full((splits,), jnp.minimum(digit_plus_one, BINS - 1), jnp.int32)
+  col = jnp.full((splits,), jnp.minimum(digit, BINS - 1), jnp.int32)
   counts = ge_ref[jnp.arange(splits, dtype=jnp.int32), col].astype(jnp.int32)
-  return jnp.where(digit_plus_one < BINS, counts, 0)
+  return jnp.where(digit < BINS, counts, 0)
 
 
-def _compact_kernel(scores_ref, state_ref, tot_ref, ge0_ref, ge1_ref, ge2_ref, ge3_ref, out_ref,
-                    *, k: int, n: int, chunk: int, block: int, splits: int):
-  """Writes this chunk's selected indices at their ranks among the row's selection."""
-  # scores_ref [chunk] f32 ; state_ref [2] i32 ; tot_ref [4, 256] f32 (row totals per digit)
-  # ge*_ref [splits, 256] f32 (every split's suffix counts per digit) ; out_ref [k] i32
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
+  return jnp.cumsum(x) - x
+
+
+def _gather_kernel(scores_ref, tot_ref, ge0_ref, ge1_ref, out_ref, cand_ref, cand_pos_ref, *,
+                   k: int, n: int, chunk: int, block: int, splits: int):
+  """Keys above the row's prefix P -> their output slots; keys sharing P -> the candidates."""
+  # scores_ref [chunk] f32 ; tot_ref [2, 256] f32 ; ge*_ref [splits, 256] f32 (every split's
+  # suffix counts of digits 0 and 1) ; out_ref [k] i32 ; cand_ref [n] f32 ; cand_pos_ref [n] i32
   s = pl.program_id(1)
-  tau, ties = _choose_digit(*_load_state(state_ref), tot_ref[PASSES - 1])  # k-th largest key
-  ties = jnp.where(tau == 0, 0, ties)  # the k-th key is -inf: fewer than k valid, take no ties
-  greater = jnp.zeros((splits,), jnp.int32)  # per split: keys above tau
-  for p, ref in enumerate((ge0_ref, ge1_ref, ge2_ref, ge3_ref)):
-    digit = ((tau >> (32 - DIGIT_BITS * (p + 1))) & (BINS - 1)).astype(jnp.int32)
-    greater += _split_counts(ref, digit + 1, splits)  # those that beat tau at digit p
-  last = (tau & (BINS - 1)).astype(jnp.int32)  # per split: keys equal to tau
-  equal = _split_counts(ge3_ref, last, splits) - _split_counts(ge3_ref, last + 1, splits)
-  equal_before = jnp.cumsum(equal) - equal
-  taken = greater + jnp.clip(ties - equal_before, 0, equal)
-  taken_before = jnp.cumsum(taken) - taken
+  prefix, _ = _row_prefix(tot_ref, k)
+  top = (prefix >> DIGIT_BITS).astype(jnp.int32)
+  low = (prefix & (BINS - 1)).astype(jnp.int32)
+  # Per split: keys above P (a higher digit 0, or digit 0 = top and a higher digit 1), keys on P.
+  above = _split_counts(ge0_ref, top + 1, splits) + _split_counts(ge1_ref, low + 1, splits)
+  on_prefix = _split_counts(ge1_ref, low, splits) - _split_counts(ge1_ref, low + 1, splits)
+  on_prefix = jnp.where(prefix > 0, on_prefix, 0)  # P = 0: the -inf keys, never selected
   mine = jnp.arange(splits, dtype=jnp.int32) == s
   start = s * chunk
 
   def body(i, carry):
-    rank, tie_rank = carry
+    rank, cand = carry
     pos = start + i * block + jnp.arange(block, dtype=jnp.int32)
     inside = pos < n
-    key = order_key(pltriton.load(scores_ref.at[pl.ds(i * block, block)], mask=inside,
-                                  other=-jnp.inf))
-    tie = ((key == tau) & (tau > 0) & inside).astype(jnp.int32)
-    take = (key > tau) | ((tie == 1) & (tie_rank + jnp.cumsum(tie) - tie < ties))
-    take_i = take.astype(jnp.int32)
-    slot = rank + jnp.cumsum(take_i) - take_i
-    pltriton.store(out_ref.at[jnp.where(take, slot, k)], pos, mask=take)
-    return rank + jnp.sum(take_i), tie_rank + jnp.sum(tie)
+    score = pltriton.load(scores_ref.at[pl.ds(i * block, block)], mask=inside, other=-jnp.inf)
+    key_prefix = order_key(score) >> _PREFIX_SHIFT
+    take = inside & (key_prefix > prefix)
+    keep = inside & (key_prefix == prefix) & (prefix > 0)
+    take_i, keep_i = take.astype(jnp.int32), keep.astype(jnp.int32)
+    pltriton.store(out_ref.at[jnp.where(take, rank + _exclusive_cumsum(take_i), k)], pos,
+                   mask=take)
+    slot = jnp.where(keep, cand + _exclusive_cumsum(keep_i), n)
+    pltriton.store(cand_ref.at[slot], score, mask=keep)
+    pltriton.store(cand_pos_ref.at[slot], pos, mask=keep)
+    return rank + jnp.sum(take_i), cand + jnp.sum(keep_i)
 
   lax.fori_loop(0, chunk // block, body,
-                (jnp.sum(jnp.where(mine, taken_before, 0)),
-                 jnp.sum(jnp.where(mine, equal_before, 0))))
-  # Slots past the selection (rows with fewer than k valid scores) get -1, a share per split.
-  share = pl.next_power_of_2(pl.cdiv(k, splits))
-  slot = s * share + jnp.arange(share, dtype=jnp.int32)
-  empty = (slot >= jnp.sum(taken)) & (slot < k)
-  pltriton.store(out_ref.at[jnp.where(empty, slot, k)], jnp.full((share,), -1, jnp.int32),
-                 mask=empty)
+                (jnp.sum(jnp.where(mine, _exclusive_cumsum(above), 0)),
+                 jnp.sum(jnp.where(mine, _exclusive_cumsum(on_prefix), 0))))
 
 
-# Row totals tot [4, rows, 256] f32 (one row per digit): a program sees its row's [4, 256].
-_TOT_SPEC = pl.BlockSpec((PASSES, None, BINS), lambda r, s: (0, r, 0))
+def _select_kernel(cand_ref, cand_pos_ref, tot_ref, _, out_ref, *, k: int, block: int):
+  """Digits 2 and 3 over the row's candidates, then the chosen ones and the -1 padding."""
+  # cand_ref [n] f32 ; cand_pos_ref [n] i32 ; tot_ref [2, 256] f32
+  # out_ref [k] i32 (aliases the unused input; the gather pass filled the keys above P)
+  prefix, k_rem = _row_prefix(tot_ref, k)
+  filled = k - k_rem
+  low = (prefix & (BINS - 1)).astype(jnp.int32)
+  ge1 = tot_ref[1].astype(jnp.int32)
+  count = jnp.where(prefix > 0, _count_at(ge1, low) - _count_at(ge1, low + 1), 0)
+  steps = (count + block - 1) // block
+
+  def candidates(i):
+    j = i * block + jnp.arange(block, dtype=jnp.int32)
+    inside = j < count
+    key = order_key(pltriton.load(cand_ref.at[pl.ds(i * block, block)], mask=inside,
+                                  other=-jnp.inf))
+    return key, inside
+
+  def resolve(digit: int, prefix, k_rem):
+    shift = 32 - DIGIT_BITS * (digit + 1)
+
+    def body(i, acc):
+      key, inside = candidates(i)
+      counted = inside & ((key >> (shift + DIGIT_BITS)) == prefix)
+      return acc + block_histogram((key >> shift) & (BINS - 1), counted)
+
+    return _choose_digit(prefix, k_rem, _suffix_counts(lax.fori_loop(0, steps, body,
+                                                                      empty_histogram())))
+
+  tau, ties = resolve(3, *resolve(2, prefix, k_rem))  # the k-th largest key; its ties to take
+
+  def pick(i, carry):
+    rank, tie_rank = carry
+    key, inside = candidates(i)
+    pos = pltriton.load(cand_pos_ref.at[pl.ds(i * block, block)], mask=inside, other=0)
+    tie = (inside & (key == tau)).astype(jnp.int32)
+    take = (inside & (key > tau)) | ((tie == 1) & (tie_rank + _exclusive_cumsum(tie) < ties))
+    take_i = take.astype(jnp.int32)
+    pltriton.store(out_ref.at[jnp.where(take, rank + _exclusive_cumsum(take_i), k)], pos,
+                   mask=take)
+    return rank + jnp.sum(take_i), tie_rank + jnp.sum(tie)
+
+  total, _ = lax.fori_loop(0, steps, pick, (filled, jnp.int32(0)))
+
+  def pad(i, carry):  # slots past the selection (rows with fewer than k valid scores)
+    slot = i * block + jnp.arange(block, dtype=jnp.int32)
+    empty = (slot >= total) & (slot < k)
+    pltriton.store(out_ref.at[jnp.where(empty, slot, k)], jnp.full((block,), -1, jnp.int32),
+                   mask=empty)
+    return carry
+
+  lax.fori_loop(0, pl.cdiv(k, block), pad, 0)
 
 
 def _params(config: TopKConfig):
   return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=2)
+
+
+# Row totals tot [2, rows, 256] f32 (one row per prefix digit): a program sees its row's [2, 256].
+_TOT_SPEC = pl.BlockSpec((PREFIX_DIGITS, None, BINS), lambda r, s: (0, r, 0))
 
 
 def first_pass(scores: jax.Array, tot: jax.Array, *, splits: int, chunk: int, block: int,
@@ -263,40 +339,48 @@ def first_pass(scores: jax.Array, tot: jax.Array, *, splits: int, chunk: int, bl
 def select_from_first_pass(scores: jax.Array, ge0: jax.Array, tot: jax.Array, *, k: int,
                            splits: int, chunk: int, block: int, config: TopKConfig,
                            interpret: bool) -> jax.Array:
-  """Digits 1-3 and the compaction, given digit 0's histograms: int32 [rows, k]."""
+  """Digit 1, the gather and the selection, given digit 0's histograms: int32 [rows, k]."""
   rows, n = scores.shape
   score_spec = pl.BlockSpec((None, chunk), lambda r, s: (r, s))
-  state_spec = pl.BlockSpec((None, 2), lambda r, s: (r, 0))
-  ge_spec = pl.BlockSpec((None, None, BINS), lambda r, s: (r, s, 0))
-  # State before digit 0: empty prefix, all k ranks to fill (a constant, no launch).
-  state = jnp.asarray(np.tile(np.array([0, k], np.int32), (rows, 1)))
-  ges = [ge0]
-  for digit in range(1, PASSES):
-    ge, tot, state = pl.pallas_call(
-        functools.partial(_pass_kernel, digit=digit, n=n, chunk=chunk, block=block),
-        grid=(rows, splits),
-        in_specs=[score_spec, state_spec, _TOT_SPEC],
-        out_specs=[ge_spec, _TOT_SPEC, state_spec],
-        out_shape=[jax.ShapeDtypeStruct((rows, splits, BINS), jnp.float32),
-                   jax.ShapeDtypeStruct(tot.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((rows, 2), jnp.int32)],
-        input_output_aliases={2: 1},
-        compiler_params=_params(config),
-        interpret=interpret,
-        name=f"topk_digit{digit}",
-    )(scores, state, tot)
-    ges.append(ge)
-  all_ge_spec = pl.BlockSpec((None, splits, BINS), lambda r, s: (r, 0, 0))
-  return pl.pallas_call(
-      functools.partial(_compact_kernel, k=k, n=n, chunk=chunk, block=block, splits=splits),
+  ge1, tot = pl.pallas_call(
+      functools.partial(_second_pass_kernel, k=k, n=n, chunk=chunk, block=block),
       grid=(rows, splits),
-      in_specs=[score_spec, state_spec, _TOT_SPEC, *[all_ge_spec] * PASSES],
-      out_specs=pl.BlockSpec((None, k), lambda r, s: (r, 0)),
-      out_shape=jax.ShapeDtypeStruct((rows, k), jnp.int32),
+      in_specs=[score_spec, _TOT_SPEC],
+      out_specs=[pl.BlockSpec((None, None, BINS), lambda r, s: (r, s, 0)), _TOT_SPEC],
+      out_shape=[jax.ShapeDtypeStruct((rows, splits, BINS), jnp.float32),
+                 jax.ShapeDtypeStruct(tot.shape, jnp.float32)],
+      input_output_aliases={1: 1},
       compiler_params=_params(config),
       interpret=interpret,
-      name="topk_compact",
-  )(scores, state, tot, *ges)
+      name="topk_digit1",
+  )(scores, tot)
+  all_ge_spec = pl.BlockSpec((None, splits, BINS), lambda r, s: (r, 0, 0))
+  row_spec = lambda width: pl.BlockSpec((None, width), lambda r, s: (r, 0))
+  out, cand, cand_pos = pl.pallas_call(
+      functools.partial(_gather_kernel, k=k, n=n, chunk=chunk, block=block, splits=splits),
+      grid=(rows, splits),
+      in_specs=[score_spec, _TOT_SPEC, all_ge_spec, all_ge_spec],
+      out_specs=[row_spec(k), row_spec(n), row_spec(n)],
+      out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32),
+                 jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                 jax.ShapeDtypeStruct((rows, n), jnp.int32)],
+      compiler_params=_params(config),
+      interpret=interpret,
+      name="topk_gather",
+  )(scores, tot, ge0, ge1)
+  row = lambda width: pl.BlockSpec((None, width), lambda r: (r, 0))
+  return pl.pallas_call(
+      functools.partial(_select_kernel, k=k, block=block),
+      grid=(rows,),
+      in_specs=[row(n), row(n), pl.BlockSpec((PREFIX_DIGITS, None, BINS), lambda r: (0, r, 0)),
+                row(k)],
+      out_specs=row(k),
+      out_shape=jax.ShapeDtypeStruct((rows, k), jnp.int32),
+      input_output_aliases={3: 0},
+      compiler_params=_params(config),
+      interpret=interpret,
+      name="topk_select",
+  )(cand, cand_pos, tot, out)
 
 
 def check_topk_args(n: int, k: int) -> None:
@@ -318,8 +402,8 @@ def topk_indices(scores: jax.Array, k: int, *, config: TopKConfig | None = None,
     config: tuning; None for the defaults.
     interpret: run the Pallas interpreter; None: only on a CPU backend.
   Returns:
-    int32 [..., k]: the exact top-k set of each row in ascending index order, then -1 for slots
-    beyond the row's valid entries.
+    int32 [..., k]: the exact top-k set of each row (two ascending runs: module docstring),
+    then -1 for slots beyond the row's valid entries.
   """
   config = config or TopKConfig()
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
@@ -332,7 +416,7 @@ def topk_indices(scores: jax.Array, k: int, *, config: TopKConfig | None = None,
   x = scores.reshape(rows, n)
   splits = config.num_splits or row_splits(rows, n, config.block)
   chunk = split_chunk(n, splits, config.block)
-  tot = jnp.zeros((PASSES, rows, BINS), jnp.float32)
+  tot = jnp.zeros((PREFIX_DIGITS, rows, BINS), jnp.float32)
   ge0, tot = first_pass(x, tot, splits=splits, chunk=chunk, block=config.block, config=config,
                         interpret=interpret)
   out = select_from_first_pass(x, ge0, tot, k=k, splits=splits, chunk=chunk, block=config.block,

@@ -1,0 +1,113 @@
+"""`--attention=pallas` (the DSA kernels, interpret mode here) generates exactly the tokens of
+`--attention=sparse` (their jnp references) on a random tiny model.
+
+Contexts of 30-40 tokens exceed the tiny config's index_topk of 8, so the selection matters.
+Besides the tokens, every kernel call of the pallas run is replayed through the reference on
+the same inputs (the real model's queries and pages): selected sets exactly equal, attention
+within fp32 rounding (1e-5 of the largest output), so a token mismatch names the kernel.
+"""
+
+import functools
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+# Imported before anything is traced: the first interpret-mode pallas_call lowering imports the
+# Pallas fuser, whose tracing-context flag changes every jit cache key (so programs compiled
+# before it would compile again).
+from jax.experimental.pallas import fuser  # noqa: F401
+
+import glmjax
+from configs import get_model_config
+from glmjax import dsa
+from glmjax.model import init_params
+from glmjax.runtime import Runtime
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROMPT, NEW = 30, 10
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  config = get_model_config("tiny")
+  return config, init_params(config, jax.random.key(0))
+
+
+def _generate(tiny, attention: str, kv_dtype: str) -> np.ndarray:
+  config, params = tiny
+  prompt = np.random.default_rng(0).integers(2, config.vocab_size, (2, PROMPT)).astype(np.int32)
+  return glmjax.generate(config, params, prompt, NEW, ignore_eos=True,
+                         runtime=Runtime(attention=attention), kv_dtype=kv_dtype, page_size=8)
+
+
+def _record_pallas_calls(monkeypatch) -> list[tuple]:
+  """Makes dsa's kernel dispatch also hand each call's output and inputs to the host; returns
+  the list that collects (kind, reference fn, its static args, output, inputs) per call."""
+  calls = []
+  cached_topk, cached_attention = dsa.cached_topk, dsa.cached_attention
+  ref_topk = jax.jit(cached_topk, static_argnums=(5, 6, 7))
+  ref_attention = jax.jit(cached_attention, static_argnums=(6, 7))
+
+  def record(kind, ref, static, got, *inputs):
+    calls.append((kind, ref, static, *jax.tree.map(np.array, (got, inputs))))
+
+  def topk(q, weights, layer, page_table, positions, k, impl, ties="index"):
+    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties)
+    jax.debug.callback(functools.partial(record, "topk", ref_topk, (k, "sparse", ties)),
+                       got, q, weights, layer, page_table, positions)
+    return got
+
+  def attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl):
+    got = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl)
+    jax.debug.callback(functools.partial(record, "attention", ref_attention, (scale, "sparse")),
+                       got, q_latent, q_rope, layer, page_table, positions, topk)
+    return got
+
+  monkeypatch.setattr(dsa, "cached_topk", topk)
+  monkeypatch.setattr(dsa, "cached_attention", attention)
+  return calls
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
+  assert tiny[0].index_topk < PROMPT, "the contexts must exceed index_topk for selection to matter"
+  sparse = _generate(tiny, "sparse", kv_dtype)
+  calls = _record_pallas_calls(monkeypatch)
+  pallas = _generate(tiny, "pallas", kv_dtype)
+  jax.effects_barrier()
+  # NEW model calls (the prefill chunk, NEW - 1 decode steps) of 7 kernel calls: layers 0, 1
+  # and 3 run their indexer, all 4 attend.
+  assert len(calls) == 7 * NEW, "no kernel ran: a program compiled earlier served the call"
+  for i, (kind, ref, static, got, inputs) in enumerate(calls):
+    want = np.asarray(ref(*inputs, *static))
+    if kind == "topk":  # the same set per query token, exactly
+      np.testing.assert_array_equal(np.sort(got, -1), np.sort(want, -1), err_msg=f"call {i}")
+    else:  # fp32 rounding
+      err = np.abs(got - want).max() / np.abs(want).max()
+      assert err <= 1e-5, f"call {i}: attention differs by {err:.2e} of its largest output"
+  np.testing.assert_array_equal(pallas, sparse)
+
+
+def test_replay_pallas_equals_sparse(tmp_path):
+  """The replay entry point (prefix-cached rounds through the Engine), as a user runs it: both
+  in their own processes (their absl flags stand alone), side by side."""
+  procs = {}
+  for attention in ("sparse", "pallas"):
+    with open(tmp_path / f"{attention}.log", "w") as log:
+      procs[attention] = subprocess.Popen(
+          [sys.executable, "-m", "experiments.replay", "--config=tiny", "--scale=400",
+           "--rounds=2", f"--attention={attention}", f"--output={tmp_path / attention}.json"],
+          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+  for attention, proc in procs.items():
+    proc.wait(timeout=300)
+    log = (tmp_path / f"{attention}.log").read_text()
+    assert proc.returncode == 0, f"replay --attention={attention} failed:\n{log[-2000:]}"
+  reports = {a: json.loads((tmp_path / f"{a}.json").read_text()) for a in procs}
+  generated = {a: [r["generated"] for r in rep["rounds"]] for a, rep in reports.items()}
+  assert all(generated["sparse"]) and generated["pallas"] == generated["sparse"]
+  # Every round's prompt is longer than index_topk: the selections are real.
+  assert min(r["prompt_tokens"] for r in reports["sparse"]["rounds"]) > get_model_config("tiny").index_topk
