@@ -2,7 +2,8 @@
 
 Same architecture as /work/shared/fixtures/hf_glm_moe_dsa_tiny/config.json: 4 layers (layer 0
 dense, layer 2 shares layer 1's top-k), MLA with a DSA indexer (top-k 8), 8 routed experts (2 per
-token) and 1 shared expert; `num_nextn_predict_layers=1` adds an MTP layer the fixture lacks.
+token) and 1 shared expert; `num_nextn_predict_layers=1` adds an MTP layer the fixture lacks, and
+8 attention heads (the fixture has 4) let every TEP degree up to 8 split them.
 
   python -m experiments.describe --config=tiny
 """
@@ -17,8 +18,8 @@ def get_config() -> ModelConfig:
     intermediate_size=256,
     moe_intermediate_size=64,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
     n_shared_experts=1,
     n_routed_experts=8,
     num_experts_per_tok=2,

@@ -12,6 +12,7 @@ token, decode tokens and tokens/s, the generated ids, and with --spec=mtp the ac
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -25,7 +26,10 @@ from configs import get_model_config
 from glmjax.engine.engine import Engine
 from glmjax.engine.sampling import Sampling
 from glmjax.engine.speculative import SpecConfig
+from glmjax import parallel
+from glmjax.data import load_corpus
 from glmjax.model import init_params
+from glmjax.quant import quantize_params
 from glmjax.runtime import ATTENTION_IMPLS, make_runtime
 from glmjax.workload import WORKLOADS
 
@@ -53,19 +57,33 @@ flags.DEFINE_float("acceptance_floor", 0.0, "single-token steps while the accept
 flags.DEFINE_integer("probe_interval", 16, "single-token steps before drafting is probed again")
 flags.DEFINE_integer("prefill_chunk", 512, "prefill chunk length")
 flags.DEFINE_string("dtype", "bfloat16", "params and compute dtype")
+flags.DEFINE_enum("text", "auto", ["auto", "random", "validation"],
+                  "round inputs: random ids, or held-out stdlib text (glmjax.data); auto = text when the "
+                  "checkpoint has a tokenizer.json")
+flags.DEFINE_enum("weights", "bf16", ["bf16", "fp8", "nvfp4_experts", "nvfp4"],
+                  "weight format: bf16, block FP8, NVFP4 routed experts, NVFP4 all linears but lm_head")
+flags.DEFINE_enum("matmul", "xla", ["xla", "pallas"], "quantized matmuls through XLA or the Pallas kernels")
+flags.DEFINE_integer("tep", 1, "tensor-and-expert parallel degree (devices in the mesh)")
+flags.DEFINE_string("coordinator_address", "", "multi-host: jax.distributed coordinator host:port")
+flags.DEFINE_integer("num_processes", 1, "multi-host: number of processes")
+flags.DEFINE_integer("process_id", 0, "multi-host: this process's id")
 flags.DEFINE_string("output", "", "write the JSON report here")
 
 
 def run(argv=None) -> dict:
+  if FLAGS.coordinator_address:
+    parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   config = get_model_config(FLAGS.config)
   dtype = jnp.dtype(FLAGS.dtype)
+  policy = None if FLAGS.weights == "bf16" else FLAGS.weights
   if FLAGS.checkpoint:
-    config, params = glmjax.load_pretrained(FLAGS.checkpoint, dtype=dtype)
+    config, params = glmjax.load_pretrained(FLAGS.checkpoint, dtype=dtype, quantize=policy)
   else:
     params = init_params(config, jax.random.key(FLAGS.seed), param_dtype=dtype)
+    params = quantize_params(params, policy) if policy else params
   work = WORKLOADS[FLAGS.workload].scaled(FLAGS.scale, FLAGS.rounds or None)
   index_share = FLAGS.index_share if FLAGS.index_share in ("on", "off") else int(FLAGS.index_share)
-  runtime = make_runtime(config, attention=FLAGS.attention, index_share=index_share)
+  runtime = make_runtime(config, attention=FLAGS.attention, index_share=index_share, matmul=FLAGS.matmul)
   spec = None
   if FLAGS.spec == "mtp":
     spec = SpecConfig(num_draft=FLAGS.num_draft, branch=FLAGS.draft_branch, max_paths=FLAGS.max_paths,
@@ -78,10 +96,16 @@ def run(argv=None) -> dict:
   engine = Engine(config, params, runtime=runtime, num_pages=1 + FLAGS.concurrency * pages_per_conv * 2 + scratch,
                   page_size=FLAGS.page_size, max_batch=FLAGS.concurrency, max_seq_len=pages_per_conv * FLAGS.page_size,
                   kv_dtype=FLAGS.kv_dtype, prefix_cache=FLAGS.prefix_cache, prefill_chunk=FLAGS.prefill_chunk,
-                  mtp_cache=spec is not None)
+                  mtp_cache=spec is not None, mesh=parallel.make_mesh(FLAGS.tep) if FLAGS.tep > 1 else None)
   rng = np.random.default_rng(FLAGS.seed)
   sessions = [engine.open_session() for _ in range(FLAGS.concurrency)]
-  inputs = [work.draw_tokens(rng, (2, config.vocab_size)) for _ in sessions]
+  use_text = FLAGS.text == "validation" or (
+      FLAGS.text == "auto" and FLAGS.checkpoint and os.path.exists(os.path.join(FLAGS.checkpoint, "tokenizer.json")))
+  if use_text:
+    corpus = load_corpus()
+    inputs = [[corpus.sample_validation_text(rng, work.new_tokens(r)) for r in range(work.rounds)] for _ in sessions]
+  else:
+    inputs = [work.draw_tokens(rng, (2, config.vocab_size)) for _ in sessions]
   rounds = []
   for r in tqdm(range(work.rounds), desc="rounds"):
     stats = engine.run_round(sessions, [inp[r] for inp in inputs], work.output_per_round,
@@ -119,7 +143,8 @@ def run(argv=None) -> dict:
                                                     "prefix_cache", "kv_dtype", "page_size", "concurrency",
                                                     "seed", "attention", "index_share", "temperature", "spec",
                                                     "num_draft", "draft_branch", "max_paths", "draft_threshold",
-                                                    "mtp_index_share", "acceptance_floor", "probe_interval")},
+                                                    "mtp_index_share", "acceptance_floor", "probe_interval",
+                                                    "weights", "matmul", "tep", "text")},
                 workload=dataclasses.asdict(work), rounds=rounds, summary=summary)
   print(f"\n{'round':>5} {'conv':>4} {'prompt':>8} {'cached':>8} {'prefill':>8} {'ttft ms':>9} {'decode':>7} {'tok/s':>9}"
         f" {'step ms':>8} {'accept':>7}")

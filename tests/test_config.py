@@ -176,7 +176,8 @@ def test_unknown_preset_lists_names():
 
 def test_tiny_matches_fixture():
   fixture = ModelConfig.from_hf(HF_CONFIGS["fixture"])
-  assert get_model_config("tiny") == dataclasses.replace(fixture, num_nextn_predict_layers=1)
+  assert get_model_config("tiny") == dataclasses.replace(fixture, num_nextn_predict_layers=1,
+                                                         num_attention_heads=8, num_key_value_heads=8)
 
 
 def test_glm5_preset():

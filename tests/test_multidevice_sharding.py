@@ -297,3 +297,21 @@ def test_tep_project_writes_the_table(tmp_path, capsys):
   # tiny holds every weight: one device of the TEP=2 layout holds less.
   assert report["layout"]["layout_gb"] < report["layout"]["rank_config_gb"]
   assert "latency per collective: assumed" in capsys.readouterr().out
+
+
+@pytest.mark.multidevice
+def test_replay_tep8_produces_the_tokens_of_tep1(tmp_path):
+  """experiments.replay --config=tiny --tep=8 on 8 simulated devices equals --tep=1."""
+  import json
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, JAX_NUM_CPU_DEVICES="8")
+  outs = {}
+  for tep in (1, 8):
+    out = tmp_path / f"tep{tep}.json"
+    subprocess.run([sys.executable, "-m", "experiments.replay", "--config=tiny", "--scale=60", "--rounds=2",
+                    "--attention=sparse", "--dtype=float32", f"--tep={tep}", f"--output={out}"],
+                   check=True, capture_output=True, env=env)
+    outs[tep] = [r["generated"] for r in json.loads(out.read_text())["rounds"]]
+  assert outs[8] == outs[1] and all(len(g) == 4 for g in outs[1])

@@ -81,7 +81,9 @@ class Engine:
   def __init__(self, config: ModelConfig, params, *, runtime: Runtime = Runtime(), num_pages: int = 1024,
                page_size: int = 16, max_batch: int = 1, max_seq_len: int | None = None,
                kv_dtype: str = "bf16", prefix_cache: bool = True, prefill_chunk: int = 512,
-               mtp_cache: bool = False):
+               mtp_cache: bool = False, mesh: jax.sharding.Mesh | None = None):
+    """mesh: run TEP-sharded over it (glmjax.parallel): params in the rules table's layout, the
+    page pool replicated, every step traced under the mesh."""
     max_seq_len = max_seq_len or config.max_position_embeddings
     if prefill_chunk <= 0:
       raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -102,6 +104,12 @@ class Engine:
     # Every round keeps the MTP pages current when they exist, so cached pages serve later drafts.
     self.mtp = init_mtp_layer(config, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype) if mtp_cache else None
     self.spec = steps.StepSpec(config, runtime, jnp.dtype(params_dtype(params)).name)
+    self.mesh = mesh
+    if mesh is not None:
+      from glmjax import parallel  # imports the model: kept out of the engine's import time
+      self.params = parallel.shard_params(config, params, mesh)
+      self.cache = parallel.shard_cache(self.cache, mesh)
+      self.mtp = jax.device_put(self.mtp, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     self._ids = itertools.count()
 
   def open_session(self) -> Session:
@@ -138,9 +146,18 @@ class Engine:
           jnp.asarray(following), spec=self.spec)
     return logits[slot], hidden[slot]
 
-  def run_round(self, sessions: list[Session], new_tokens: list[list[int]], max_new_tokens: int, *,
-                sampling: Sampling = Sampling(), seed: int = 0, ignore_eos: bool = False,
-                spec: SpecConfig | None = None) -> list[RoundStats]:
+  def run_round(self, sessions: list[Session], new_tokens: list[list[int]], max_new_tokens: int, **kw
+                ) -> list[RoundStats]:
+    """See `_run_round`; under the engine's mesh when it has one."""
+    if self.mesh is None:
+      return self._run_round(sessions, new_tokens, max_new_tokens, **kw)
+    from glmjax import parallel
+    with parallel.use_mesh(self.mesh):
+      return self._run_round(sessions, new_tokens, max_new_tokens, **kw)
+
+  def _run_round(self, sessions: list[Session], new_tokens: list[list[int]], max_new_tokens: int, *,
+                 sampling: Sampling = Sampling(), seed: int = 0, ignore_eos: bool = False,
+                 spec: SpecConfig | None = None) -> list[RoundStats]:
     """Append each session's new tokens, prefill what is not cached, decode up to max_new_tokens
     (speculatively with `spec`: needs mtp_cache=True)."""
     if not 1 <= len(sessions) <= self.max_batch or len(sessions) != len(new_tokens):
