@@ -17,7 +17,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m experiments.demo
-	$(PY) -m experiments.replay --config=tiny --scale=40 --dtype=float32 --attention=dense --output=replay_demo.json
+	$(PY) -m experiments.replay --config=mini --checkpoint=checkpoints/mini --scale=40 --spec=mtp \
+	  --draft_threshold=0 --output=replay_demo.json
 
 # The main suite, then the tests that need 8 simulated CPU devices in their own process.
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass.
