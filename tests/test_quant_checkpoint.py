@@ -273,8 +273,14 @@ shard_shapes = lambda a: {{s.data.shape for s in a.addressable_shards}}
 experts = split["layers_1"]["mlp"]["experts"]["gate_proj"]  # NVFP4 [8, 64, 128]: 2 experts per device
 assert shard_shapes(experts.packed) == {{(2, 64, 64)}} and shard_shapes(experts.block_scale) == {{(2, 64, 8)}}
 assert shard_shapes(experts.global_scale) == shard_shapes(experts.input_scale) == {{(2,)}}
-kv_b = split["layers_0"]["self_attn"]["kv_b_proj"]["weight"]  # FP8 [224, 32]: rows split, 2 scale rows replicated
-assert shard_shapes(kv_b.weight) == {{(56, 32)}} and kv_b.scale_inv.sharding.is_fully_replicated
+kv_b = split["layers_0"]["self_attn"]["kv_b_proj"]["weight"]  # FP8 [H * 56, 32]: rows split
+rows, (scale_rows, scale_cols) = kv_b.weight.shape[0], kv_b.scale_inv.shape
+assert shard_shapes(kv_b.weight) == {{(rows // 4, 32)}}
+# Its 128-row scale blocks split with the rows where 4 divides their count, else stay replicated.
+if scale_rows % 4:
+  assert kv_b.scale_inv.sharding.is_fully_replicated
+else:
+  assert shard_shapes(kv_b.scale_inv) == {{(scale_rows // 4, scale_cols)}}
 print("ok")
 """
 
