@@ -65,6 +65,18 @@ class KVCache:
     return dataclasses.replace(self, **kw)
 
 
+def check_geometry(config: ModelConfig, page_size: int, max_seq_len: int | None) -> int:
+  """The sequence capacity (default: max_position_embeddings), checked against the page size and
+  the model's positions; ValueError naming the bad value."""
+  max_seq_len = max_seq_len or config.max_position_embeddings
+  if page_size <= 0 or max_seq_len % page_size:
+    raise ValueError(f"page_size {page_size} must divide max_seq_len {max_seq_len}")
+  if max_seq_len > config.max_position_embeddings:
+    raise ValueError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings "
+                     f"{config.max_position_embeddings}")
+  return max_seq_len
+
+
 def init_cache(config: ModelConfig, *, num_pages: int, page_size: int, batch: int, max_pages: int,
                kv_dtype: KVDtype = "bf16", indexer_layers: tuple[int, ...] | None = None) -> KVCache:
   """Allocate an empty cache. `indexer_layers`: layers that store indexer keys (default: full ones)."""

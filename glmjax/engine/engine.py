@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.api import check_tokens, params_dtype
-from glmjax.cache.paged import KVCache, LayerCache, init_cache
+from glmjax.cache.paged import KVCache, LayerCache, check_geometry, init_cache
 from glmjax.cache.prefix_cache import NULL_PAGE, PrefixCache, SequenceAlloc
 from glmjax.config import ModelConfig
 from glmjax.engine import steps
@@ -84,14 +84,9 @@ class Engine:
                mtp_cache: bool = False, mesh: jax.sharding.Mesh | None = None):
     """mesh: run TEP-sharded over it (glmjax.parallel): params in the rules table's layout, the
     page pool replicated, every step traced under the mesh."""
-    max_seq_len = max_seq_len or config.max_position_embeddings
+    max_seq_len = check_geometry(config, page_size, max_seq_len)
     if prefill_chunk <= 0:
       raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
-    if page_size <= 0 or max_seq_len % page_size:
-      raise ValueError(f"page_size {page_size} must divide max_seq_len {max_seq_len}")
-    if max_seq_len > config.max_position_embeddings:
-      raise ValueError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings "
-                       f"{config.max_position_embeddings}")
     self.config, self.params = config, params
     self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
     self.max_pages = math.ceil(max_seq_len / page_size)

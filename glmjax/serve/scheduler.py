@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.api import check_tokens, params_dtype
-from glmjax.cache.paged import KVCache, init_cache
+from glmjax.cache.paged import KVCache, check_geometry, init_cache
 from glmjax.cache.prefix_cache import SequenceAlloc
 from glmjax.config import ModelConfig
 from glmjax.engine import steps
@@ -150,15 +150,10 @@ class Scheduler:
                host_tier: HostTier | None = None, runtime: Runtime = Runtime(),
                sampling: Sampling = Sampling(), seed: int = 0, ignore_eos: bool = False,
                record_logits: bool = False, clock: StepClock | WallClock | None = None):
-    max_seq_len = max_seq_len or config.max_position_embeddings
+    max_seq_len = check_geometry(config, page_size, max_seq_len)
     if max_batch < 1 or prefill_chunk < 1 or token_budget < 1:
       raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}) and token_budget "
                        f"({token_budget}) must be positive")
-    if page_size <= 0 or max_seq_len % page_size:
-      raise ValueError(f"page_size {page_size} must divide max_seq_len {max_seq_len}")
-    if max_seq_len > config.max_position_embeddings:
-      raise ValueError(f"max_seq_len {max_seq_len} exceeds max_position_embeddings "
-                       f"{config.max_position_embeddings}")
     self.config, self.params = config, params
     self.page_size, self.max_batch, self.max_pages = page_size, max_batch, max_seq_len // page_size
     self.prefill_chunk, self.token_budget = min(prefill_chunk, token_budget), token_budget
