@@ -1,6 +1,6 @@
 """DSA kernels vs their XLA references (the `--attention=sparse` jnp path) at GLM-5 shapes.
 
-  from experiments.bench_dsa import dsa_rows; rows = dsa_rows()   # on the H200
+  from experiments.bench_dsa import dsa_rows; rows = list(dsa_rows())   # on the H200
 
 Shapes: one TEP=8 rank at batch 1: MLA 8 heads (kv_lora_rank 512, rope 64), indexer 32 x 128,
 top-k 2048, page size 64; contexts 8K/32K/80K/128K, 1 and 5 query tokens, bf16 and FP8 caches;
@@ -14,7 +14,7 @@ CPU smoke test (interpret mode; times mean nothing).
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,13 +89,16 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
   return args, num_bytes
 
 
-def dsa_rows(*, quick: bool = False) -> list[dict[str, Any]]:
-  """One dict per (kernel, case): us, xla_us, speedup, bytes, floor_us, tbs (achieved TB/s)."""
-  s = QUICK if quick else FULL
+def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = ()
+             ) -> Iterator[dict[str, Any]]:
+  """Yields one dict per (kernel, case) as it is measured: us, xla_us, speedup, bytes, floor_us,
+  tbs (achieved TB/s). contexts / query_tokens: override the shape set's (empty: keep)."""
+  s = dict(QUICK if quick else FULL)
+  s["contexts"] = tuple(contexts) or s["contexts"]
+  s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]
   timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=20, repeats=3, warmup=2)
   scale = (192 + 64) ** -0.5  # GLM-5's softmax scale (qk_nope + qk_rope)^-0.5
   key = jax.random.key(0)
-  rows = []
   for context in s["contexts"]:
     for t in s["query_tokens"]:
       for fp8 in (False, True):
@@ -104,24 +107,23 @@ def dsa_rows(*, quick: bool = False) -> list[dict[str, Any]]:
         args, key_bytes = _indexer_cases(s, context, t, fp8, k1)
         scores_fn = functools.partial(indexer_scores, num_keys=context)
         scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
-        rows.append(_row("indexer_scores", case, scores_fn, scores_ref, args,
-                         key_bytes + t * context * 4, timing))
+        yield _row("indexer_scores", case, scores_fn, scores_ref, args,
+                         key_bytes + t * context * 4, timing)
         select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"])
         select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
-        rows.append(_row("indexer_topk", case, select_fn, select_ref, args,
-                         key_bytes + t * min(s["k"], context) * 4, timing))
+        yield _row("indexer_topk", case, select_fn, select_ref, args,
+                         key_bytes + t * min(s["k"], context) * 4, timing)
         args, mla_bytes = _mla_case(s, context, t, fp8, k2)
-        rows.append(_row("sparse_mla_decode", case,
+        yield _row("sparse_mla_decode", case,
                          functools.partial(sparse_mla_decode, softmax_scale=scale),
                          functools.partial(sparse_mla_decode_reference, softmax_scale=scale),
-                         args, mla_bytes, timing))
+                         args, mla_bytes, timing)
   n, k = s["topk_n"], s["k"]
   for num_rows in s["topk_rows"]:
     key, sub = jax.random.split(key)
     scores = jax.random.normal(sub, (num_rows, n), jnp.float32)
-    rows.append(_row("topk_indices", f"rows={num_rows} n={n} k={k}",
+    yield _row("topk_indices", f"rows={num_rows} n={n} k={k}",
                      functools.partial(topk_indices, k=k),
                      functools.partial(topk_indices_reference, k=k), (scores,),
-                     num_rows * (n + k) * 4, timing))
-  return rows
+                     num_rows * (n + k) * 4, timing)
 

@@ -1,7 +1,7 @@
 """Weight-only quantized matmuls on GLM-5 shapes: NVFP4 / block-FP8 Pallas kernels against XLA.
 
-`quant_rows(quick=False)` returns one dict per (case, implementation); experiments/kernels_bench.py
-prints them. Every case times, in the same run, XLA's bf16 matmul of the same shape (the
+`quant_rows(quick=False)` yields one dict per (case, implementation), each case as it is measured;
+experiments/kernels_bench.py prints them. Every case times, in the same run, XLA's bf16 matmul of the same shape (the
 `speedup_vs_bf16` reference) and XLA's dequantize-then-matmul of the quantized weight.
 
 Timing: `glmjax.bench.time_device` (many calls dispatched, one sync, median). Bytes: the weights
@@ -9,13 +9,19 @@ Timing: `glmjax.bench.time_device` (many calls dispatched, one sync, median). By
 distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). `frac_of_copy` is against the H200's 4.22 TB/s copy.
 
+Variants under study (bench only until they win): NVFP4 `pallas_deinterleave` (the kernel with
+MatmulConfig.deinterleave) and `xla_reduce` (the same bit decode as the kernel written as XLA
+elementwise ops feeding a sum over K, which XLA may fuse into one reduction kernel that reads the
+packed bytes once, instead of a dequantized copy and a dot).
+
 Cases: GEMV [M, 8192] x [8192, 28672] at M = 1, 8; one GLM-5 expert's gate/up [2048, 6144] and
 down [6144, 2048] at M = 1, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
 (one TEP=8 rank), D = 6144, I = 2048. `quick=True`: tiny shapes for a CPU (interpret) smoke test.
 """
 
+import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +31,8 @@ from glmjax.bench import bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_grouped_matmul import moe_grouped_matmul
-from pallas_kernels.nvfp4_matmul import MatmulConfig, nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, MatmulConfig, decode_nvfp4_halves, default_config,
+                                         nvfp4_matmul)
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
@@ -44,6 +51,14 @@ def _rows(case: dict[str, Any], timed: list[tuple[str, str, float, int]]) -> lis
           for fmt, impl, seconds, nbytes in timed]
 
 
+def nvfp4_xla_reduce(x: jax.Array, w) -> jax.Array:
+  """x [m, K] @ dequant(w).T as elementwise decode + sum over K (see the module docstring)."""
+  lo, hi = decode_nvfp4_halves(w.packed, w.block_scale)        # [N, K/2] each, times 2^-14
+  f32 = lambda a: a.astype(jnp.float32)
+  acc = jnp.sum(f32(x[:, None, 0::2]) * f32(lo) + f32(x[:, None, 1::2]) * f32(hi), axis=-1)
+  return (acc * (w.global_scale * DECODE_SCALE)).astype(x.dtype)
+
+
 def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float], seed: int = 0):
   """x bf16 [m, k] @ w[n, k].T: XLA bf16, then per format XLA dequant+matmul and the kernel."""
   kx, kw = jax.random.split(jax.random.key(seed))
@@ -58,6 +73,10 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     nbytes = _nbytes(q) + act_bytes
     timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
     timed.append((fmt, "pallas", timer(kernel, x, q), nbytes))
+    if fmt == "nvfp4":
+      split = functools.partial(kernel, config=dataclasses.replace(default_config(m, n, k), deinterleave=True))
+      timed.append((fmt, "pallas_deinterleave", timer(split, x, q), nbytes))
+      timed.append((fmt, "xla_reduce", timer(jax.jit(nvfp4_xla_reduce), x, q), nbytes))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
@@ -108,7 +127,7 @@ def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConf
   return rows
 
 
-def quant_rows(*, quick: bool = False) -> list[dict[str, Any]]:
+def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   """Benchmark rows (see the module docstring); quick: tiny shapes, few iterations."""
   if quick:
     timer = functools.partial(time_device, iters=2, repeats=1, warmup=1)
@@ -118,8 +137,7 @@ def quant_rows(*, quick: bool = False) -> list[dict[str, Any]]:
     timer = time_device
     gemv = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)]
     moe = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
-  rows = []
   for name, n, k in gemv:
     for m in (1, 8):
-      rows += gemv_rows(m, n, k, name=name, timer=timer)
-  return rows + moe_rows(**moe, timer=timer)
+      yield from gemv_rows(m, n, k, name=name, timer=timer)
+  yield from moe_rows(**moe, timer=timer)

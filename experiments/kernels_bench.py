@@ -1,13 +1,16 @@
 """Every kernel against its XLA path at GLM-5 shapes: time, bytes, achieved bandwidth, floor.
 
   python -m experiments.kernels_bench --suites=dsa,quant --output=/tmp/kernels.json
+  python -m experiments.kernels_bench --suites=dsa --contexts=81920 --query_tokens=5   # the targets
 
 Rows come from `experiments.bench_dsa.dsa_rows` (indexer scores, top-k, sparse MLA: one TEP=8
 rank's shapes) and `experiments.bench_quant.quant_rows` (NVFP4 / FP8 weight-only GEMV and the
 grouped MoE kernel). Device time is measured as METHOD.md says (glmjax.bench.time_device: many
-calls dispatched, one sync, median); XLA is measured in the same run.
+calls dispatched, one sync, median); XLA is measured in the same run. Each row is printed as
+it is measured (a long suite cut by a time limit still reports), the table at the end.
 """
 
+import functools
 import json
 import platform
 
@@ -21,6 +24,8 @@ from glmjax.bench import maybe_profile
 SUITES = {"dsa": dsa_rows, "quant": quant_rows}
 _SUITES = flags.DEFINE_list("suites", list(SUITES), "which suites to run")
 _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
+_CONTEXTS = flags.DEFINE_list("contexts", [], "dsa: cached tokens per case (empty: 8K, 32K, 80K, 128K)")
+_QUERY = flags.DEFINE_list("query_tokens", [], "dsa: query tokens per step (empty: 1 and 5)")
 _PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
 
@@ -44,10 +49,15 @@ def main(_):
     raise app.UsageError(f"unknown suites {sorted(unknown)}; known: {sorted(SUITES)}")
   report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 host=platform.node(), jax=jax.__version__, suites={})
+  suites = dict(SUITES, dsa=functools.partial(dsa_rows, contexts=[int(c) for c in _CONTEXTS.value],
+                                              query_tokens=[int(t) for t in _QUERY.value]))
   for name in _SUITES.value:
+    rows = report["suites"][name] = []
     with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{name}"):
-      rows = SUITES[name](quick=_QUICK.value)
-    report["suites"][name] = rows
+      for row in suites[name](quick=_QUICK.value):
+        rows.append(row)
+        print(f"{name}: " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                     for k, v in row.items() if isinstance(v, (int, float, str))), flush=True)
     print(f"\n== {name} on {report['device']} ==\n{format_rows(rows)}", flush=True)
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as f:
