@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-from glmjax.bench import bandwidth_tbs, time_device
+from glmjax.bench import bandwidth_tbs, kernel_breakdown, time_device
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from glmjax.footprint import H200_BANDWIDTH
 from pallas_kernels.indexer_scores import indexer_scores, indexer_scores_reference
@@ -35,12 +35,15 @@ QUICK = dict(contexts=(256,), query_tokens=(1, 2), index_heads=4, index_dim=32, 
 
 
 def _row(kernel: str, case: str, fn: Callable, ref: Callable, args: tuple, num_bytes: float,
-         timing: dict[str, int]) -> dict[str, Any]:
+         timing: dict[str, int], breakdown: bool) -> dict[str, Any]:
   seconds = time_device(fn, *args, **timing)
   xla_seconds = time_device(ref, *args, **timing)
-  return dict(kernel=kernel, case=case, us=seconds * 1e6, xla_us=xla_seconds * 1e6,
-              speedup=xla_seconds / seconds, bytes=num_bytes,
-              floor_us=num_bytes / H200_BANDWIDTH * 1e6, tbs=bandwidth_tbs(num_bytes, seconds))
+  row = dict(kernel=kernel, case=case, us=seconds * 1e6, xla_us=xla_seconds * 1e6,
+             speedup=xla_seconds / seconds, bytes=num_bytes,
+             floor_us=num_bytes / H200_BANDWIDTH * 1e6, tbs=bandwidth_tbs(num_bytes, seconds))
+  if breakdown:  # per-launch device time of the kernel path, from a profile
+    row["kernels"] = kernel_breakdown(fn, *args)
+  return row
 
 
 def _cache(key: jax.Array, shape: tuple[int, ...], fp8: bool):
@@ -89,14 +92,15 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
   return args, num_bytes
 
 
-def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = ()
-             ) -> Iterator[dict[str, Any]]:
+def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = (),
+             breakdown: bool = False) -> Iterator[dict[str, Any]]:
   """Yields one dict per (kernel, case) as it is measured: us, xla_us, speedup, bytes, floor_us,
-  tbs (achieved TB/s). contexts / query_tokens: override the shape set's (empty: keep)."""
+  tbs (achieved TB/s); with `breakdown` also `kernels`, glmjax.bench.kernel_breakdown of the
+  kernel path. contexts / query_tokens: override the shape set's (empty: keep)."""
   s = dict(QUICK if quick else FULL)
   s["contexts"] = tuple(contexts) or s["contexts"]
   s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]
-  timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=20, repeats=3, warmup=2)
+  timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=40, repeats=3, warmup=2, unroll=8)
   scale = (192 + 64) ** -0.5  # GLM-5's softmax scale (qk_nope + qk_rope)^-0.5
   key = jax.random.key(0)
   for context in s["contexts"]:
@@ -108,16 +112,16 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
         scores_fn = functools.partial(indexer_scores, num_keys=context)
         scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
         yield _row("indexer_scores", case, scores_fn, scores_ref, args,
-                         key_bytes + t * context * 4, timing)
+                         key_bytes + t * context * 4, timing, breakdown)
         select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"])
         select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
         yield _row("indexer_topk", case, select_fn, select_ref, args,
-                         key_bytes + t * min(s["k"], context) * 4, timing)
+                         key_bytes + t * min(s["k"], context) * 4, timing, breakdown)
         args, mla_bytes = _mla_case(s, context, t, fp8, k2)
         yield _row("sparse_mla_decode", case,
                          functools.partial(sparse_mla_decode, softmax_scale=scale),
                          functools.partial(sparse_mla_decode_reference, softmax_scale=scale),
-                         args, mla_bytes, timing)
+                         args, mla_bytes, timing, breakdown)
   n, k = s["topk_n"], s["k"]
   for num_rows in s["topk_rows"]:
     key, sub = jax.random.split(key)
@@ -125,5 +129,5 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
     yield _row("topk_indices", f"rows={num_rows} n={n} k={k}",
                      functools.partial(topk_indices, k=k),
                      functools.partial(topk_indices_reference, k=k), (scores,),
-                     num_rows * (n + k) * 4, timing)
+                     num_rows * (n + k) * 4, timing, breakdown)
 

@@ -4,22 +4,16 @@
 experiments/kernels_bench.py prints them. Every case times, in the same run, XLA's bf16 matmul of the same shape (the
 `speedup_vs_bf16` reference) and XLA's dequantize-then-matmul of the quantized weight.
 
-Timing: `glmjax.bench.time_device` (many calls dispatched, one sync, median). Bytes: the weights
-(+ scales) an implementation must read plus the activations in and out; for the MoE, only the
+Timing: `glmjax.bench.time_device` (calls in one on-device loop, 8 per iteration, median).
+Bytes: the weights (+ scales) an implementation must read plus the activations in and out; for the MoE, only the
 distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). `frac_of_copy` is against the H200's 4.22 TB/s copy.
-
-Variants under study (bench only until they win): NVFP4 `pallas_deinterleave` (the kernel with
-MatmulConfig.deinterleave) and `xla_reduce` (the same bit decode as the kernel written as XLA
-elementwise ops feeding a sum over K, which XLA may fuse into one reduction kernel that reads the
-packed bytes once, instead of a dequantized copy and a dot).
 
 Cases: GEMV [M, 8192] x [8192, 28672] at M = 1, 8; one GLM-5 expert's gate/up [2048, 6144] and
 down [6144, 2048] at M = 1, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
 (one TEP=8 rank), D = 6144, I = 2048. `quick=True`: tiny shapes for a CPU (interpret) smoke test.
 """
 
-import dataclasses
 import functools
 from typing import Any, Callable, Iterator
 
@@ -31,8 +25,7 @@ from glmjax.bench import bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_grouped_matmul import moe_grouped_matmul
-from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, MatmulConfig, decode_nvfp4_halves, default_config,
-                                         nvfp4_matmul)
+from pallas_kernels.nvfp4_matmul import MatmulConfig, nvfp4_matmul
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
@@ -51,14 +44,6 @@ def _rows(case: dict[str, Any], timed: list[tuple[str, str, float, int]]) -> lis
           for fmt, impl, seconds, nbytes in timed]
 
 
-def nvfp4_xla_reduce(x: jax.Array, w) -> jax.Array:
-  """x [m, K] @ dequant(w).T as elementwise decode + sum over K (see the module docstring)."""
-  lo, hi = decode_nvfp4_halves(w.packed, w.block_scale)        # [N, K/2] each, times 2^-14
-  f32 = lambda a: a.astype(jnp.float32)
-  acc = jnp.sum(f32(x[:, None, 0::2]) * f32(lo) + f32(x[:, None, 1::2]) * f32(hi), axis=-1)
-  return (acc * (w.global_scale * DECODE_SCALE)).astype(x.dtype)
-
-
 def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float], seed: int = 0):
   """x bf16 [m, k] @ w[n, k].T: XLA bf16, then per format XLA dequant+matmul and the kernel."""
   kx, kw = jax.random.split(jax.random.key(seed))
@@ -73,10 +58,6 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     nbytes = _nbytes(q) + act_bytes
     timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
     timed.append((fmt, "pallas", timer(kernel, x, q), nbytes))
-    if fmt == "nvfp4":
-      split = functools.partial(kernel, config=dataclasses.replace(default_config(m, n, k), deinterleave=True))
-      timed.append((fmt, "pallas_deinterleave", timer(split, x, q), nbytes))
-      timed.append((fmt, "xla_reduce", timer(jax.jit(nvfp4_xla_reduce), x, q), nbytes))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
@@ -134,7 +115,7 @@ def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
     gemv = [("gemv", 64, 128), ("expert_gate_up", 32, 96), ("expert_down", 96, 32)]
     moe = dict(tokens=5, top_k=2, experts=4, d=64, i=32)
   else:
-    timer = time_device
+    timer = functools.partial(time_device, unroll=8)
     gemv = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)]
     moe = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
   for name, n, k in gemv:

@@ -6,7 +6,7 @@
 Rows come from `experiments.bench_dsa.dsa_rows` (indexer scores, top-k, sparse MLA: one TEP=8
 rank's shapes) and `experiments.bench_quant.quant_rows` (NVFP4 / FP8 weight-only GEMV and the
 grouped MoE kernel). Device time is measured as METHOD.md says (glmjax.bench.time_device: many
-calls dispatched, one sync, median); XLA is measured in the same run. Each row is printed as
+calls in one on-device loop, median); XLA is measured in the same run. Each row is printed as
 it is measured (a long suite cut by a time limit still reports), the table at the end.
 """
 
@@ -26,6 +26,7 @@ _SUITES = flags.DEFINE_list("suites", list(SUITES), "which suites to run")
 _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
 _CONTEXTS = flags.DEFINE_list("contexts", [], "dsa: cached tokens per case (empty: 8K, 32K, 80K, 128K)")
 _QUERY = flags.DEFINE_list("query_tokens", [], "dsa: query tokens per step (empty: 1 and 5)")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", False, "dsa: also profile each kernel path's launches")
 _PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
 
@@ -50,7 +51,8 @@ def main(_):
   report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 host=platform.node(), jax=jax.__version__, suites={})
   suites = dict(SUITES, dsa=functools.partial(dsa_rows, contexts=[int(c) for c in _CONTEXTS.value],
-                                              query_tokens=[int(t) for t in _QUERY.value]))
+                                              query_tokens=[int(t) for t in _QUERY.value],
+                                              breakdown=_BREAKDOWN.value))
   for name in _SUITES.value:
     rows = report["suites"][name] = []
     with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{name}"):
@@ -58,6 +60,8 @@ def main(_):
         rows.append(row)
         print(f"{name}: " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                      for k, v in row.items() if isinstance(v, (int, float, str))), flush=True)
+        for kernel, launches, us in row.get("kernels", []):
+          print(f"    {us:9.2f} us  {launches:5.2f} x  {kernel}", flush=True)
     print(f"\n== {name} on {report['device']} ==\n{format_rows(rows)}", flush=True)
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as f:

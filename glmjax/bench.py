@@ -6,8 +6,14 @@ many kernels take, so back-to-back dispatches measure the host. `time_device` in
 the loop-carried inputs keeps XLA from hoisting the loop-invariant call out of the loop.
 """
 
+import collections
 import contextlib
+import glob
+import gzip
+import json
+import os
 import statistics
+import tempfile
 import time
 from typing import Any, Callable, Iterator
 
@@ -15,17 +21,28 @@ import jax
 import jax.numpy as jnp
 
 
-def time_device(fn: Callable[..., Any], *args: Any, iters: int = 50, repeats: int = 5,
-                warmup: int = 1) -> float:
-  """Median seconds per call of `fn(*args)` (a jax-traceable function)."""
+def _loop_program(fn: Callable[..., Any], iters: int, unroll: int = 1) -> Callable[[tuple], jax.Array]:
+  """One jitted program running `fn(*args)` `iters` times (see the module docstring), `unroll`
+  calls per loop iteration."""
   def loop(args):
     def body(_, carry):
       args, acc = carry
       args = jax.lax.optimization_barrier(args)
       first = jax.tree.leaves(fn(*args))[0]
       return args, acc + first.ravel()[0].astype(jnp.float32)
-    return jax.lax.fori_loop(0, iters, body, (args, jnp.float32(0)))[1]
-  program = jax.jit(loop)
+    return jax.lax.fori_loop(0, iters, body, (args, jnp.float32(0)), unroll=unroll)[1]
+  return jax.jit(loop)
+
+
+def time_device(fn: Callable[..., Any], *args: Any, iters: int = 50, repeats: int = 5,
+                warmup: int = 1, unroll: int = 1) -> float:
+  """Median seconds per call of `fn(*args)` (a jax-traceable function).
+
+  unroll: calls per loop iteration. On the H200 each iteration of the device loop costs about
+  10-20 us beyond its kernels (docs/BENCHMARKS.md, run 6), which dominates kernels of tens of
+  us; unrolling amortizes it (at the price of compiling `unroll` copies of fn).
+  """
+  program = _loop_program(fn, iters, unroll)
   for _ in range(warmup):
     jax.block_until_ready(program(args))
   per_call = []
@@ -49,3 +66,36 @@ def maybe_profile(log_dir: str) -> Iterator[None]:
     return
   with jax.profiler.trace(log_dir):
     yield
+
+
+def device_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
+  """{kernel: (launches, total us)} of the device events in the newest perfetto trace under
+  trace_dir (written by `jax.profiler.trace(..., create_perfetto_trace=True)`). Device events
+  are those of processes named "/device:..."; the CPU backend has none, so this is {} there."""
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                 key=os.path.getmtime)
+  if not paths:
+    raise ValueError(f"no perfetto_trace.json.gz under {trace_dir}")
+  with gzip.open(paths[-1]) as f:
+    events = json.load(f)["traceEvents"]
+  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+             and e["args"]["name"].startswith("/device:")}
+  times: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in devices:
+      times[e["name"]][0] += 1
+      times[e["name"]][1] += float(e.get("dur", 0.0))
+  return {name: (n, us) for name, (n, us) in times.items()}
+
+
+def kernel_breakdown(fn: Callable[..., Any], *args: Any, iters: int = 20) -> list[tuple[str, float, float]]:
+  """Per-call device kernels of `fn(*args)` from a profile of `iters` calls in one program:
+  [(kernel, launches per call, us per call)], slowest first (the fori_loop's own bookkeeping
+  kernels included). Empty on backends whose traces have no device events (the CPU)."""
+  program = _loop_program(fn, iters)
+  jax.block_until_ready(program(args))  # compile and warm up outside the trace
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      jax.block_until_ready(program(args))
+    times = device_kernel_times(trace_dir)
+  return sorted(((name, n / iters, us / iters) for name, (n, us) in times.items()), key=lambda r: -r[2])

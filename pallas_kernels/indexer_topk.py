@@ -1,9 +1,13 @@
-"""DSA key selection: indexer scores + exact top-k, with top-k's first pass fused into scoring.
+"""DSA key selection: indexer scores + exact top-k, optionally with top-k's first pass fused
+into scoring.
 
-The scores kernel also histograms the top 8 key bits of every score it writes (topk.py's digit
-0), so the selection needs three more launches (digit 1, the gather, the per-row select) over
-scores that are still in L2 (5 x 80K scores = 1.6 MB): one launch and one read of the scores
-fewer than `indexer_scores` followed by `topk_indices`.
+Unfused (the default): `indexer_scores`, then `topk_indices` over the scores (5 x 80K scores =
+1.6 MB, read back from L2). Fused (`fuse_first_pass=True`): the scores kernel also histograms the
+top 8 key bits of every score it writes (topk.py's digit 0), one launch and one read of the
+scores fewer. Measured on the H200 (docs/BENCHMARKS.md, run 6), the fusion loses badly: at 80K
+keys and 5 query tokens the fused scoring kernel takes 1.32 ms against 35 us unfused, as each
+program then builds one-hot histogram operands for every query token of its group (8) inside
+its key loop. The switch stays for the ablation.
 
 Lowering: Triton, as the two kernels it composes (see indexer_scores.py and topk.py).
 """
@@ -15,24 +19,26 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import topk
-from pallas_kernels.indexer_scores import (QUERY_GROUP, IndexerScoresConfig, check_indexer_args,
+from pallas_kernels.indexer_scores import (QUERY_GROUP, IndexerScoresConfig, check_indexer_args, indexer_scores,
                                            indexer_scores_reference, pad_queries, scores_call)
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("num_keys", "k", "scores_config", "topk_config", "interpret"))
+                   static_argnames=("num_keys", "k", "scores_config", "topk_config", "fuse_first_pass",
+                                    "interpret"))
 def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
                  index_scale: jax.Array | None, page_table: jax.Array, q_positions: jax.Array,
                  *, num_keys: int, k: int, scores_config: IndexerScoresConfig | None = None,
-                 topk_config: topk.TopKConfig | None = None,
+                 topk_config: topk.TopKConfig | None = None, fuse_first_pass: bool = False,
                  interpret: bool | None = None) -> jax.Array:
   """Positions of the k best-scoring cached keys for each query token.
 
   Args: as `indexer_scores`, plus
     k: keys to select (>= 1); contexts shorter than k select min(k, num_keys), as lax.top_k
       over the scores would.
-    scores_config / topk_config: tuning of the two kernels; None for the defaults. The split
-      count comes from scores_config (it sets the scoring grid and the top-k chunks).
+    scores_config / topk_config: tuning of the two kernels; None for the defaults. Fused, the
+      split count comes from scores_config (it sets the scoring grid and the top-k chunks).
+    fuse_first_pass: histogram top-k's digit 0 inside the scoring kernel (module docstring).
   Returns:
     int32 [B, T, min(k, num_keys)]: for each query token the exact top-k set of positions
     s <= q_positions[b, t] (order: see topk.py), then -1 where fewer positions are valid.
@@ -43,6 +49,10 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   scores_config = scores_config or IndexerScoresConfig()
   topk_config = topk_config or topk.TopKConfig()
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  if not fuse_first_pass:
+    scores = indexer_scores(q, weights, index_k, index_scale, page_table, q_positions,
+                            num_keys=num_keys, config=scores_config, interpret=interpret)
+    return topk.topk_indices(scores, k, config=topk_config, interpret=interpret)
   b, t = q.shape[:2]
   q, weights, q_positions = pad_queries(q, weights, q_positions)
   tp = q.shape[1]

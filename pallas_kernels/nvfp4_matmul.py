@@ -55,16 +55,12 @@ class MatmulConfig:
   block_n: weight rows per program; block_k: logical inputs per loop step (NVFP4 reads block_k/2
   bytes per row per step); split_k: programs sharing one row block along K; num_warps,
   num_stages: Triton's warps per program and software-pipeline depth of the K loop.
-  deinterleave (NVFP4 only): decode each byte's two nibbles into two separate tiles (even and
-  odd inputs) and take two dots against x's even and odd columns (split once, outside), instead
-  of interleaving the nibbles back into one tile (a register shuffle per weight).
   """
   block_n: int = 64
   block_k: int = 256
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
-  deinterleave: bool = False
 
   def __post_init__(self):
     check_tile("MatmulConfig", "block_n", self.block_n)
@@ -122,9 +118,8 @@ def dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
   return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def decode_nvfp4_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """uint8 [r, c] (two codes per byte) and e4m3 [r, c/8] -> bf16 [r, c] twice: the even and the
-  odd input columns, each E2M1 * scale * 2^-14.
+def decode_nvfp4(packed: jax.Array, scale: jax.Array) -> jax.Array:
+  """uint8 [r, c] (two codes per byte) and e4m3 [r, c/8] -> bf16 [r, 2c] = E2M1 * scale * 2^-14.
 
   Exact: see the module docstring. Masked-off bytes and scales (0) decode to +0.
   """
@@ -132,27 +127,14 @@ def decode_nvfp4_halves(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array,
   b = packed.astype(jnp.uint16)
   lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)   # even column: bits 0-2 magnitude, bit 3 sign
   hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)    # odd column: bits 4-6, bit 7
-  s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, c // (BLOCK // 2), BLOCK // 2))
-  s = s.reshape(r, c)  # one scale per 8 bytes = 16 inputs
-  return tuple((lax.bitcast_convert_type(v, jnp.float16) * s).astype(jnp.bfloat16) for v in (lo, hi))
-
-
-def decode_nvfp4(packed: jax.Array, scale: jax.Array) -> jax.Array:
-  """uint8 [r, c] (two codes per byte) and e4m3 [r, c/8] -> bf16 [r, 2c] = E2M1 * scale * 2^-14."""
-  r, c = packed.shape
-  return jnp.stack(decode_nvfp4_halves(packed, scale), axis=-1).reshape(r, 2 * c)
-
-
-def deinterleave_columns(x: jax.Array) -> jax.Array:
-  """x [m, K] -> [2, m, K/2]: its even and its odd columns (the halves `decode_nvfp4_halves`
-  multiplies)."""
-  return jnp.stack([x[:, 0::2], x[:, 1::2]])
+  values = lax.bitcast_convert_type(jnp.stack([lo, hi], axis=-1).reshape(r, 2 * c), jnp.float16)
+  s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, 2 * c // BLOCK, BLOCK))
+  return (values * s.reshape(r, 2 * c)).astype(jnp.bfloat16)
 
 
 def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: int,
-                    rows_ok: jax.Array | None, halves: bool = False):
-  """Decoded bf16 [bn, block_k] weight tile of K step `step` (times 2^-14, see decode_nvfp4), or
-  with `halves` its even and odd columns, [bn, block_k/2] each (decode_nvfp4_halves).
+                    rows_ok: jax.Array | None) -> jax.Array:
+  """Decoded bf16 [bn, block_k] weight tile of K step `step` (times 2^-14, see decode_nvfp4).
 
   packed_ref: uint8 [..., bn, Kp/2]; scale_ref: e4m3 [..., bn, Kp/16]; `lead` indexes the leading
   dims (an expert id) in the same indexer, as Triton takes one indexer per load.
@@ -162,14 +144,13 @@ def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k
                      range_mask(step * kb, kb, k // 2))
   scale = load_tile(scale_ref.at[(*lead, slice(None), pl.ds(step * ks, ks))], rows_ok,
                     range_mask(step * ks, ks, k // BLOCK))
-  return (decode_nvfp4_halves if halves else decode_nvfp4)(packed, scale)
+  return decode_nvfp4(packed, scale)
 
 
 def _nvfp4_matmul_kernel(x_ref, packed_ref, scale_ref, global_ref, o_ref, *, m: int, n: int, k: int,
                          block_m: int, config: MatmulConfig):
-  # x_ref: bf16 [block_m, Kp] of [M, K] (deinterleave: [2, block_m, Kp/2], even and odd columns);
-  # packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16]; global_ref: f32 [1];
-  # o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
+  # x_ref: bf16 [block_m, Kp] of [M, K]; packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16];
+  # global_ref: f32 [1]; o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
   bn, bk = config.block_n, config.block_k
   rows_ok = range_mask(0, block_m, m)
   n_ok = range_mask(pl.program_id(0) * bn, bn, n)
@@ -178,14 +159,6 @@ def _nvfp4_matmul_kernel(x_ref, packed_ref, scale_ref, global_ref, o_ref, *, m: 
   first = pl.program_id(1) * per_split
 
   def body(step, acc):
-    if config.deinterleave:
-      kb = bk // 2
-      cols_ok = range_mask(step * kb, kb, k // 2)
-      even, odd = (load_tile(x_ref.at[jnp.int32(h), :, pl.ds(step * kb, kb)], rows_ok, cols_ok)
-                   for h in (0, 1))
-      w_even, w_odd = load_nvfp4_tile(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok,
-                                      halves=True)
-      return acc + dot_t(even, w_even) + dot_t(odd, w_odd)
     x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
     w = load_nvfp4_tile(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok)
     return acc + dot_t(x, w)
@@ -201,16 +174,12 @@ def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret:
   bn, bk, split = config.block_n, config.block_k, config.split_k
   block_m = max(16, pl.next_power_of_2(m))
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
-  if config.deinterleave:
-    x, x_spec = deinterleave_columns(x), pl.BlockSpec((2, block_m, kp // 2), lambda j, s: (0, 0, 0))
-  else:
-    x_spec = pl.BlockSpec((block_m, kp), lambda j, s: (0, 0))
   out = pl.pallas_call(
       functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config),
       out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32 if split > 1 else x.dtype),
       grid=(pl.cdiv(n, bn), split),
       in_specs=[
-          x_spec,
+          pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
           pl.BlockSpec((bn, kp // 2), lambda j, s: (j, 0)),
           pl.BlockSpec((bn, kp // BLOCK), lambda j, s: (j, 0)),
           pl.BlockSpec((1,), lambda j, s: (0,)),

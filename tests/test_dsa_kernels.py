@@ -154,14 +154,14 @@ def test_indexer_scores_fp32_queries_default_config():
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-# --- fused selection -------------------------------------------------------------------------
+# --- selection: scores + top-k, fused or not -------------------------------------------------
 
-@pytest.mark.parametrize("t,fp8", [(1, True), (5, False), (5, True)])
-def test_indexer_topk_matches_reference(t, fp8):
+@pytest.mark.parametrize("t,fp8,fuse", [(1, True, True), (5, False, True), (5, True, True), (5, True, False)])
+def test_indexer_topk_matches_reference(t, fp8, fuse):
   # k=64: sequence lengths 190 (above k), 41 and 7 (below k).
   args = _indexer_inputs(30 + t, t, fp8)
   got = np.asarray(indexer_topk(*args, num_keys=NUM_KEYS, k=64, scores_config=SMALL_SCORES,
-                                topk_config=SMALL_TOPK))
+                                topk_config=SMALL_TOPK, fuse_first_pass=fuse))
   # Exact against the same scores; the reference scores differ by rounding only.
   scores = indexer_scores(*args, num_keys=NUM_KEYS, config=SMALL_SCORES)
   _assert_same_sets(got, np.asarray(topk_indices_reference(scores, 64)))

@@ -1,0 +1,41 @@
+"""glmjax.bench: the in-program timer and the profile-trace kernel breakdown."""
+
+import gzip
+import json
+import os
+
+import jax.numpy as jnp
+import pytest
+
+from glmjax.bench import device_kernel_times, kernel_breakdown, time_device
+
+
+def _write_trace(directory, events):
+  run = os.path.join(directory, "plugins", "profile", "run1")
+  os.makedirs(run)
+  with gzip.open(os.path.join(run, "perfetto_trace.json.gz"), "wt") as f:
+    json.dump({"traceEvents": events}, f)
+
+
+def test_device_kernel_times_counts_only_device_events(tmp_path):
+  meta = lambda pid, name: {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+  kernel = lambda pid, name, dur: {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": 0, "dur": dur}
+  _write_trace(str(tmp_path), [
+      meta(1, "/host:CPU"), meta(7, "/device:GPU:0"), meta(8, "/device:GPU:0 Stream #2"),
+      kernel(1, "PjitFunction(f)", 50.0),          # host event: not a kernel
+      kernel(7, "topk_digit0", 6.5), kernel(7, "topk_digit0", 7.5), kernel(8, "loop_add_fusion", 1.25),
+      {"ph": "i", "pid": 7, "name": "marker"},     # not a duration event
+  ])
+  assert device_kernel_times(str(tmp_path)) == {"topk_digit0": (2, 14.0), "loop_add_fusion": (1, 1.25)}
+
+
+def test_device_kernel_times_without_trace_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match="perfetto_trace"):
+    device_kernel_times(str(tmp_path))
+
+
+def test_kernel_breakdown_runs_a_profile_and_time_device_is_positive():
+  x = jnp.arange(64.0).reshape(8, 8) / 64
+  # The CPU backend's trace has no device events: the breakdown is empty, not an error.
+  assert kernel_breakdown(lambda a: jnp.sin(a) @ a, x, iters=2) == []
+  assert time_device(lambda a: jnp.sin(a) @ a, x, iters=2, repeats=1) > 0
