@@ -2,13 +2,19 @@
 
   python -m experiments.tep_project --rank_step_ms=MS --draft_steps=3 --accept_length=3.48
   python -m experiments.tep_project --config=tep8_shard --context=80000 --measure_layers=4,8  # on a GPU
+  python -m experiments.tep_project --config=tep8_shard --context=80000 --measure_layers=4,8 \
+      --draft_steps=4 --accept_length=3.5                      # the speculative step, k = 4
   python -m experiments.tep_project --config=tiny --full_config=tiny --tep=2 --context=256 --quick
 
 `--config` is the model one rank runs (tep8_shard: 8 of 64 heads, 32 of 256 experts, 1/8 of the
 vocabulary; the router still scores all 256 experts and ids of other ranks' experts add nothing
 locally). Without --rank_step_ms, its decode step is timed on the current device: the engine's
-decode program (steps.decode_loop, batch 1) over a cache of `--context` random tokens, as the
-difference of two loop lengths, so dispatch is left out. tep8_shard does not fit one H200 in bf16
+decode program (steps.decode_loop, batch 1; with --draft_steps=k the speculative program
+speculative.spec_decode_loop, every step drafting k tokens with the MTP layer and verifying k+1)
+over a cache of `--context` random tokens, as the difference of two loop lengths divided by the
+difference of their step counts, so dispatch is left out. (On random weights the drafts are
+rejected, so a speculative step emits ~1 token here; its time does not depend on acceptance,
+which --accept_length supplies.) tep8_shard does not fit one H200 in bf16
 (~197 GB): --measure_layers=a,b times a- and b-layer models and extends linearly to every layer.
 The collectives come from glmjax.parallel.comm_model (its docstring states the link and latency
 assumptions); the table shows several latencies. The printout also compares the weights the
@@ -30,7 +36,7 @@ from glmjax import parallel
 from glmjax.bench import time_device
 from glmjax.cache.paged import KVCache, init_cache
 from glmjax.config import ModelConfig
-from glmjax.engine import steps
+from glmjax.engine import speculative, steps
 from glmjax.engine.sampling import Sampling
 from glmjax.footprint import H200_BANDWIDTH
 from glmjax.model import abstract_params, init_params
@@ -58,11 +64,21 @@ _OUTPUT = flags.DEFINE_string("output", "tep_project.json", "JSON output path ('
 PAGE_SIZE = 64
 
 
-def with_layers(config: ModelConfig, layers: int) -> ModelConfig:
-  """The first `layers` decoder layers of config, without MTP layers (decode does not run them)."""
-  return dataclasses.replace(config, num_hidden_layers=layers, num_nextn_predict_layers=0,
+def with_layers(config: ModelConfig, layers: int, *, mtp: bool = False) -> ModelConfig:
+  """The first `layers` decoder layers of config, without MTP layers unless `mtp` (plain decode
+  does not run them; speculative decode runs the first)."""
+  return dataclasses.replace(config, num_hidden_layers=layers,
+                             num_nextn_predict_layers=config.num_nextn_predict_layers if mtp else 0,
                              mlp_layer_types=config.mlp_layer_types[:layers],
                              indexer_types=config.indexer_types[:layers])
+
+
+def _fill_random(tree, key: jax.Array):
+  """Every non-f32 leaf standard normal; the only f32 leaves, the scales of fp8 pages, stay 1."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  fill = lambda a, k: a if a.dtype == jnp.float32 else jax.random.normal(k, a.shape).astype(a.dtype)
+  return jax.tree.unflatten(treedef, [fill(a, k) for a, k in zip(leaves, keys)])
 
 
 def _random_cache(config: ModelConfig, context: int, extra: int, kv_dtype: str, key: jax.Array) -> KVCache:
@@ -70,41 +86,59 @@ def _random_cache(config: ModelConfig, context: int, extra: int, kv_dtype: str, 
   pages = math.ceil((context + extra) / PAGE_SIZE)
   cache = init_cache(config, num_pages=pages + 1, page_size=PAGE_SIZE, batch=1, max_pages=pages,
                      kv_dtype=kv_dtype)
-  leaves, treedef = jax.tree.flatten(cache.layers)
-  keys = jax.random.split(key, len(leaves))
-  # Values become standard normal; the only f32 leaves, the scales of fp8 pages, stay 1.
-  fill = lambda a, k: a if a.dtype == jnp.float32 else jax.random.normal(k, a.shape).astype(a.dtype)
-  layers = jax.tree.unflatten(treedef, [fill(a, k) for a, k in zip(leaves, keys)])
-  return cache.replace(layers=layers, page_table=1 + jnp.arange(pages, dtype=jnp.int32)[None],
+  return cache.replace(layers=_fill_random(cache.layers, key),
+                       page_table=1 + jnp.arange(pages, dtype=jnp.int32)[None],
                        lengths=jnp.full((1,), context, jnp.int32))
 
 
+def _decode_program(config: ModelConfig, spec: steps.StepSpec, draft_steps: int, num_pages: int,
+                    kv_dtype: str, key: jax.Array):
+  """(max_new_tokens -> fn(params, cache, mtp_pages) -> (tokens, counts, loop steps), MTP pages):
+  the plain decode loop, or with draft_steps the speculative loop drafting that many each step."""
+  first, active, eos = jnp.zeros(1, jnp.int32), jnp.ones(1, bool), jnp.asarray([], jnp.int32)
+  budget = lambda n: jnp.full((1,), n, jnp.int32)
+  if not draft_steps:
+    return (lambda n: lambda params, cache, mtp: steps.decode_loop(
+        params, cache, first, active, key, eos, budget(n), spec=spec, sampling=Sampling(),
+        max_new_tokens=n)[:3]), None
+  # Threshold 0: every step drafts all k tokens, whatever the draft's confidence.
+  draft_config = speculative.SpecConfig(num_draft=draft_steps, threshold=0.0)
+  draft = draft_config.shape
+  mtp = _fill_random(speculative.init_mtp_layer(config, num_pages=num_pages, page_size=PAGE_SIZE,
+                                                kv_dtype=kv_dtype), key)
+  hidden = jax.random.normal(key, (1, config.hidden_size), jnp.dtype(spec.dtype))
+  scratch = jnp.zeros((1, draft.paths - 1, draft.span_pages(PAGE_SIZE)), jnp.int32)
+  return (lambda n: lambda params, cache, mtp: speculative.spec_decode_loop(
+      params, cache, mtp, first, hidden, active, key, eos, budget(n), scratch, draft_config.knobs(),
+      spec=spec, sampling=Sampling(), max_new_tokens=n, draft=draft)[:3]), mtp
+
+
 def time_decode_step(config: ModelConfig, *, context: int, attention: str, kv_dtype: str, dtype: str,
-                     steps_apart: int, quick: bool) -> float:
-  """Seconds per decode step of `config` at `context` on the default device (batch 1)."""
+                     steps_apart: int, quick: bool, draft_steps: int = 0) -> float:
+  """Seconds per decode step of `config` at `context` on the default device (batch 1); with
+  draft_steps, per speculative step (k drafts + a (k+1)-token verify)."""
   params = init_params(config, jax.random.key(0), param_dtype=jnp.dtype(dtype))
   spec = steps.StepSpec(config, make_runtime(config, attention=attention), dtype)
   lengths = (2, 2 + steps_apart)
-  cache = _random_cache(config, context, lengths[-1], kv_dtype, jax.random.key(1))
+  cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
+  program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,
+                                 jax.random.key(2))
   timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=10, repeats=3, warmup=1)
-
-  def decode(max_new_tokens: int):
-    # Each call decodes from the same `context` tokens; the cache copy this costs (the loop keeps
-    # its input) is the same for both lengths and drops out of the difference.
-    return lambda params, cache: steps.decode_loop(
-        params, cache, jnp.zeros(1, jnp.int32), jnp.ones(1, bool), jax.random.key(2),
-        jnp.asarray([], jnp.int32), jnp.full((1,), max_new_tokens, jnp.int32), spec=spec,
-        sampling=Sampling(), max_new_tokens=max_new_tokens)[0]
-
-  short, long = (time_device(decode(n), params, cache, **timing) for n in lengths)
-  if long <= short:
-    raise ValueError(f"{steps_apart} more decode steps were not slower ({long:.6f} s vs {short:.6f} s): "
-                     "timing noise; raise --decode_steps or drop --quick")
-  return (long - short) / steps_apart
+  # Each call decodes from the same `context` tokens; the cache copy this costs (the loop keeps
+  # its input) is the same for both lengths and drops out of the difference. The loops donate
+  # their caches, hence the copies for the calls that count steps.
+  copy = lambda tree: jax.tree.map(jnp.copy, tree)
+  loop_steps = [int(program(n)(params, copy(cache), copy(mtp))[2]) for n in lengths]
+  short, long = (time_device(program(n), params, cache, mtp, **timing) for n in lengths)
+  if long <= short or loop_steps[1] <= loop_steps[0]:
+    raise ValueError(f"{steps_apart} more tokens were not slower ({long:.6f} s vs {short:.6f} s, loop steps "
+                     f"{loop_steps}): timing noise; raise --decode_steps or drop --quick")
+  return (long - short) / (loop_steps[1] - loop_steps[0])
 
 
 def measure_rank_step(config: ModelConfig, measure_layers: list[int], **kw) -> dict[str, Any]:
-  """Time the rank's decode step, whole or extended linearly from two layer counts."""
+  """Time the rank's decode step, whole or extended linearly from two layer counts (the MTP
+  layer, with draft steps, is in both counts' programs, hence in the base)."""
   if not measure_layers:
     return dict(rank_step_s=time_decode_step(config, **kw), measured_layers=[config.num_hidden_layers])
   a, b = measure_layers
@@ -112,7 +146,7 @@ def measure_rank_step(config: ModelConfig, measure_layers: list[int], **kw) -> d
   if not 0 < a < b <= config.num_hidden_layers or len(set(types[a:])) != 1:
     raise ValueError(f"measure_layers {a},{b}: need 0 < a < b <= {config.num_hidden_layers} with layers "
                      f"a.. all of one MLP type (got {sorted(set(types[a:]))})")
-  t_a, t_b = (time_decode_step(with_layers(config, n), **kw) for n in (a, b))
+  t_a, t_b = (time_decode_step(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0), **kw) for n in (a, b))
   per_layer = (t_b - t_a) / (b - a)
   return dict(rank_step_s=t_a + (config.num_hidden_layers - a) * per_layer, measured_layers=[a, b],
               measured_s=[t_a, t_b], per_layer_s=per_layer)
@@ -156,15 +190,13 @@ def main(argv: list[str]) -> None:
   act_bytes = jnp.dtype(_DTYPE.value).itemsize
   if _RANK_STEP.value > 0:
     measured = dict(rank_step_s=_RANK_STEP.value / 1e3, source="--rank_step_ms")
-  elif _DRAFT.value:
-    raise ValueError("the timed step is a 1-token decode (the engine has no MTP step yet): with "
-                     "--draft_steps, pass the rank's measured speculative step as --rank_step_ms")
   else:
     measured = measure_rank_step(rank, [int(n) for n in _LAYERS.value], context=_CONTEXT.value,
                                  attention=_ATTENTION.value, kv_dtype=_KV.value, dtype=_DTYPE.value,
-                                 steps_apart=_STEPS.value, quick=_QUICK.value)
+                                 steps_apart=_STEPS.value, quick=_QUICK.value, draft_steps=_DRAFT.value)
     measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}, context "
-                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_KV.value} KV, {_DTYPE.value}")
+                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_KV.value} KV, {_DTYPE.value}, "
+                            f"{_DRAFT.value} draft step(s)")
   layout = layout_comparison(rank, full, tep, _DTYPE.value)
   rows = [comm_model.project(full, rank_step_s=measured["rank_step_s"], tep=tep, accept_length=_ACCEPT.value,
                              draft_steps=_DRAFT.value, act_bytes=act_bytes,

@@ -1,4 +1,5 @@
-"""Tests for the host-side paged KV cache: hashing, LRU-2, sessions, copy-on-write, rollback.
+"""Tests for the host-side paged KV cache: hashing, LRU-2, sessions, copy-on-write, rollback, and
+the hooks a lower tier uses (eviction callback, lookup, insert_cached).
 
 `Device` plays the accelerator: [num_pages, page_size] arrays written exactly as the API instructs.
 Besides the token id, each slot holds a fingerprint of what real KV depends on (namespace and whole
@@ -12,8 +13,8 @@ from hypothesis import strategies as st
 
 from glmjax.cache import prefix_cache as pc
 from glmjax.cache.prefix_cache import (
-    NULL_PAGE, ROOT_KEY, LruK, PagePool, PoolExhausted, PrefixCache, SequenceAlloc, as_tokens,
-    namespace_salt, page_key)
+    NULL_PAGE, ROOT_KEY, CachedPage, LruK, PageContent, PagePool, PoolExhausted, PrefixCache,
+    SequenceAlloc, as_tokens, namespace_salt, page_key, session_key)
 
 
 def context(seq: SequenceAlloc, pos: int) -> int:
@@ -310,7 +311,15 @@ def test_page_table_is_padded_with_the_null_page():
 @given(st.data())
 def test_random_workload_matches_the_device(data):
   ps = data.draw(st.integers(1, 4), label="page_size")
-  cache = PrefixCache(data.draw(st.integers(5, 14), label="num_pages"), ps)
+  evicted: list[CachedPage] = []
+
+  def on_evict(entry: CachedPage) -> None:
+    # Out of the index, unreferenced, and its content still on the device (nothing wrote it yet).
+    assert cache.lookup(entry.content.key) is None and cache.pool.refcount(entry.page) == 0
+    assert dev.kv[entry.page, :len(entry.content.tokens)].tolist() == list(entry.content.tokens)
+    evicted.append(entry)
+
+  cache = PrefixCache(data.draw(st.integers(5, 14), label="num_pages"), ps, on_evict=on_evict)
   dev = Device(cache)
   small = st.lists(st.integers(0, 1), max_size=4)
   bases = [data.draw(st.lists(st.integers(0, 1), min_size=2, max_size=10)) for _ in range(2)]
@@ -318,7 +327,7 @@ def test_random_workload_matches_the_device(data):
   history: dict[tuple[str, str], list[int]] = {}
   for _ in range(data.draw(st.integers(1, 30), label="steps")):
     op = data.draw(st.sampled_from(["open", "extend", "truncate", "release", "release"]))
-    before = snapshot(cache, live)
+    before, cached, num_evicted = snapshot(cache, live), cache.cached_pages(), len(evicted)
     try:
       if op == "open" or not live:
         ns = data.draw(st.sampled_from(["a", "b"]))
@@ -342,6 +351,10 @@ def test_random_workload_matches_the_device(data):
             history[seq.namespace, seq.session] = seq.tokens
     except (PoolExhausted, ValueError):
       assert snapshot(cache, live) == before
+    # One callback per eviction, each for a page that was cached (with those tokens) before.
+    new = evicted[num_evicted:]
+    assert len(new) == cache.stats.evictions - before[0].evictions == len({e.page for e in new})
+    assert all(cached.get(e.page) == e.content.tokens for e in new)
     check_consistent(cache, dev, live)
   for seq in live:
     cache.release(seq)
@@ -378,3 +391,125 @@ def test_reserved_pages_are_in_the_table_and_freed_unless_reached():
   # The session's partial page is the one holding token 12, not the unreached reserved page.
   nxt = cache.open_sequence(list(range(10)) + [20, 21, 22, 5], session="a")
   assert nxt.num_cached == 13 and nxt.pages[3] == seq.pages[3]
+
+
+# Hooks for a lower tier: eviction callback, lookup, insert_cached.
+
+def chain(tokens, ps: int, namespace: str = "", session: str | None = None) -> list[PageContent]:
+  """The contents a prompt's pages are cached under: full pages, then a session's partial page."""
+  salt, parent, out = namespace_salt(namespace), ROOT_KEY, []
+  for i in range(len(tokens) // ps):
+    chunk = tuple(tokens[i * ps:(i + 1) * ps])
+    out.append(PageContent(page_key(salt, parent, chunk), parent, chunk))
+    parent = out[-1].key
+  if session is not None and len(tokens) % ps:
+    out.append(PageContent(session_key(salt, session), parent, tuple(tokens[len(tokens) // ps * ps:])))
+  return out
+
+
+@pytest.mark.parametrize("ps", [2, 3, 4])
+def test_eviction_callback_reports_each_evicted_page_once_and_never_a_held_one(ps):
+  rng = np.random.default_rng(ps)
+  evicted: list[CachedPage] = []
+
+  def on_evict(entry: CachedPage) -> None:
+    assert dev.kv[entry.page, :len(entry.content.tokens)].tolist() == list(entry.content.tokens)
+    evicted.append(entry)
+
+  cache = PrefixCache(9, ps, on_evict=on_evict)  # 8 usable pages
+  dev = Device(cache)
+  kept, sess, plain = (rng.integers(0, 50, n).tolist() for n in (2 * ps, 2 * ps + 1, 2 * ps))
+  seqs = [run(cache, dev, kept, namespace="n"), run(cache, dev, sess, namespace="n", session="s"),
+          run(cache, dev, plain, namespace="n")]
+  expected = chain(sess, ps, "n", "s") + chain(plain, ps, "n")   # what must go, and where it was
+  placed = dict(zip((c.key for c in expected), seqs[1].pages + seqs[2].pages))
+  for seq in seqs:
+    cache.release(seq)                               # 7 pages cached, 1 free
+  held = run(cache, dev, kept + [7], namespace="n")  # its 2 cached pages are referenced again
+  assert evicted == [] and cache.stats.evictions == 0
+  filler = run(cache, dev, rng.integers(100, 150, 5 * ps).tolist())  # takes all 5 unreferenced pages
+  assert sorted(e.content.key for e in evicted) == sorted(c.key for c in expected)  # each once
+  assert all(e.content in expected and e.page == placed[e.content.key] for e in evicted)
+  assert not {e.page for e in evicted} & set(held.pages) and cache.stats.evictions == 5
+  for seq in (held, filler):
+    cache.release(seq)                               # releasing evicts nothing
+  assert len(evicted) == 5 and dev.read(held) == kept + [7]
+
+
+@pytest.mark.parametrize("ps,session", [(2, None), (3, "s"), (4, "s")])
+def test_inserted_pages_are_hit_by_lookup_and_open_sequence_in_their_namespace_only(ps, session):
+  """A host tier in miniature: evicted pages are kept with their device content, put back into
+  fresh pages with insert_cached, and the prompt then hits them in its namespace, not in another."""
+  rng = np.random.default_rng(ps)
+  host: dict[bytes, tuple[PageContent, np.ndarray, np.ndarray]] = {}
+
+  def keep(entry: CachedPage) -> None:
+    host[entry.content.key] = entry.content, dev.kv[entry.page].copy(), dev.ctx[entry.page].copy()
+
+  cache = PrefixCache(8, ps, on_evict=keep)  # 7 usable pages
+  dev = Device(cache)
+  prompt = rng.integers(0, 50, 2 * ps + 1).tolist()
+  cache.release(run(cache, dev, prompt, namespace="a", session=session))
+  cache.release(run(cache, dev, rng.integers(100, 150, 7 * ps).tolist()))  # pushes the prompt out
+  contents = chain(prompt, ps, "a", session)
+  assert [host[c.key][0] for c in contents] == contents
+  assert all(cache.lookup(c.key) is None for c in contents)
+  pages = cache.pool.allocate(len(contents))
+  for content, page in zip(contents, pages):
+    dev.kv[page], dev.ctx[page] = host[content.key][1:]
+    cache.insert_cached(content, page, namespace="a", session=session)
+    assert cache.lookup(content.key) == CachedPage(content, page)
+  other = run(cache, dev, prompt + [7], namespace="b", session=session)
+  assert other.num_cached == 0
+  cache.release(other)
+  for page in pages:                                 # the caller's references: now evictable
+    cache.pool.decref(page)
+  seq = run(cache, dev, prompt + [7], namespace="a", session=session)   # reads back every slot
+  assert seq.num_cached == (len(prompt) if session else 2 * ps) and seq.pages[:len(pages)] == pages
+  cache.release(seq)
+  dev.check_cached_content()
+
+
+@pytest.mark.parametrize("case,match", [
+    ("short", "a full page holds 4 tokens, got 3"),
+    ("full_partial", "session 's'.s partial page holds 1 to 3 tokens, got 4"),
+    ("other_namespace", "key mismatch: .* namespace 'b'"),
+    ("other_parent", "key mismatch"),
+    ("cached", "key already cached, on page"),
+    ("shared", "page .* has refcount 2: insert_cached takes a page its caller alone holds"),
+    ("free", "has refcount 0"),
+    ("published", "has refcount 1 and is published"),
+    ("null", "page 0 outside the usable ids"),
+])
+def test_bad_insert_is_a_clear_value_error_and_changes_nothing(case, match):
+  rng = np.random.default_rng(len(case))
+  cache = PrefixCache(8, 4)
+  dev = Device(cache)
+  old, new = rng.integers(0, 50, 4).tolist(), tuple(rng.integers(100, 150, 4).tolist())
+  cache.release(run(cache, dev, old))
+  live = run(cache, dev, old + [1])                  # holds the cached page of `old`
+  page = cache.pool.allocate(1)[0]
+  salt = namespace_salt("")
+  content, kw = PageContent(page_key(salt, ROOT_KEY, new), ROOT_KEY, new), {}
+  if case == "short":
+    content = PageContent(page_key(salt, ROOT_KEY, new[:3]), ROOT_KEY, new[:3])
+  elif case == "full_partial":
+    content, kw = PageContent(session_key(salt, "s"), ROOT_KEY, new), dict(session="s")
+  elif case == "other_namespace":
+    kw = dict(namespace="b")
+  elif case == "other_parent":
+    content = PageContent(content.key, chain(old, 4)[0].key, new)
+  elif case == "cached":
+    content = chain(old, 4)[0]
+  elif case == "shared":
+    cache.pool.incref(page)
+  elif case == "free":
+    cache.pool.decref(page)
+  elif case == "published":
+    page = live.pages[0]
+  elif case == "null":
+    page = NULL_PAGE
+  before = snapshot(cache, [live])
+  with pytest.raises(ValueError, match=match):
+    cache.insert_cached(content, page, **kw)
+  assert snapshot(cache, [live]) == before

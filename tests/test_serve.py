@@ -11,7 +11,7 @@ import pytest
 
 import glmjax
 from glmjax.cache.paged import init_cache
-from glmjax.cache.prefix_cache import ROOT_KEY, namespace_salt, page_key
+from glmjax.cache.prefix_cache import ROOT_KEY, PageContent, namespace_salt, page_key
 from glmjax.serve.host_tier import HostTier
 from glmjax.serve.scheduler import Request, Scheduler
 from glmjax.serve.trace import OneShot, Trace, make_trace, replay, summarize
@@ -46,8 +46,8 @@ def host_arrays(rng, n):
 @pytest.mark.parametrize("seed", [3, 4])
 def test_full_host_tier_evicts_by_lru2_and_never_drops_a_pinned_page(seed):
   rng = np.random.default_rng(seed)
-  items = [(bytes([i]) * 32, tuple(range(i, i + PAGE)), ROOT_KEY) for i in range(6)]
-  a, b, c, d, e, f = (it[0] for it in items)
+  items = [PageContent(bytes([i]) * 32, ROOT_KEY, tuple(range(i, i + PAGE))) for i in range(6)]
+  a, b, c, d, e, f = (it.key for it in items)
   arrays = host_arrays(rng, 6)
   host = HostTier(3 * sum(x.nbytes // 6 for x in arrays))
   host.put_batch(items[:3], [x[:3] for x in arrays])
@@ -162,13 +162,21 @@ def test_restored_pages_give_exactly_the_logits_of_pages_never_evicted(fixture_f
 
 def test_host_tier_raises_hit_rate_and_lowers_ttft_for_conversations(fixture_fp32):
   """Eight 4-round conversations whose KV (about 8 x 15 pages) far exceeds the 24-page pool,
-  replayed twice from the same configuration: eviction only, then with a host tier."""
+  replayed twice from the same configuration: eviction only, then with a host tier. Either way
+  every round's output equals the round run alone, whether its prefix was recomputed, kept on
+  the device or restored from the host (full pages and the session's partial page)."""
   trace = make_trace(vocab=(2, 512), conversations=8, workload=Workload(4, 24, 6, 4), think_time=12.0,
                      num_one_shots=0, seed=5)
-  results = {}
+  results, expected = {}, {}
   for host in (None, HostTier(10**7)):
     sched = make(fixture_fp32, host_tier=host)
-    results[host is not None] = summarize(replay(sched, trace)), sched
+    done = replay(sched, trace)
+    for r in done:
+      key = tuple(r.prompt)
+      if key not in expected:   # both runs see the same prompts as long as the outputs agree
+        expected[key] = alone(fixture_fp32, r.prompt, r.max_new_tokens)
+      assert r.output == expected[key], (host is not None, r.id)
+    results[host is not None] = summarize(done), sched
   (off, _), (on, sched) = results[False], results[True]
   assert off["hit_rate_host"] == 0 and on["hit_rate_host"] > 0
   assert on["hit_rate_device"] + on["hit_rate_host"] > off["hit_rate_device"] + 0.1

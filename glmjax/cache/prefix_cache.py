@@ -22,6 +22,10 @@ Invariants (enforced here, checked by tests/test_prefix_cache.py):
   session's next sequence, which takes it over (unpublishes it) and keeps writing into it; other
   sequences share full pages only. A session keeps only the partial page of its latest release.
 - An operation that raises leaves every structure unchanged.
+- A lower tier (glmjax/serve/host_tier.py) needs three hooks, all public: the `on_evict` callback
+  sees every evicted page (its content and id) before the page can be handed out again;
+  `lookup` reads the index by key without side effects; `insert_cached` publishes a page whose
+  KV came back from elsewhere under its old key.
 """
 
 import dataclasses
@@ -256,21 +260,50 @@ class SequenceAlloc:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
-  """A published page with what it must hold: checked on every hit."""
+class PageContent:
+  """What a cached page holds, named without its KV; the check on every hit, wherever the KV lives.
 
-  page: int
-  tokens: tuple[int, ...]
+  key: `page_key(salt, parent, tokens)` for a full page (page_size tokens), `session_key(salt,
+  session)` for a session's partial page (fewer tokens). parent: the key of the full page before
+  it, ROOT_KEY for the first.
+  """
+
+  key: bytes
   parent: bytes
+  tokens: tuple[int, ...]
+
+  def follows(self, parent: bytes, rest: Sequence[int]) -> bool:
+    """Whether this page continues a prompt whose previous page has key `parent` and whose tokens
+    from this page on start with `rest`. A key hit that fails it is a hash collision: a miss."""
+    return self.parent == parent and tuple(rest[:len(self.tokens)]) == self.tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPage:
+  """A device page published in the prefix index, and the content it must hold."""
+
+  content: PageContent
+  page: int
 
 
 class PrefixCache:
-  """Prefix index over a PagePool: opens, grows, rolls back and releases sequences."""
+  """Prefix index over a PagePool: opens, grows, rolls back and releases sequences.
 
-  def __init__(self, num_pages: int, page_size: int):
-    self.pool = PagePool(num_pages, page_size, on_evict=self._on_evict)
+  on_evict, if given, is called once for every cached page the pool evicts (LRU-2 over published
+  pages with no reference, so never for a held page), with the page's content and id. It runs
+  inside the allocation that evicts the page, after the page left the index and before the
+  allocation hands it out: the page's KV is intact until the caller writes into what it was
+  given, so a listener that copies the KV out must do so before the next device write. It must
+  not raise or call back into the cache. Pages leaving the index otherwise (a session's partial
+  page taken over by its next sequence, or replaced by a newer one) are not evictions.
+  """
+
+  def __init__(self, num_pages: int, page_size: int, *,
+               on_evict: Callable[[CachedPage], None] | None = None):
+    self.pool = PagePool(num_pages, page_size, on_evict=self._evict)
     self.page_size = page_size
-    self._index: dict[bytes, _Entry] = {}
+    self._on_evict = on_evict
+    self._index: dict[bytes, CachedPage] = {}
     self._key_of: dict[int, bytes] = {}
     self._stats = CacheStats()
 
@@ -281,7 +314,51 @@ class PrefixCache:
 
   def cached_pages(self) -> dict[int, tuple[int, ...]]:
     """Published page -> the tokens its content must hold (for checks and debugging)."""
-    return {e.page: e.tokens for e in self._index.values()}
+    return {e.page: e.content.tokens for e in self._index.values()}
+
+  def lookup(self, key: bytes) -> CachedPage | None:
+    """The device page cached under `key` (a full page's or a session's key), or None.
+
+    No side effects: no access is recorded for LRU-2, no statistic moves and no reference is
+    taken, so an unreferenced page stays evictable. The caller confirms a hit with
+    `content.follows(parent, rest)`, as open_sequence does: equal keys alone do not prove equal
+    tokens.
+    """
+    return self._index.get(key)
+
+  def insert_cached(self, content: PageContent, page: int, *, namespace: str = "",
+                    session: str | None = None) -> None:
+    """Publish `page` as the cached page of `content`, so that later lookups and open_sequence hit it.
+
+    For KV restored from elsewhere (a host tier): the caller allocated `page` (pool.allocate)
+    and holds its only reference, which it keeps; the page becomes evictable once the caller
+    drops it (pool.decref), with no access history until a hit touches it. The KV must be written
+    before any sequence reads the page. `content.key` must be the key that `namespace` gives
+    it: `page_key(namespace_salt(namespace), content.parent, content.tokens)` for a full page of
+    page_size tokens, or `session_key(namespace_salt(namespace), session)` for that session's
+    partial page (1 to page_size - 1 tokens). Raises ValueError, changing nothing, on a token
+    count that does not fit, a key that is not that key or is cached already, or a page that is
+    not held by the caller alone.
+    """
+    toks, ps, pool = as_tokens(content.tokens), self.page_size, self.pool
+    salt = namespace_salt(namespace)
+    if session is not None and content.key == session_key(salt, session):
+      if not 0 < len(toks) < ps:
+        raise ValueError(f"session {session!r}'s partial page holds 1 to {ps - 1} tokens, got {len(toks)}")
+    elif len(toks) != ps:
+      raise ValueError(f"a full page holds {ps} tokens, got {len(toks)}")
+    elif content.key != page_key(salt, content.parent, toks):
+      raise ValueError(f"key mismatch: not the key of these tokens after this parent in namespace "
+                       f"{namespace!r}" + ("" if session is None else f", nor session {session!r}'s key"))
+    if content.key in self._index:
+      raise ValueError(f"key already cached, on page {self._index[content.key].page}")
+    if not NULL_PAGE < page < pool.num_pages:
+      raise ValueError(f"page {page} outside the usable ids [1, {pool.num_pages})")
+    if pool.refcount(page) != 1 or pool.is_published(page):
+      raise ValueError(f"page {page} has refcount {pool.refcount(page)}"
+                       f"{' and is published' if pool.is_published(page) else ''}: insert_cached takes "
+                       f"a page its caller alone holds, fresh from pool.allocate")
+    self._publish(CachedPage(PageContent(content.key, content.parent, toks), page))
 
   def open_sequence(self, tokens: Iterable[int], *, namespace: str = "",
                     session: str | None = None) -> SequenceAlloc:
@@ -295,12 +372,12 @@ class PrefixCache:
     hits, parent, collisions = self._match(salt, toks)
     partial = self._match_partial(salt, session, parent, toks[len(hits) * ps:])
     taken = [partial.page] if partial else []
-    cached = len(hits) * ps + (len(partial.tokens) if partial else 0)
+    cached = len(hits) * ps + (len(partial.content.tokens) if partial else 0)
     num_cached = min(cached, max(len(toks) - 1, 0))
     write_page = num_cached // ps
     # A cached page holding the write position (a fully cached prompt) is copied, not written.
     kept, pinned = hits[:write_page], hits[write_page:]
-    num_fresh = self._pages_for(len(toks)) - len(kept) - len(taken)
+    num_fresh = self.pages_for(len(toks)) - len(kept) - len(taken)
     reused = kept + pinned + taken
     reserved = sum(self.pool.refcount(p) == 0 for p in reused)  # evictable now, held once opened
     if num_fresh > self.pool.num_free + self.pool.num_evictable - reserved:
@@ -336,7 +413,7 @@ class PrefixCache:
     in the page table, freed by `truncate` and `release` when no token reached them."""
     self._check_live(seq)
     self._check_fits(seq.length + num_tokens)
-    fresh = self.pool.allocate(max(0, self._pages_for(seq.length + num_tokens) - len(seq.pages)))
+    fresh = self.pool.allocate(max(0, self.pages_for(seq.length + num_tokens) - len(seq.pages)))
     seq.pages += fresh
     return fresh
 
@@ -346,7 +423,7 @@ class PrefixCache:
     if not seq.write_floor <= new_len <= seq.length:
       raise ValueError(
           f"truncate to {new_len} outside [write_floor {seq.write_floor}, length {seq.length}]")
-    keep = self._pages_for(new_len)
+    keep = self.pages_for(new_len)
     for page in seq.pages[keep:]:
       self.pool.decref(page)
     del seq.pages[keep:], seq.tokens[new_len:]
@@ -364,7 +441,7 @@ class PrefixCache:
       tail = tuple(seq.tokens[seq.length // self.page_size * self.page_size:])
       if tail and parent is not None:
         tail_page = seq.pages[seq.length // self.page_size]
-        self._publish(skey, _Entry(tail_page, tail, parent))
+        self._publish(CachedPage(PageContent(skey, parent, tail), tail_page))
         touched.append(tail_page)
     for page in reversed(touched):  # leaf first: on equal history children go before parents
       self.pool.lru.touch(page)
@@ -380,6 +457,10 @@ class PrefixCache:
     table[:len(seq.pages)] = seq.pages
     return table, seq.length
 
+  def pages_for(self, num_tokens: int) -> int:
+    """Pages that hold `num_tokens` positions."""
+    return -(-num_tokens // self.page_size)
+
   def _match(self, salt: bytes, toks: tuple[int, ...]) -> tuple[list[int], bytes, int]:
     """Cached pages of the longest full-page prefix, the key of its last page, collisions met."""
     ps, pages, parent = self.page_size, [], ROOT_KEY
@@ -388,20 +469,18 @@ class PrefixCache:
       entry = self._index.get(key := page_key(salt, parent, chunk))
       if entry is None:
         return pages, parent, 0
-      if entry.tokens != chunk or entry.parent != parent:
+      if not entry.content.follows(parent, chunk):
         return pages, parent, 1
       pages.append(entry.page)
       parent = key
     return pages, parent, 0
 
   def _match_partial(self, salt: bytes, session: str | None, parent: bytes,
-                     rest: tuple[int, ...]) -> _Entry | None:
+                     rest: tuple[int, ...]) -> CachedPage | None:
     """The session's partial page if it follows `parent` and `rest` starts with its tokens."""
     if session is None or (entry := self._index.get(session_key(salt, session))) is None:
       return None
-    if entry.parent != parent or rest[:len(entry.tokens)] != entry.tokens:
-      return None
-    return entry
+    return entry if entry.content.follows(parent, rest) else None
 
   def _publish_full_pages(self, seq: SequenceAlloc, salt: bytes,
                           touched: list[int]) -> bytes | None:
@@ -416,33 +495,33 @@ class PrefixCache:
       key = page_key(salt, parent, chunk)
       entry = self._index.get(key)
       if entry is None:
-        self._publish(key, _Entry(seq.pages[i], chunk, parent))
+        self._publish(CachedPage(PageContent(key, parent, chunk), seq.pages[i]))
         touched.append(seq.pages[i])
-      elif entry.tokens != chunk or entry.parent != parent:
+      elif not entry.content.follows(parent, chunk):
         self._stats.collisions += 1
         return None
       # else: this page, or an equal one that stays cached (ours is freed on decref)
       parent = key
     return parent
 
-  def _publish(self, key: bytes, entry: _Entry) -> None:
-    self._index[key] = entry
-    self._key_of[entry.page] = key
+  def _publish(self, entry: CachedPage) -> None:
+    self._index[entry.content.key] = entry
+    self._key_of[entry.page] = entry.content.key
     self.pool.publish(entry.page)
 
   def _unindex(self, page: int) -> None:
     del self._index[self._key_of.pop(page)]
     self.pool.unpublish(page)
 
-  def _on_evict(self, page: int) -> None:
-    del self._index[self._key_of.pop(page)]
+  def _evict(self, page: int) -> None:
+    """The pool's eviction hook: drop the page from the index, then tell `on_evict`."""
+    entry = self._index.pop(self._key_of.pop(page))
     self._stats.evictions += 1
-
-  def _pages_for(self, num_tokens: int) -> int:
-    return -(-num_tokens // self.page_size)
+    if self._on_evict is not None:
+      self._on_evict(entry)
 
   def _check_fits(self, num_tokens: int) -> None:
-    if (need := self._pages_for(num_tokens)) > self.pool.usable:
+    if (need := self.pages_for(num_tokens)) > self.pool.usable:
       raise ValueError(f"{num_tokens} tokens need {need} pages of {self.page_size}; "
                        f"the pool has only {self.pool.usable} usable")
 

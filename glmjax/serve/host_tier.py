@@ -1,6 +1,6 @@
 """A host-memory tier under the device page pool: evicted KV pages are kept in numpy, not dropped.
 
-When the device pool evicts a cached page, `TieredPrefixCache` records its prefix key, and before
+When the device pool evicts a cached page, `TieredPrefixCache` records its content, and before
 the next device write that could reuse the page, `flush` gathers the evicted pages (every layer's
 arrays: latent values, FP8 scales, RoPE keys, indexer keys and their scales) into one batch and
 starts its device-to-host copy; `HostTier.materialize` later turns it into per-page numpy arrays
@@ -26,12 +26,10 @@ import numpy as np
 
 from glmjax.cache.paged import KVCache, LayerCache
 from glmjax.cache.prefix_cache import (
-    ROOT_KEY, LruK, PoolExhausted, PrefixCache, SequenceAlloc, _Entry, as_tokens,
+    ROOT_KEY, CachedPage, LruK, PageContent, PoolExhausted, PrefixCache, SequenceAlloc, as_tokens,
     namespace_salt, page_key, session_key)
 
 COMPRESSIONS = ("none", "zlib")
-
-HostItem = tuple[bytes, tuple[int, ...], bytes]  # (prefix key, tokens the page holds, parent key)
 
 
 def bucket_pow2(n: int) -> int:
@@ -78,7 +76,7 @@ class HostStats:
 
 @dataclasses.dataclass(eq=False)
 class _HostPage:
-  item: HostItem
+  item: PageContent
   id: int
   nbytes: int
   data: list[np.ndarray] | bytes | None = None  # None while its device-to-host copy is pending
@@ -115,14 +113,14 @@ class HostTier:
   def keys(self) -> set[bytes]:
     return set(self._pages)
 
-  def item(self, key: bytes) -> HostItem | None:
+  def item(self, key: bytes) -> PageContent | None:
     page = self._pages.get(key)
     return None if page is None else page.item
 
   def pins(self, key: bytes) -> int:
     return self._pages[key].pins
 
-  def put_batch(self, items: list[HostItem], arrays: list[jax.Array]) -> None:
+  def put_batch(self, items: list[PageContent], arrays: list[jax.Array]) -> None:
     """Store pages i < len(items) of a batch of page arrays (leaf order, [n >= len(items), ...]),
     making room by LRU-2. The copy to the host starts now and completes in `materialize`."""
     if self._layout is None:
@@ -130,7 +128,7 @@ class HostTier:
     page_bytes = sum(a.nbytes // a.shape[0] for a in arrays)
     stored = []
     for i, item in enumerate(items):
-      old = self._pages.get(item[0])
+      old = self._pages.get(item.key)
       if old is not None and (old.pins or old.item == item):
         continue  # this content is here already, or a staged restore still needs this version
       if old is not None:
@@ -139,7 +137,7 @@ class HostTier:
         self.stats.refused_pages += 1
         continue
       page = _HostPage(item, next(self._ids), page_bytes)
-      self._pages[item[0]], self._key_of[page.id] = page, item[0]
+      self._pages[item.key], self._key_of[page.id] = page, item.key
       self.nbytes += page_bytes
       self._lru.add(page.id)
       self._lru.touch(page.id)
@@ -155,7 +153,7 @@ class HostTier:
     for arrays, stored in self._pending:
       host = [np.asarray(a) for a in arrays]
       for page, i in stored:
-        if self._pages.get(page.item[0]) is not page:
+        if self._pages.get(page.item.key) is not page:
           continue  # evicted or replaced before its copy landed
         data = [h[i].copy() for h in host]
         self.stats.raw_bytes += page.nbytes
@@ -219,7 +217,7 @@ class HostTier:
     return True
 
   def _remove(self, page: _HostPage) -> None:
-    del self._pages[page.item[0]], self._key_of[page.id]
+    del self._pages[page.item.key], self._key_of[page.id]
     self._lru.forget(page.id)
     self.nbytes -= page.nbytes
 
@@ -229,42 +227,38 @@ class Lookup:
   """Where a prompt's cached prefix lives: device pages (held by the lookup's caller while it
   restores) and host pages to restore, each with the first position it covers."""
   device: list[int]
-  host: list[tuple[HostItem, int]]
+  host: list[tuple[PageContent, int]]
 
   @property
   def host_keys(self) -> list[bytes]:
-    return [item[0] for item, _ in self.host]
+    return [item.key for item, _ in self.host]
 
 
 @dataclasses.dataclass
 class Restore:
   """Device pages just published for host pages; `apply` must write them before any read."""
   pages: list[int]
-  host: list[tuple[HostItem, int]]
+  host: list[tuple[PageContent, int]]
 
 
 class TieredPrefixCache(PrefixCache):
-  """PrefixCache whose evicted pages go to a HostTier and come back on a later lookup.
+  """PrefixCache whose evicted pages go to a HostTier and come back on a later prefix hit.
 
-  A thin subclass: it reads the index (`_index`, `_key_of`) to walk prefix chains without side
-  effects, learns evicted pages' keys by overriding `_on_evict`, and publishes restored pages with
-  `_publish`. Public PrefixCache hooks for these three would let it stop reaching inside.
+  Built on PrefixCache's public hooks alone: its eviction callback queues each evicted page for
+  the host, `lookup` reads the device index while `locate` walks a prompt's chain, and
+  `insert_cached` publishes restored pages under their old keys.
   """
 
   def __init__(self, num_pages: int, page_size: int, host: HostTier | None = None):
-    super().__init__(num_pages, page_size)
+    super().__init__(num_pages, page_size, on_evict=None if host is None else self._queue_evicted)
     self.host = host
-    self._evicted: list[tuple[int, HostItem]] = []
+    self._evicted: list[CachedPage] = []
 
-  def _on_evict(self, page: int) -> None:
-    key = self._key_of[page]
-    entry = self._index[key]
-    super()._on_evict(page)
-    item = (key, entry.tokens, entry.parent)
-    if self.host is not None and self.host.item(key) != item:  # else the host holds this content
-      self._evicted.append((page, item))
+  def _queue_evicted(self, entry: CachedPage) -> None:
+    if self.host.item(entry.content.key) != entry.content:  # else the host holds this content
+      self._evicted.append(entry)
 
-  def lookup(self, tokens, *, namespace: str = "", session: str | None = None) -> Lookup:
+  def locate(self, tokens, *, namespace: str = "", session: str | None = None) -> Lookup:
     """Walk the prompt's prefix chain through both tiers (no side effects), as open_sequence
     will match it once the host pages are back: full pages, then the session's partial page."""
     toks, ps = as_tokens(tokens), self.page_size
@@ -272,15 +266,14 @@ class TieredPrefixCache(PrefixCache):
     found = Lookup([], [])
 
     def match(key: bytes, start: int) -> bool:
-      # Full pages hold page_size tokens, a partial page fewer: one check serves both.
-      if (entry := self._index.get(key)) is not None:
-        ok = entry.parent == parent and toks[start:start + len(entry.tokens)] == entry.tokens
-        if ok:
+      # A full page holds page_size tokens, a partial page fewer: `follows` checks either.
+      rest = toks[start:start + ps]
+      if (entry := self.lookup(key)) is not None:
+        if ok := entry.content.follows(parent, rest):
           found.device.append(entry.page)
         return ok
       item = None if self.host is None else self.host.item(key)
-      ok = item is not None and item[2] == parent and toks[start:start + len(item[1])] == item[1]
-      if ok:
+      if ok := item is not None and item.follows(parent, rest):
         found.host.append((item, start))
       return ok
 
@@ -294,7 +287,7 @@ class TieredPrefixCache(PrefixCache):
   def demand(self, tokens, budget: int, *, namespace: str = "", session: str | None = None) -> int:
     """Pages that `open` takes from free + evictable ones (pages held by other sequences come
     free): an upper bound, exact but for the one page copied when the whole prompt is cached."""
-    return self._demand(self.lookup(tokens, namespace=namespace, session=session), len(tokens), budget)
+    return self._demand(self.locate(tokens, namespace=namespace, session=session), len(tokens), budget)
 
   def open(self, tokens, budget: int, *, namespace: str = "",
            session: str | None = None) -> tuple[SequenceAlloc, Restore]:
@@ -304,15 +297,15 @@ class TieredPrefixCache(PrefixCache):
     returned Restore must go through `apply` before the device reads its pages.
     """
     tokens = as_tokens(tokens)
-    found = self.lookup(tokens, namespace=namespace, session=session)
+    found = self.locate(tokens, namespace=namespace, session=session)
     need = self._demand(found, len(tokens), budget)
     if need > self.pool.num_free + self.pool.num_evictable:
       raise PoolExhausted(need, self.pool.num_free, self.pool.num_evictable)
     for page in found.device:  # so that allocating the restored pages cannot evict them
       self.pool.incref(page)
     pages = self.pool.allocate(len(found.host))
-    for page, ((key, toks, parent), _) in zip(pages, found.host):
-      self._publish(key, _Entry(page, toks, parent))
+    for page, (item, _) in zip(pages, found.host):
+      self.insert_cached(item, page, namespace=namespace, session=session)
     seq = self.open_sequence(tokens, namespace=namespace, session=session)
     self.reserve(seq, budget)
     for page in found.device + pages:
@@ -326,7 +319,7 @@ class TieredPrefixCache(PrefixCache):
     cannot push them out of the host tier; the gather of the evicted pages is dispatched before
     the insert, so it reads them before they are overwritten."""
     if restore.pages and data is None:
-      data = self.host.fetch([item[0] for item, _ in restore.host])
+      data = self.host.fetch([item.key for item, _ in restore.host])
     self.flush(cache)
     if not restore.pages:
       return cache
@@ -337,10 +330,11 @@ class TieredPrefixCache(PrefixCache):
     device write that may reuse them (the gather is dispatched first, so it reads them first)."""
     if not self._evicted:
       return
-    pages, items = zip(*self._evicted)
-    self.host.put_batch(list(items), extract_pages(cache.layers, _padded(pages, bucket_pow2(len(pages)))))
+    pages = [e.page for e in self._evicted]
+    self.host.put_batch([e.content for e in self._evicted],
+                        extract_pages(cache.layers, _padded(pages, bucket_pow2(len(pages)))))
     self._evicted = []
 
   def _demand(self, found: Lookup, num_tokens: int, budget: int) -> int:
     held = sum(self.pool.refcount(p) > 0 for p in found.device)
-    return self._pages_for(num_tokens + budget) + 1 - held
+    return self.pages_for(num_tokens + budget) + 1 - held

@@ -22,7 +22,6 @@ Time comes from a clock: `StepClock` (one unit per step, deterministic) or `Wall
 import dataclasses
 import functools
 import itertools
-import math
 import time
 
 import jax
@@ -31,12 +30,12 @@ import numpy as np
 
 from glmjax.api import check_tokens, params_dtype
 from glmjax.cache.paged import KVCache, check_geometry, init_cache
-from glmjax.cache.prefix_cache import SequenceAlloc
+from glmjax.cache.prefix_cache import PageContent, SequenceAlloc
 from glmjax.config import ModelConfig
 from glmjax.engine import steps
 from glmjax.engine.sampling import Sampling, sample
 from glmjax.runtime import Runtime
-from glmjax.serve.host_tier import HostItem, HostTier, TieredPrefixCache, bucket_pow2, copy_pages
+from glmjax.serve.host_tier import HostTier, TieredPrefixCache, bucket_pow2, copy_pages
 
 PRIORITIES = ("interactive", "batch")  # served in this order
 
@@ -171,7 +170,7 @@ class Scheduler:
     self.steps = 0
     self._serial: dict[str, int] = {}
     self._serials = itertools.count()
-    self._staged: dict[str, tuple[list[HostItem], list[jax.Array]]] = {}
+    self._staged: dict[str, tuple[list[PageContent], list[jax.Array]]] = {}
     self._eos = set(config.eos_token_ids)
     self._key = jax.random.key(seed)
 
@@ -184,7 +183,7 @@ class Scheduler:
     check_tokens(self.config, [request.prompt], extra_positions=request.max_new_tokens)
     if request.id in self._serial:
       raise ValueError(f"request id {request.id!r} was submitted before")
-    pages = math.ceil((len(request.prompt) + request.max_new_tokens - 1) / self.page_size)
+    pages = self.prefix.pages_for(len(request.prompt) + request.max_new_tokens - 1)
     if pages > self.max_pages:
       raise ValueError(f"request {request.id}: {len(request.prompt)} prompt + {request.max_new_tokens} "
                        f"new tokens exceed max_seq_len {self.max_pages * self.page_size}")
@@ -282,10 +281,10 @@ class Scheduler:
     data = staged[1] if staged is not None and staged[0] == items else None
     self.cache = self.prefix.apply(self.cache, restore, data)
     if staged is not None:
-      self.prefix.host.unpin([item[0] for item in staged[0]])
+      self.prefix.host.unpin([item.key for item in staged[0]])
     if seq.copies:
       self.cache = copy_pages(self.cache, *map(list, zip(*seq.copies)))
-    host = sum(max(0, min(start + len(item[1]), seq.num_cached) - start) for item, start in restore.host)
+    host = sum(max(0, min(start + len(item.tokens), seq.num_cached) - start) for item, start in restore.host)
     req.lookup_tokens += len(context)
     req.host_hit_tokens += host
     req.device_hit_tokens += seq.num_cached - host
@@ -336,7 +335,7 @@ class Scheduler:
     for req in sorted(self.waiting, key=self._order)[:self.max_batch]:
       if req.id in self._staged:
         continue
-      found = self.prefix.lookup(req.prompt + req.output, session=self._session(req))
+      found = self.prefix.locate(req.prompt + req.output, session=self._session(req))
       if found.host:
         host.pin(found.host_keys)
         self._staged[req.id] = ([item for item, _ in found.host], host.fetch(found.host_keys))
