@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from glmjax.bench import bandwidth_tbs, kernel_breakdown, time_device
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from glmjax.footprint import H200_BANDWIDTH
-from pallas_kernels.indexer_scores import indexer_scores, indexer_scores_reference
+from pallas_kernels.indexer_scores import IndexerScoresConfig, indexer_scores, indexer_scores_reference
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
-from pallas_kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
-from pallas_kernels.topk import topk_indices, topk_indices_reference
+from pallas_kernels.sparse_mla import SparseMLAConfig, sparse_mla_decode, sparse_mla_decode_reference
+from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
 
 FULL = dict(contexts=(8192, 32768, 81920, 131072), query_tokens=(1, 5), index_heads=32,
             index_dim=128, heads=8, rank=512, rope=64, k=2048, page=64,
@@ -131,3 +131,36 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
                      functools.partial(topk_indices_reference, k=k), (scores,),
                      num_rows * (n + k) * 4, timing, breakdown)
 
+
+
+def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
+  """Tuning aid (not part of dsa_rows): each DSA kernel at its target case (80K keys, 5 query
+  tokens, bf16; top-k of 2048 from 131,072 over 1 and 64 rows) under a grid of configs. Yields
+  rows with the config and `us` (kernel path only; calls unrolled 8 per loop iteration)."""
+  s = QUICK if quick else FULL
+  context, t, n, k = (s["contexts"][0], 2, s["topk_n"], s["k"]) if quick else (81920, 5, s["topk_n"], s["k"])
+  timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=40, repeats=3, warmup=1, unroll=8)
+  idx_args, _ = _indexer_cases(s, context, t, False, jax.random.key(1))
+  mla_args, _ = _mla_case(s, context, t, False, jax.random.key(2))
+  scale = (192 + 64) ** -0.5
+  grids = {
+      "indexer_scores": (functools.partial(indexer_scores, num_keys=context), idx_args,
+                         [IndexerScoresConfig(block_k=bk, num_splits=sp, num_warps=w)
+                          for bk in (64, 128, 256) for sp in (None, 128) for w in (4, 8)]),
+      "sparse_mla_decode": (functools.partial(sparse_mla_decode, softmax_scale=scale), mla_args,
+                            [SparseMLAConfig(block_n=bn, num_splits=sp, num_warps=w)
+                             for bn in (16, 32, 64) for sp in (None, 64) for w in (4, 8)]),
+  }
+  for rows, splits in ((1, (None, 64)), (64, (None, 16, 32))):
+    scores = jax.random.normal(jax.random.key(rows), (rows, n), jnp.float32)
+    grids[f"topk_indices rows={rows}"] = (
+        functools.partial(topk_indices, k=k), (scores,),
+        [TopKConfig(block=b, num_splits=sp, num_warps=w)
+         for b in (256, 512, 1024) for sp in splits for w in (4, 8)])
+  for kernel, (fn, args, configs) in grids.items():
+    for config in configs[:2] if quick else configs:
+      try:
+        us = time_device(functools.partial(fn, config=config), *args, **timing) * 1e6
+      except Exception as e:  # a config the compiler rejects (registers, shared memory) is a result too
+        us, config = float("nan"), f"{config} failed: {type(e).__name__}: {str(e)[:120]}"
+      yield dict(kernel=kernel, config=str(config), us=us)
