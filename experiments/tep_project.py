@@ -12,7 +12,7 @@ locally). Without --rank_step_ms, its decode step is timed on the current device
 decode program (steps.decode_loop, batch 1; with --draft_steps=k the speculative program
 speculative.spec_decode_loop, every step drafting k tokens with the MTP layer and verifying k+1)
 over a cache of `--context` random tokens, as the difference of two loop lengths divided by the
-difference of their step counts, so dispatch is left out. (On random weights the drafts are
+difference of their step counts, so dispatch drops out. (On random weights the drafts are
 rejected, so a speculative step emits ~1 token here; its time does not depend on acceptance,
 which --accept_length supplies.) tep8_shard does not fit one H200 in bf16
 (~197 GB): --measure_layers=a,b times a- and b-layer models and extends linearly to every layer.
@@ -24,6 +24,8 @@ rank config holds with what one device holds in the rules' layout (glmjax.parall
 import dataclasses
 import json
 import math
+import statistics
+import time
 from typing import Any
 
 import flax.linen as nn
@@ -33,7 +35,6 @@ from absl import app, flags
 
 from configs import get_model_config
 from glmjax import parallel
-from glmjax.bench import time_device
 from glmjax.cache.paged import KVCache, init_cache
 from glmjax.config import ModelConfig
 from glmjax.engine import speculative, steps
@@ -116,24 +117,36 @@ def _decode_program(config: ModelConfig, spec: steps.StepSpec, draft_steps: int,
 def time_decode_step(config: ModelConfig, *, context: int, attention: str, kv_dtype: str, dtype: str,
                      steps_apart: int, quick: bool, draft_steps: int = 0) -> float:
   """Seconds per decode step of `config` at `context` on the default device (batch 1); with
-  draft_steps, per speculative step (k drafts + a (k+1)-token verify)."""
+  draft_steps, per speculative step (k drafts + a (k+1)-token verify).
+
+  Each length's program is compiled once and called on fresh copies of the same cache (the
+  loops donate theirs); a call's copy, dispatch and sync are the same for both lengths and drop
+  out of the difference, so no timing loop (and no second compile per length) is needed.
+  """
   params = init_params(config, jax.random.key(0), param_dtype=jnp.dtype(dtype))
   spec = steps.StepSpec(config, make_runtime(config, attention=attention), dtype)
   lengths = (2, 2 + steps_apart)
   cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
   program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,
                                  jax.random.key(2))
-  timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=10, repeats=3, warmup=1)
-  # Each call decodes from the same `context` tokens; the cache copy this costs (the loop keeps
-  # its input) is the same for both lengths and drops out of the difference. The loops donate
-  # their caches, hence the copies for the calls that count steps.
-  copy = lambda tree: jax.tree.map(jnp.copy, tree)
-  loop_steps = [int(program(n)(params, copy(cache), copy(mtp))[2]) for n in lengths]
-  short, long = (time_device(program(n), params, cache, mtp, **timing) for n in lengths)
-  if long <= short or loop_steps[1] <= loop_steps[0]:
+  repeats = 1 if quick else 5
+
+  def timed(n: int) -> tuple[float, int]:
+    fn = program(n)
+    def once() -> tuple[float, int]:
+      inputs = jax.block_until_ready(jax.tree.map(jnp.copy, (cache, mtp)))
+      start = time.perf_counter()
+      out = jax.block_until_ready(fn(params, *inputs))
+      return time.perf_counter() - start, int(out[2])
+    once()  # compiles
+    runs = [once() for _ in range(repeats)]
+    return statistics.median(t for t, _ in runs), runs[0][1]
+
+  (short, short_steps), (long, long_steps) = (timed(n) for n in lengths)
+  if long <= short or long_steps <= short_steps:
     raise ValueError(f"{steps_apart} more tokens were not slower ({long:.6f} s vs {short:.6f} s, loop steps "
-                     f"{loop_steps}): timing noise; raise --decode_steps or drop --quick")
-  return (long - short) / (loop_steps[1] - loop_steps[0])
+                     f"{short_steps} vs {long_steps}): timing noise; raise --decode_steps or drop --quick")
+  return (long - short) / (long_steps - short_steps)
 
 
 def measure_rank_step(config: ModelConfig, measure_layers: list[int], **kw) -> dict[str, Any]:
