@@ -12,24 +12,18 @@ token, decode tokens and tokens/s, the generated ids, and with --spec=mtp the ac
 
 import dataclasses
 import json
-import os
-import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-import glmjax
-from configs import get_model_config
+from experiments import study
 from glmjax.engine.engine import Engine
 from glmjax.engine.sampling import Sampling
 from glmjax.engine.speculative import SpecConfig
 from glmjax import parallel
 from glmjax.data import load_corpus
-from glmjax.model import init_params
-from glmjax.quant import quantize_params
 from glmjax.runtime import ATTENTION_IMPLS, make_runtime
 from glmjax.workload import WORKLOADS
 
@@ -73,14 +67,9 @@ flags.DEFINE_string("output", "", "write the JSON report here")
 def run(argv=None) -> dict:
   if FLAGS.coordinator_address:
     parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  config = get_model_config(FLAGS.config)
   dtype = jnp.dtype(FLAGS.dtype)
   policy = None if FLAGS.weights == "bf16" else FLAGS.weights
-  if FLAGS.checkpoint:
-    config, params = glmjax.load_pretrained(FLAGS.checkpoint, dtype=dtype, quantize=policy)
-  else:
-    params = init_params(config, jax.random.key(FLAGS.seed), param_dtype=dtype)
-    params = quantize_params(params, policy) if policy else params
+  config, params = study.load_params(FLAGS.config, FLAGS.checkpoint, dtype=dtype, policy=policy, seed=FLAGS.seed)
   work = WORKLOADS[FLAGS.workload].scaled(FLAGS.scale, FLAGS.rounds or None)
   index_share = FLAGS.index_share if FLAGS.index_share in ("on", "off") else int(FLAGS.index_share)
   runtime = make_runtime(config, attention=FLAGS.attention, index_share=index_share, matmul=FLAGS.matmul)
@@ -99,9 +88,7 @@ def run(argv=None) -> dict:
                   mtp_cache=spec is not None, mesh=parallel.make_mesh(FLAGS.tep) if FLAGS.tep > 1 else None)
   rng = np.random.default_rng(FLAGS.seed)
   sessions = [engine.open_session() for _ in range(FLAGS.concurrency)]
-  use_text = FLAGS.text == "validation" or (
-      FLAGS.text == "auto" and FLAGS.checkpoint and os.path.exists(os.path.join(FLAGS.checkpoint, "tokenizer.json")))
-  if use_text:
+  if study.uses_text(FLAGS.text, FLAGS.checkpoint):
     corpus = load_corpus()
     inputs = [[corpus.sample_validation_text(rng, work.new_tokens(r)) for r in range(work.rounds)] for _ in sessions]
   else:

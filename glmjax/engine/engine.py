@@ -3,7 +3,8 @@
 A `Session` is one conversation. Each round appends its new tokens to the conversation, asks the
 prefix cache which pages already hold its KV (this session's own pages, the trailing partial page
 included, or full pages shared with other sessions), prefills only the rest in chunks, then
-decodes on device. Sessions of one round run as one decode batch (concurrency = batch).
+decodes on device (one `lax.while_loop`, or with device_loop=False one host-driven jitted step
+per token: the baseline). Sessions of one round run as one decode batch (concurrency = batch).
 With `mtp_cache=True` the engine also keeps the MTP layer's pages (same page ids) so that rounds
 can decode speculatively (`run_round(..., spec=SpecConfig(...))`, glmjax.engine.speculative).
 """
@@ -24,7 +25,7 @@ from glmjax.cache.prefix_cache import NULL_PAGE, PrefixCache, SequenceAlloc
 from glmjax.config import ModelConfig
 from glmjax.engine import steps
 from glmjax.engine.sampling import Sampling, sample
-from glmjax.engine.speculative import SpecConfig, copy_pages, init_mtp_layer, prefill_chunk_mtp, spec_decode_loop
+from glmjax.engine.speculative import SpecConfig, copy_pages, init_mtp_layer, prefill_chunk_mtp, spec_decode_call
 from glmjax.runtime import Runtime
 
 
@@ -81,9 +82,10 @@ class Engine:
   def __init__(self, config: ModelConfig, params, *, runtime: Runtime = Runtime(), num_pages: int = 1024,
                page_size: int = 16, max_batch: int = 1, max_seq_len: int | None = None,
                kv_dtype: str = "bf16", prefix_cache: bool = True, prefill_chunk: int = 512,
-               mtp_cache: bool = False, mesh: jax.sharding.Mesh | None = None):
+               mtp_cache: bool = False, mesh: jax.sharding.Mesh | None = None, device_loop: bool = True):
     """mesh: run TEP-sharded over it (glmjax.parallel): params in the rules table's layout, the
-    page pool replicated, every step traced under the mesh."""
+    page pool replicated, every step traced under the mesh. device_loop: decode as one on-device
+    loop, or (False) as one jitted step per token driven by the host (`steps.LoopCall.run`)."""
     max_seq_len = check_geometry(config, page_size, max_seq_len)
     if prefill_chunk <= 0:
       raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -99,7 +101,8 @@ class Engine:
     # Every round keeps the MTP pages current when they exist, so cached pages serve later drafts.
     self.mtp = init_mtp_layer(config, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype) if mtp_cache else None
     self.spec = steps.StepSpec(config, runtime, jnp.dtype(params_dtype(params)).name)
-    self.mesh = mesh
+    self.mesh, self.device_loop = mesh, device_loop
+    self._last_decode: steps.LoopCall | None = None  # the last round's decode (carry as shapes)
     if mesh is not None:
       from glmjax import parallel  # imports the model: kept out of the engine's import time
       self.params = parallel.shard_params(config, params, mesh)
@@ -149,6 +152,18 @@ class Engine:
     from glmjax import parallel
     with parallel.use_mesh(self.mesh):
       return self._run_round(sessions, new_tokens, max_new_tokens, **kw)
+
+  def compiled_decode(self) -> jax.stages.Compiled:
+    """The program the last round's decode ran per call (the whole device loop, or with
+    device_loop=False the one-step body), from jit's cache: its HLO (`as_text()`, see
+    glmjax.hlo_stats) and `memory_analysis()`."""
+    if self._last_decode is None:
+      raise ValueError("no round has been decoded yet: call run_round first")
+    if self.mesh is None:
+      return self._last_decode.compile(self.device_loop)
+    from glmjax import parallel
+    with parallel.use_mesh(self.mesh):
+      return self._last_decode.compile(self.device_loop)
 
   def _run_round(self, sessions: list[Session], new_tokens: list[list[int]], max_new_tokens: int, *,
                  sampling: Sampling = Sampling(), seed: int = 0, ignore_eos: bool = False,
@@ -203,20 +218,25 @@ class Engine:
         [len(c) for c in contexts] + [0] * (b - len(seqs)), jnp.int32))
     eos = jnp.asarray([] if ignore_eos else self.config.eos_token_ids, jnp.int32)
     budget = jnp.full((b,), max_new_tokens, jnp.int32)
-    decode_start = time.perf_counter()
+    static = dict(spec=self.spec, sampling=sampling, max_new_tokens=max_new_tokens)
     if self.mtp is None:
-      out, counts, steps_run, self.cache = steps.decode_loop(
-          self.params, self.cache, jnp.asarray(first), jnp.asarray(active), key, eos, budget, spec=self.spec,
-          sampling=sampling, max_new_tokens=max_new_tokens)
-      steps_run, stats = steps_run - 1, None  # decode_loop counts from 1 (the first token's column)
+      call = steps.decode_call(self.params, self.cache, jnp.asarray(first), jnp.asarray(active), key, eos, budget,
+                               **static)
     else:
       table = np.full((b, draft.paths - 1, nspan), NULL_PAGE, np.int32)
       table[:len(seqs)] = np.asarray(scratch, np.int32).reshape(len(seqs), draft.paths - 1, nspan)
       last_hidden = jnp.zeros((b, hiddens[0].shape[-1]), hiddens[0].dtype).at[:len(seqs)].set(jnp.stack(hiddens))
-      out, counts, steps_run, self.cache, self.mtp, stats = spec_decode_loop(
-          self.params, self.cache, self.mtp, jnp.asarray(first), last_hidden, jnp.asarray(active), key, eos,
-          budget, jnp.asarray(table), (spec or SpecConfig(num_draft=0)).knobs(), spec=self.spec,
-          sampling=sampling, max_new_tokens=max_new_tokens, draft=draft)
+      call = spec_decode_call(self.params, self.cache, self.mtp, jnp.asarray(first), last_hidden, jnp.asarray(active),
+                              key, eos, budget, jnp.asarray(table), (spec or SpecConfig(num_draft=0)).knobs(),
+                              **static, draft=draft)
+    self._last_decode = call.abstract()
+    decode_start = time.perf_counter()
+    outputs = call.run(self.device_loop)
+    if self.mtp is None:
+      (out, counts, steps_run, self.cache), stats = outputs, None
+      steps_run = steps_run - 1  # decode counts from 1 (the first token's column)
+    else:
+      out, counts, steps_run, self.cache, self.mtp, stats = outputs
     dispatch_s = time.perf_counter() - decode_start
     out, counts, steps_run = np.asarray(out), np.asarray(counts), int(steps_run)
     decode_s = time.perf_counter() - decode_start

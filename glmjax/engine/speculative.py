@@ -1,5 +1,6 @@
 """MTP speculative decoding as one device program: draft with the MTP layer, verify the last token
-and k drafts in one main-model pass, accept on device, all inside one `lax.while_loop`.
+and k drafts in one main-model pass, accept on device, all inside one `lax.while_loop` (or, with
+device_loop=False, the same step as one host-driven jitted call each: `steps.LoopCall`).
 
 Notation, per sequence and step: the main cache holds positions [0, L); x, the last emitted token
 (position L), is the next input; h_p is the main model's final normed hidden state at p.
@@ -50,7 +51,7 @@ from glmjax.cache.paged import KVCache, LayerCache, init_cache
 from glmjax.cache.prefix_cache import NULL_PAGE
 from glmjax.config import ModelConfig
 from glmjax.engine.sampling import Sampling, processed_logits, sample
-from glmjax.engine.steps import StepSpec
+from glmjax.engine.steps import LoopCall, LoopProgram, StepSpec
 from glmjax.model import CausalLM
 
 MAX_DRAFT = 7  # k + 1 <= 8 verified tokens: the sparse attention path's query limit
@@ -243,31 +244,60 @@ def _emit(out, counts, stopped, tokens, num, eos_ids, budget):
   return out, counts, stopped | (first_eos < kept) | (counts >= budget), kept
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampling", "max_new_tokens", "draft"),
-                   donate_argnames=("cache", "mtp_layer"))
-def spec_decode_loop(params, cache: KVCache, mtp_layer: LayerCache | None, first_tokens: jax.Array,
+def spec_decode_call(params, cache: KVCache, mtp_layer: LayerCache | None, first_tokens: jax.Array,
                      last_hidden: jax.Array, active: jax.Array, key: jax.Array, eos_ids: jax.Array,
                      budget: jax.Array, scratch: jax.Array, knobs: dict[str, jax.Array], *, spec: StepSpec,
-                     sampling: Sampling, max_new_tokens: int, draft: DraftShape):
-  """Speculative decoding of up to max_new_tokens per sequence on device.
+                     sampling: Sampling, max_new_tokens: int, draft: DraftShape) -> LoopCall:
+  """Speculative decoding of up to max_new_tokens per sequence, as a loop to `run(device_loop)`
+  (one on-device loop, or one host-driven jitted step per iteration) or to compile.
 
-  As `steps.decode_loop` (first_tokens [B], active [B], eos_ids [E], budget [B]), plus:
+  As `steps.decode` (first_tokens [B], active [B], eos_ids [E], budget [B]), plus:
   mtp_layer: the MTP pages (None only with num_draft 0: plain steps, no MTP);
   last_hidden [B, D]: the main model's hidden at each sequence's last prompt position;
   scratch [B, P-1, span_pages] int32: per-path scratch pages of a tree (P = paths);
   knobs: SpecConfig.knobs().
-  Returns (tokens [B, max_new_tokens] (-1 after each sequence stops), counts [B], loop steps,
+  `run` returns (tokens [B, max_new_tokens] (-1 after each sequence stops), counts [B], loop steps,
   new cache, new MTP pages, stats: per sequence `proposed` / `accepted` [B, k] (verify steps with
   a draft at each position / with it accepted), `verify_steps`, `verified_tokens` (accepted +
   1 summed over verify steps) and `plain_steps` (single-token steps) [B]).
   """
-  b = first_tokens.shape[0]
+  if mtp_layer is None and draft.num_draft > 0:
+    raise ValueError(f"num_draft {draft.num_draft} needs the MTP layer's pages (mtp_layer is None)")
+  program = LoopProgram.of(_spec_parts, _spec_result, spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
+                           draft=draft)
+  return LoopCall(program, dict(cache=cache, mtp=mtp_layer),
+                  dict(params=params, first_tokens=first_tokens, last_hidden=last_hidden, active=active, key=key,
+                       eos_ids=eos_ids, budget=budget, scratch=scratch, knobs=knobs))
+
+
+def spec_decode(params, cache: KVCache, mtp_layer: LayerCache | None, first_tokens: jax.Array,
+                last_hidden: jax.Array, active: jax.Array, key: jax.Array, eos_ids: jax.Array,
+                budget: jax.Array, scratch: jax.Array, knobs: dict[str, jax.Array], *, spec: StepSpec,
+                sampling: Sampling, max_new_tokens: int, draft: DraftShape, device_loop: bool = True):
+  """`spec_decode_call(...).run(device_loop)`."""
+  return spec_decode_call(params, cache, mtp_layer, first_tokens, last_hidden, active, key, eos_ids, budget,
+                          scratch, knobs, spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
+                          draft=draft).run(device_loop)
+
+
+# The one-program form, for callers that trace, lower or compile it.
+spec_decode_loop = jax.jit(functools.partial(spec_decode, device_loop=True),
+                           static_argnames=("spec", "sampling", "max_new_tokens", "draft"),
+                           donate_argnames=("cache", "mtp_layer"))
+
+
+def _spec_result(state):
+  stats = {name: state[name] for name in ("proposed", "accepted", "verify_steps", "verified_tokens", "plain_steps")}
+  # The last emitted token of each sequence is not in the main cache yet (it is the next input).
+  return state["out"], state["counts"], state["step"], state["cache"], state["mtp"], stats
+
+
+def _spec_parts(consts, *, spec: StepSpec, sampling: Sampling, max_new_tokens: int, draft: DraftShape):
+  """`spec_decode_call`'s loop over a state dict; its carry is the main cache and the MTP pages."""
+  params, eos_ids, budget, scratch, knobs = (consts[n] for n in ("params", "eos_ids", "budget", "scratch", "knobs"))
+  b = consts["first_tokens"].shape[0]
   k, paths = draft.num_draft, draft.paths
-  if mtp_layer is None and k > 0:
-    raise ValueError(f"num_draft {k} needs the MTP layer's pages (mtp_layer is None)")
   k1 = k + 1
-  ps = cache.page_size
-  nspan = draft.span_pages(ps)
   model = spec.model
   seq = jnp.arange(b)
   mtp_runtime = spec.runtime
@@ -275,20 +305,22 @@ def spec_decode_loop(params, cache: KVCache, mtp_layer: LayerCache | None, first
     pattern = tuple(spec.runtime.runs_indexer(i, t == "full") for i, t in enumerate(spec.config.indexer_types))
     mtp_runtime = dataclasses.replace(spec.runtime, indexer_pattern=pattern + (False,))
   rows = lambda a: jnp.repeat(a, paths, axis=0)                          # [B, ...] -> [B * P, ...]
-  hidden_dtype = last_hidden.dtype
+  hidden_dtype = consts["last_hidden"].dtype
 
-  out = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(jnp.where(active, first_tokens, -1))
-  state = dict(
-      cache=cache, mtp=mtp_layer, out=out, last=first_tokens, step=jnp.int32(0), key=key,
-      counts=jnp.where(active, 1, 0).astype(jnp.int32),
-      stopped=~active | (budget <= 1) | jnp.isin(first_tokens, eos_ids),
-      pend_hidden=jnp.zeros((b, k1, last_hidden.shape[-1]), hidden_dtype).at[:, 0].set(last_hidden),
-      pend_tokens=jnp.zeros((b, k1), jnp.int32).at[:, 0].set(first_tokens),
-      pend_count=jnp.zeros((b,), jnp.int32) if mtp_layer is None else active.astype(jnp.int32),
-      ema=jnp.ones((b,), jnp.float32), fallback=jnp.zeros((b,), jnp.int32),
-      proposed=jnp.zeros((b, k), jnp.int32), accepted=jnp.zeros((b, k), jnp.int32),
-      verify_steps=jnp.zeros((b,), jnp.int32), verified_tokens=jnp.zeros((b,), jnp.int32),
-      plain_steps=jnp.zeros((b,), jnp.int32))
+  def init(carry):
+    first_tokens, last_hidden, active = consts["first_tokens"], consts["last_hidden"], consts["active"]
+    out = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(jnp.where(active, first_tokens, -1))
+    return dict(
+        cache=carry["cache"], mtp=carry["mtp"], out=out, last=first_tokens, step=jnp.int32(0), key=consts["key"],
+        counts=jnp.where(active, 1, 0).astype(jnp.int32),
+        stopped=~active | (budget <= 1) | jnp.isin(first_tokens, eos_ids),
+        pend_hidden=jnp.zeros((b, k1, last_hidden.shape[-1]), hidden_dtype).at[:, 0].set(last_hidden),
+        pend_tokens=jnp.zeros((b, k1), jnp.int32).at[:, 0].set(first_tokens),
+        pend_count=jnp.zeros((b,), jnp.int32) if carry["mtp"] is None else active.astype(jnp.int32),
+        ema=jnp.ones((b,), jnp.float32), fallback=jnp.zeros((b,), jnp.int32),
+        proposed=jnp.zeros((b, k), jnp.int32), accepted=jnp.zeros((b, k), jnp.int32),
+        verify_steps=jnp.zeros((b,), jnp.int32), verified_tokens=jnp.zeros((b,), jnp.int32),
+        plain_steps=jnp.zeros((b,), jnp.int32))
 
   def catch_up(s):
     """Write the pending positions' MTP slots; -> (state, logits [B, V], hidden [B, D], top-k) at L-1."""
@@ -334,7 +366,8 @@ def spec_decode_loop(params, cache: KVCache, mtp_layer: LayerCache | None, first
     table = cache.page_table
     if paths > 1:
       # Per-path scratch pages for positions L..L+k; the first holds positions below L too.
-      span = length[:, None] // ps + jnp.arange(nspan)                          # [B, nspan]
+      ps = cache.page_size
+      span = length[:, None] // ps + jnp.arange(draft.span_pages(ps))        # [B, nspan]
       in_table = span < table.shape[1]
       real = jnp.where(in_table & running[:, None],
                        jnp.take_along_axis(table, jnp.minimum(span, table.shape[1] - 1), axis=1), NULL_PAGE)
@@ -387,7 +420,7 @@ def spec_decode_loop(params, cache: KVCache, mtp_layer: LayerCache | None, first
     key, sub = jax.random.split(s["key"])
     s = dict(s, key=key)
     q_logits = h_prev = topk0 = None
-    if mtp_layer is not None:
+    if s["mtp"] is not None:
       s, q_logits, h_prev, topk0 = catch_up(s)
     running = ~s["stopped"]
     any_running = jnp.any(running).astype(jnp.int32)
@@ -404,10 +437,7 @@ def spec_decode_loop(params, cache: KVCache, mtp_layer: LayerCache | None, first
     s = jax.lax.switch(index, branches, s, sub, q_logits, h_prev, topk0)
     return dict(s, step=s["step"] + any_running)
 
-  state = jax.lax.while_loop(cond, body, state)
-  stats = {name: state[name] for name in ("proposed", "accepted", "verify_steps", "verified_tokens", "plain_steps")}
-  # The last emitted token of each sequence is not in the main cache yet (it is the next input).
-  return state["out"], state["counts"], state["step"], state["cache"], state["mtp"], stats
+  return init, cond, body
 
 
 def _draft(spec: StepSpec, params, view: KVCache, mtp: LayerCache, q_logits, h_prev, topk0, wants, threshold,

@@ -1,0 +1,180 @@
+"""Kernel counts of a compiled program: static, from its optimized HLO text (`Compiled.as_text()`),
+and measured, from a profiler trace (`trace_kernels`).
+
+The rule (what XLA's GPU backend launches): every `fusion`, every `custom-call` (cuBLAS GEMMs,
+Triton / Pallas kernels) and every unfused compute op (`dot`, `copy`, `gather`, `sort`,
+`all-reduce`, ...) is one kernel. Free: `parameter`, `constant`, `get-tuple-element`, `tuple`,
+`bitcast` and the other bookkeeping ops of NON_KERNEL; of an asynchronous pair only the `-start`
+counts. Control flow is not a kernel but runs computations that hold kernels: a `while` counts
+its body and its condition once each (one iteration), a `conditional` every branch (a static
+upper bound: one branch runs), a `call` its callee. Fused computations are inside their kernel
+and are not entered.
+
+Decode steps: `loop_kernels` counts one iteration of a program's decode loop, the entry's `while`
+holding the most kernels (body + condition); `program_kernels` the whole entry computation, for
+a host-driven one-step program. `kernels_per_layer` divides either by the decoder layers,
+so kernels of the step that belong to no layer (embedding, lm_head, sampling, the MTP layer,
+the loop's bookkeeping) are spread over them; kernels outside the loop (setup before it) are not
+counted. Counts are static: XLA's command buffers (CUDA graphs) may batch launches at run time.
+
+`trace_kernels` counts the kernels a device really ran, in the perfetto trace that
+`jax.profiler.trace(dir, create_perfetto_trace=True)` writes (`perfetto_trace.json.gz`): the
+complete ("X") events on the device's stream lines (processes named "/device:...", lines named
+"Stream ..."; memcpy / memset events left out), optionally only within the runs of one XLA module
+(its events on the "XLA Modules" line). A CPU trace has no device process: the count is None.
+"""
+
+import bisect
+import dataclasses
+import gzip
+import json
+import os
+import pathlib
+import re
+
+NON_KERNEL = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
+    "opt-barrier", "partition-id", "replica-id", "domain", "get-dimension-size"})
+CONTROL = frozenset({"while", "conditional", "call"})
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_CALLEE = re.compile(r"\b(body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  opcode: str
+  callees: tuple[str, ...]  # computations a control-flow op runs (empty for other ops)
+
+
+def _opcode_and_rest(rhs: str) -> tuple[str, str]:
+  """'<shape> opcode(operands), attrs' -> (opcode, text after it). Tuple shapes nest parentheses."""
+  if rhs.startswith("("):
+    depth = 0
+    for i, ch in enumerate(rhs):
+      depth += {"(": 1, ")": -1}.get(ch, 0)
+      if depth == 0:
+        break
+    i += 1
+  else:
+    i = rhs.index(" ")
+  rest = rhs[i:].lstrip()
+  paren = rest.index("(")
+  return rest[:paren], rest[paren:]
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+  """HLO module text -> ({computation name: its instructions}, entry computation name)."""
+  computations: dict[str, list[Instruction]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    if current is None:
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    opcode, rest = _opcode_and_rest(m.group(1))
+    callees: tuple[str, ...] = ()
+    if opcode in CONTROL:
+      callees = tuple(name for key, name in _CALLEE.findall(rest) if opcode != "call" or key == "to_apply")
+      branches = _BRANCHES.search(rest)
+      if branches:
+        callees += tuple(b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip())
+    computations[current].append(Instruction(opcode, callees))
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text: pass Compiled.as_text() of a whole module")
+  return computations, entry
+
+
+def _is_kernel(opcode: str) -> bool:
+  return opcode not in NON_KERNEL and opcode not in CONTROL and not opcode.endswith(("-done", "-update"))
+
+
+def computation_kernels(computations: dict[str, list[Instruction]], name: str) -> int:
+  """Kernels one run of computation `name` launches, control flow entered as the module doc says."""
+  if name not in computations:
+    raise ValueError(f"computation {name!r} is not in the module (known: {sorted(computations)[:8]}...)")
+  total = 0
+  for inst in computations[name]:
+    if inst.opcode in CONTROL:
+      total += sum(computation_kernels(computations, c) for c in inst.callees)
+    elif _is_kernel(inst.opcode):
+      total += 1
+  return total
+
+
+def program_kernels(hlo_text: str) -> int:
+  """Kernels one run of the whole program launches (its entry computation; loops entered once)."""
+  computations, entry = parse(hlo_text)
+  return computation_kernels(computations, entry)
+
+
+def loop_kernels(hlo_text: str) -> int:
+  """Kernels of one iteration (body + condition) of the entry's largest `while`: a decode loop."""
+  computations, entry = parse(hlo_text)
+  loops = [sum(computation_kernels(computations, c) for c in inst.callees)
+           for inst in computations[entry] if inst.opcode == "while"]
+  if not loops:
+    raise ValueError("the entry computation has no while loop: count a one-step program with program_kernels")
+  return max(loops)
+
+
+def kernels_per_layer(hlo_text: str, num_layers: int, *, loop: bool = True) -> float:
+  """Kernels per decode step (`loop_kernels`, or with loop=False `program_kernels` of a one-step
+  program) / num_layers; see the module docstring for what is counted."""
+  if num_layers <= 0:
+    raise ValueError(f"num_layers must be positive, got {num_layers}")
+  return (loop_kernels(hlo_text) if loop else program_kernels(hlo_text)) / num_layers
+
+
+def module_name(hlo_text: str) -> str:
+  """The HLO module's name (`HloModule <name>, ...`): what a trace's "XLA Modules" line calls it."""
+  m = re.match(r"\s*HloModule\s+([^\s,]+)", hlo_text)
+  if not m:
+    raise ValueError("the text does not start with an HloModule line: pass Compiled.as_text()")
+  return m.group(1)
+
+
+def trace_kernels(trace: str | os.PathLike, module: str | None = None) -> dict[str, int] | None:
+  """Device kernels in a perfetto trace (a trace.json.gz file, or a directory holding one: its
+  newest) -> {"kernels": kernel events, "module_runs": runs of `module`}, kernels counted within
+  those runs only when `module` is given (a substring of the module's event names, e.g.
+  `module_name(...)`). None when the trace has no device kernel events (a CPU run)."""
+  path = pathlib.Path(trace)
+  if path.is_dir():
+    found = sorted(path.glob("**/*perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+      raise ValueError(f"no perfetto_trace.json.gz under {path}: trace with create_perfetto_trace=True")
+    path = found[-1]
+  with gzip.open(path, "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e.get("args", {}).get("name", "")
+                       for e in events if e.get("ph") == "M" and e.get("name") == kind}
+  processes, threads = meta("process_name"), meta("thread_name")
+  devices = {pid for pid, name in processes.items() if name.startswith("/device:")}
+  line = lambda e: threads.get((e.get("pid"), e.get("tid")), "")
+  complete = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices]
+  kernels = [e for e in complete if line(e).startswith("Stream")
+             and not any(w in e.get("name", "").lower() for w in ("memcpy", "memset"))]
+  if not kernels:
+    return None
+  runs = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in complete
+                if line(e) == "XLA Modules" and (module is None or module in e.get("name", "")))
+  if module is not None:
+    starts = [start for start, _ in runs]
+    inside = lambda t: (i := bisect.bisect_right(starts, t) - 1) >= 0 and t <= runs[i][1]
+    kernels = [e for e in kernels if inside(e["ts"])]
+  return dict(kernels=len(kernels), module_runs=len(runs))
