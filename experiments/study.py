@@ -276,7 +276,8 @@ def measure(model: Model, s: Switches, w: Workload, *, bandwidth: float = footpr
 
   warmup: run everything once on another engine first, so that the first round's TTFT (a cold
   prefill) is compile-free (`cold_ttft_s`; None without). profile_dir: a jax.profiler trace of
-  the measured round. profile_kernels: also count the device kernels in that trace (a perfetto
+  the measured round, taken from a second run of the workload on a fresh engine after the timed
+  one (timings under the profiler are inflated: docs/BENCHMARKS.md, run 8). profile_kernels: also count the device kernels in that trace (a perfetto
   trace; under profile_dir or a temporary directory) per decode step and layer (None when the
   trace has no device events: on the CPU). ttft_s: mean over the conversations (prefilled one
   after another). decode_program_bytes: the compiled decode program's arguments, outputs and
@@ -289,8 +290,10 @@ def measure(model: Model, s: Switches, w: Workload, *, bandwidth: float = footpr
   engine = make_engine(model, s, w)
   with tempfile.TemporaryDirectory() as tmp:
     trace_dir = profile_dir or (tmp if profile_kernels else "")
-    rounds, generated = _run(engine, s, w, inputs, trace_dir=trace_dir, perfetto=profile_kernels)
+    rounds, generated = _run(engine, s, w, inputs)
     compiled = engine.compiled_decode()
+    if trace_dir:
+      _run(make_engine(model, s, w), s, w, inputs, trace_dir=trace_dir, perfetto=profile_kernels)
     hlo = compiled.as_text()
     trace_kernels = None
     if profile_kernels:

@@ -8,10 +8,6 @@ the loop-carried inputs keeps XLA from hoisting the loop-invariant call out of t
 
 import collections
 import contextlib
-import glob
-import gzip
-import json
-import os
 import statistics
 import tempfile
 import time
@@ -19,6 +15,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+
+from glmjax import hlo_stats
 
 
 def _loop_program(fn: Callable[..., Any], iters: int, unroll: int = 1) -> Callable[[tuple], jax.Array]:
@@ -70,14 +68,9 @@ def maybe_profile(log_dir: str) -> Iterator[None]:
 
 def device_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
   """{kernel: (launches, total us)} of the device events in the newest perfetto trace under
-  trace_dir (written by `jax.profiler.trace(..., create_perfetto_trace=True)`). Device events
-  are those of processes named "/device:..."; the CPU backend has none, so this is {} there."""
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
-                 key=os.path.getmtime)
-  if not paths:
-    raise ValueError(f"no perfetto_trace.json.gz under {trace_dir}")
-  with gzip.open(paths[-1]) as f:
-    events = json.load(f)["traceEvents"]
+  trace_dir (glmjax.hlo_stats.perfetto_events). Device events are those of processes named
+  "/device:..."; the CPU backend has none, so this is {} there."""
+  events = hlo_stats.perfetto_events(trace_dir)
   devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
              and e["args"]["name"].startswith("/device:")}
   times: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])

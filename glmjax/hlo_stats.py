@@ -147,11 +147,9 @@ def module_name(hlo_text: str) -> str:
   return m.group(1)
 
 
-def trace_kernels(trace: str | os.PathLike, module: str | None = None) -> dict[str, int] | None:
-  """Device kernels in a perfetto trace (a trace.json.gz file, or a directory holding one: its
-  newest) -> {"kernels": kernel events, "module_runs": runs of `module`}, kernels counted within
-  those runs only when `module` is given (a substring of the module's event names, e.g.
-  `module_name(...)`). None when the trace has no device kernel events (a CPU run)."""
+def perfetto_events(trace: str | os.PathLike) -> list[dict]:
+  """The events of a perfetto trace: a trace.json.gz file, or a directory holding one (its
+  newest), as `jax.profiler.trace(..., create_perfetto_trace=True)` writes them."""
   path = pathlib.Path(trace)
   if path.is_dir():
     found = sorted(path.glob("**/*perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
@@ -160,7 +158,15 @@ def trace_kernels(trace: str | os.PathLike, module: str | None = None) -> dict[s
     path = found[-1]
   with gzip.open(path, "rt") as f:
     data = json.load(f)
-  events = data["traceEvents"] if isinstance(data, dict) else data
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def trace_kernels(trace: str | os.PathLike, module: str | None = None) -> dict[str, int] | None:
+  """Device kernels in a perfetto trace (see `perfetto_events`) -> {"kernels": kernel events,
+  "module_runs": runs of `module`}, kernels counted within those runs only when `module` is given
+  (a substring of the module's event names, e.g. `module_name(...)`). None when the trace has no
+  device kernel events (a CPU run) or, with `module`, no run of it (a name that did not match)."""
+  events = perfetto_events(trace)
   meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e.get("args", {}).get("name", "")
                        for e in events if e.get("ph") == "M" and e.get("name") == kind}
   processes, threads = meta("process_name"), meta("thread_name")
@@ -174,6 +180,8 @@ def trace_kernels(trace: str | os.PathLike, module: str | None = None) -> dict[s
   runs = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in complete
                 if line(e) == "XLA Modules" and (module is None or module in e.get("name", "")))
   if module is not None:
+    if not runs:
+      return None
     starts = [start for start, _ in runs]
     inside = lambda t: (i := bisect.bisect_right(starts, t) - 1) >= 0 and t <= runs[i][1]
     kernels = [e for e in kernels if inside(e["ts"])]

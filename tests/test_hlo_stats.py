@@ -169,6 +169,9 @@ def test_trace_kernels_counts_device_stream_events_within_the_module(tmp_path, s
   assert hlo_stats.trace_kernels(tmp_path, module="jit__host_step") == dict(kernels=steps * per_step,
                                                                             module_runs=steps)
   assert hlo_stats.trace_kernels(tmp_path)["kernels"] == steps * per_step + 1
+  # A module name that matches no run is "unknown", not zero kernels (the H200 ablate run of
+  # 2026-12-01 reported 0.0 this way).
+  assert hlo_stats.trace_kernels(tmp_path, module="jit_no_such_program") is None
 
 
 def test_trace_kernels_of_a_cpu_trace_is_none(tmp_path):
