@@ -42,7 +42,7 @@ from glmjax.engine.sampling import Sampling
 from glmjax.footprint import H200_BANDWIDTH
 from glmjax.model import abstract_params, init_params
 from glmjax.parallel import comm_model
-from glmjax.runtime import ATTENTION_IMPLS, make_runtime
+from glmjax.runtime import ATTENTION_IMPLS, MATMUL_IMPLS, make_runtime
 
 _CONFIG = flags.DEFINE_string("config", "tep8_shard", "the model one rank runs (timed here)")
 _FULL = flags.DEFINE_string("full_config", "glm5", "the whole model, for the layout comparison")
@@ -51,6 +51,8 @@ _RANK_STEP = flags.DEFINE_float("rank_step_ms", 0.0, "measured per-rank step; 0:
 _CONTEXT = flags.DEFINE_integer("context", 80_000, "cached tokens of the timed decode")
 _LAYERS = flags.DEFINE_list("measure_layers", [], "a,b: time a- and b-layer models, extend linearly")
 _ATTENTION = flags.DEFINE_enum("attention", "sparse", list(ATTENTION_IMPLS), "DSA attention")
+_MATMUL = flags.DEFINE_enum("matmul", "xla", list(MATMUL_IMPLS),
+                            "xla, or pallas: the grouped MoE kernel reads only the chosen experts")
 _KV = flags.DEFINE_enum("kv_dtype", "bf16", ["bf16", "fp8"], "KV page storage")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "params and compute dtype")
 _STEPS = flags.DEFINE_integer("decode_steps", 16, "extra decode steps of the longer timed loop")
@@ -114,7 +116,7 @@ def _decode_program(config: ModelConfig, spec: steps.StepSpec, draft_steps: int,
       spec=spec, sampling=Sampling(), max_new_tokens=n, draft=draft)[:3]), mtp
 
 
-def time_decode_step(config: ModelConfig, *, context: int, attention: str, kv_dtype: str, dtype: str,
+def time_decode_step(config: ModelConfig, *, context: int, attention: str, matmul: str, kv_dtype: str, dtype: str,
                      steps_apart: int, quick: bool, draft_steps: int = 0) -> float:
   """Seconds per decode step of `config` at `context` on the default device (batch 1); with
   draft_steps, per speculative step (k drafts + a (k+1)-token verify).
@@ -124,7 +126,7 @@ def time_decode_step(config: ModelConfig, *, context: int, attention: str, kv_dt
   out of the difference, so no timing loop (and no second compile per length) is needed.
   """
   params = init_params(config, jax.random.key(0), param_dtype=jnp.dtype(dtype))
-  spec = steps.StepSpec(config, make_runtime(config, attention=attention), dtype)
+  spec = steps.StepSpec(config, make_runtime(config, attention=attention, matmul=matmul), dtype)
   lengths = (2, 2 + steps_apart)
   cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
   program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,
@@ -205,11 +207,12 @@ def main(argv: list[str]) -> None:
     measured = dict(rank_step_s=_RANK_STEP.value / 1e3, source="--rank_step_ms")
   else:
     measured = measure_rank_step(rank, [int(n) for n in _LAYERS.value], context=_CONTEXT.value,
-                                 attention=_ATTENTION.value, kv_dtype=_KV.value, dtype=_DTYPE.value,
-                                 steps_apart=_STEPS.value, quick=_QUICK.value, draft_steps=_DRAFT.value)
+                                 attention=_ATTENTION.value, matmul=_MATMUL.value, kv_dtype=_KV.value,
+                                 dtype=_DTYPE.value, steps_apart=_STEPS.value, quick=_QUICK.value,
+                                 draft_steps=_DRAFT.value)
     measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}, context "
-                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_KV.value} KV, {_DTYPE.value}, "
-                            f"{_DRAFT.value} draft step(s)")
+                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_MATMUL.value} matmuls, "
+                            f"{_KV.value} KV, {_DTYPE.value}, {_DRAFT.value} draft step(s)")
   layout = layout_comparison(rank, full, tep, _DTYPE.value)
   rows = [comm_model.project(full, rank_step_s=measured["rank_step_s"], tep=tep, accept_length=_ACCEPT.value,
                              draft_steps=_DRAFT.value, act_bytes=act_bytes,
