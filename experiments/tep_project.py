@@ -21,11 +21,8 @@ assumptions); the table shows several latencies. The printout also compares the 
 rank config holds with what one device holds in the rules' layout (glmjax.parallel.rules).
 """
 
-import dataclasses
 import json
 import math
-import statistics
-import time
 from typing import Any
 
 import flax.linen as nn
@@ -34,15 +31,13 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from configs import get_model_config
+from experiments.step_timing import measure_rank_step
 from glmjax import parallel
-from glmjax.cache.paged import KVCache, init_cache
 from glmjax.config import ModelConfig
-from glmjax.engine import speculative, steps
-from glmjax.engine.sampling import Sampling
 from glmjax.footprint import H200_BANDWIDTH
-from glmjax.model import abstract_params, init_params
+from glmjax.model import abstract_params
 from glmjax.parallel import comm_model
-from glmjax.runtime import ATTENTION_IMPLS, MATMUL_IMPLS, make_runtime
+from glmjax.runtime import ATTENTION_IMPLS, MATMUL_IMPLS
 
 _CONFIG = flags.DEFINE_string("config", "tep8_shard", "the model one rank runs (timed here)")
 _FULL = flags.DEFINE_string("full_config", "glm5", "the whole model, for the layout comparison")
@@ -51,6 +46,8 @@ _RANK_STEP = flags.DEFINE_float("rank_step_ms", 0.0, "measured per-rank step; 0:
 _CONTEXT = flags.DEFINE_integer("context", 80_000, "cached tokens of the timed decode")
 _LAYERS = flags.DEFINE_list("measure_layers", [], "a,b: time a- and b-layer models, extend linearly")
 _ATTENTION = flags.DEFINE_enum("attention", "sparse", list(ATTENTION_IMPLS), "DSA attention")
+_WEIGHTS = flags.DEFINE_enum("weights", "bf16", ["bf16", "fp8", "nvfp4_experts", "nvfp4"],
+                             "weight format of the random params (glmjax.quant policies)")
 _MATMUL = flags.DEFINE_enum("matmul", "xla", list(MATMUL_IMPLS),
                             "xla, or pallas: the grouped MoE kernel reads only the chosen experts")
 _KV = flags.DEFINE_enum("kv_dtype", "bf16", ["bf16", "fp8"], "KV page storage")
@@ -63,109 +60,6 @@ _LATENCY = flags.DEFINE_list("latency_us", ["5", "10", "15"], "per-collective la
 _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", comm_model.NVLINK4_BANDWIDTH / 1e9,
                                 "link bandwidth per direction per GPU, GB/s")
 _OUTPUT = flags.DEFINE_string("output", "tep_project.json", "JSON output path ('' for none)")
-
-PAGE_SIZE = 64
-
-
-def with_layers(config: ModelConfig, layers: int, *, mtp: bool = False) -> ModelConfig:
-  """The first `layers` decoder layers of config, without MTP layers unless `mtp` (plain decode
-  does not run them; speculative decode runs the first)."""
-  return dataclasses.replace(config, num_hidden_layers=layers,
-                             num_nextn_predict_layers=config.num_nextn_predict_layers if mtp else 0,
-                             mlp_layer_types=config.mlp_layer_types[:layers],
-                             indexer_types=config.indexer_types[:layers])
-
-
-def _fill_random(tree, key: jax.Array):
-  """Every non-f32 leaf standard normal; the only f32 leaves, the scales of fp8 pages, stay 1."""
-  leaves, treedef = jax.tree.flatten(tree)
-  keys = jax.random.split(key, len(leaves))
-  fill = lambda a, k: a if a.dtype == jnp.float32 else jax.random.normal(k, a.shape).astype(a.dtype)
-  return jax.tree.unflatten(treedef, [fill(a, k) for a, k in zip(leaves, keys)])
-
-
-def _random_cache(config: ModelConfig, context: int, extra: int, kv_dtype: str, key: jax.Array) -> KVCache:
-  """One sequence of `context` cached tokens with random values, room for `extra` more."""
-  pages = math.ceil((context + extra) / PAGE_SIZE)
-  cache = init_cache(config, num_pages=pages + 1, page_size=PAGE_SIZE, batch=1, max_pages=pages,
-                     kv_dtype=kv_dtype)
-  return cache.replace(layers=_fill_random(cache.layers, key),
-                       page_table=1 + jnp.arange(pages, dtype=jnp.int32)[None],
-                       lengths=jnp.full((1,), context, jnp.int32))
-
-
-def _decode_program(config: ModelConfig, spec: steps.StepSpec, draft_steps: int, num_pages: int,
-                    kv_dtype: str, key: jax.Array):
-  """(max_new_tokens -> fn(params, cache, mtp_pages) -> (tokens, counts, loop steps), MTP pages):
-  the plain decode loop, or with draft_steps the speculative loop drafting that many each step."""
-  first, active, eos = jnp.zeros(1, jnp.int32), jnp.ones(1, bool), jnp.asarray([], jnp.int32)
-  budget = lambda n: jnp.full((1,), n, jnp.int32)
-  if not draft_steps:
-    return (lambda n: lambda params, cache, mtp: steps.decode_loop(
-        params, cache, first, active, key, eos, budget(n), spec=spec, sampling=Sampling(),
-        max_new_tokens=n)[:3]), None
-  # Threshold 0: every step drafts all k tokens, whatever the draft's confidence.
-  draft_config = speculative.SpecConfig(num_draft=draft_steps, threshold=0.0)
-  draft = draft_config.shape
-  mtp = _fill_random(speculative.init_mtp_layer(config, num_pages=num_pages, page_size=PAGE_SIZE,
-                                                kv_dtype=kv_dtype), key)
-  hidden = jax.random.normal(key, (1, config.hidden_size), jnp.dtype(spec.dtype))
-  scratch = jnp.zeros((1, draft.paths - 1, draft.span_pages(PAGE_SIZE)), jnp.int32)
-  return (lambda n: lambda params, cache, mtp: speculative.spec_decode_loop(
-      params, cache, mtp, first, hidden, active, key, eos, budget(n), scratch, draft_config.knobs(),
-      spec=spec, sampling=Sampling(), max_new_tokens=n, draft=draft)[:3]), mtp
-
-
-def time_decode_step(config: ModelConfig, *, context: int, attention: str, matmul: str, kv_dtype: str, dtype: str,
-                     steps_apart: int, quick: bool, draft_steps: int = 0) -> float:
-  """Seconds per decode step of `config` at `context` on the default device (batch 1); with
-  draft_steps, per speculative step (k drafts + a (k+1)-token verify).
-
-  Each length's program is compiled once and called on fresh copies of the same cache (the
-  loops donate theirs); a call's copy, dispatch and sync are the same for both lengths and drop
-  out of the difference, so no timing loop (and no second compile per length) is needed.
-  """
-  params = init_params(config, jax.random.key(0), param_dtype=jnp.dtype(dtype))
-  spec = steps.StepSpec(config, make_runtime(config, attention=attention, matmul=matmul), dtype)
-  lengths = (2, 2 + steps_apart)
-  cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
-  program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,
-                                 jax.random.key(2))
-  repeats = 1 if quick else 5
-
-  def timed(n: int) -> tuple[float, int]:
-    fn = program(n)
-    def once() -> tuple[float, int]:
-      inputs = jax.block_until_ready(jax.tree.map(jnp.copy, (cache, mtp)))
-      start = time.perf_counter()
-      out = jax.block_until_ready(fn(params, *inputs))
-      return time.perf_counter() - start, int(out[2])
-    once()  # compiles
-    runs = [once() for _ in range(repeats)]
-    return statistics.median(t for t, _ in runs), runs[0][1]
-
-  (short, short_steps), (long, long_steps) = (timed(n) for n in lengths)
-  if long <= short or long_steps <= short_steps:
-    raise ValueError(f"{steps_apart} more tokens were not slower ({long:.6f} s vs {short:.6f} s, loop steps "
-                     f"{short_steps} vs {long_steps}): timing noise; raise --decode_steps or drop --quick")
-  return (long - short) / (long_steps - short_steps)
-
-
-def measure_rank_step(config: ModelConfig, measure_layers: list[int], **kw) -> dict[str, Any]:
-  """Time the rank's decode step, whole or extended linearly from two layer counts (the MTP
-  layer, with draft steps, is in both counts' programs, hence in the base)."""
-  if not measure_layers:
-    return dict(rank_step_s=time_decode_step(config, **kw), measured_layers=[config.num_hidden_layers])
-  a, b = measure_layers
-  types = config.mlp_layer_types
-  if not 0 < a < b <= config.num_hidden_layers or len(set(types[a:])) != 1:
-    raise ValueError(f"measure_layers {a},{b}: need 0 < a < b <= {config.num_hidden_layers} with layers "
-                     f"a.. all of one MLP type (got {sorted(set(types[a:]))})")
-  t_a, t_b = (time_decode_step(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0), **kw) for n in (a, b))
-  per_layer = (t_b - t_a) / (b - a)
-  return dict(rank_step_s=t_a + (config.num_hidden_layers - a) * per_layer, measured_layers=[a, b],
-              measured_s=[t_a, t_b], per_layer_s=per_layer)
-
 
 def device_weight_bytes(config: ModelConfig, tep: int, dtype: str) -> int:
   """Param bytes one device holds in the rules' TEP layout."""
@@ -209,9 +103,9 @@ def main(argv: list[str]) -> None:
     measured = measure_rank_step(rank, [int(n) for n in _LAYERS.value], context=_CONTEXT.value,
                                  attention=_ATTENTION.value, matmul=_MATMUL.value, kv_dtype=_KV.value,
                                  dtype=_DTYPE.value, steps_apart=_STEPS.value, quick=_QUICK.value,
-                                 draft_steps=_DRAFT.value)
+                                 draft_steps=_DRAFT.value, weights=_WEIGHTS.value)
     measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}, context "
-                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_MATMUL.value} matmuls, "
+                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_WEIGHTS.value} weights, {_MATMUL.value} matmuls, "
                             f"{_KV.value} KV, {_DTYPE.value}, {_DRAFT.value} draft step(s)")
   layout = layout_comparison(rank, full, tep, _DTYPE.value)
   rows = [comm_model.project(full, rank_step_s=measured["rank_step_s"], tep=tep, accept_length=_ACCEPT.value,

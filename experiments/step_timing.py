@@ -1,0 +1,152 @@
+"""Timing one decode step of a model on the default device or a mesh, without dispatch in the
+number: random params (in any weight layout, made in place on a mesh) and a random cache of the
+context, two loop lengths of the engine's decode program (plain, or speculative with k drafts),
+the difference of their times over the difference of their steps. Used by
+experiments.tep_project (one TEP rank) and experiments.multigpu_run (TEP over N GPUs).
+"""
+
+import contextlib
+import dataclasses
+import functools
+import math
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from glmjax import parallel
+from glmjax.cache.paged import KVCache, init_cache
+from glmjax.config import ModelConfig
+from glmjax.engine import speculative, steps
+from glmjax.engine.sampling import Sampling
+from glmjax.model import abstract_params, init_params
+from glmjax.quant import quantize_params
+from glmjax.runtime import make_runtime
+
+PAGE_SIZE = 64
+
+
+def with_layers(config: ModelConfig, layers: int, *, mtp: bool = False) -> ModelConfig:
+  """The first `layers` decoder layers of config, without MTP layers unless `mtp` (plain decode
+  does not run them; speculative decode runs the first)."""
+  return dataclasses.replace(config, num_hidden_layers=layers,
+                             num_nextn_predict_layers=config.num_nextn_predict_layers if mtp else 0,
+                             mlp_layer_types=config.mlp_layer_types[:layers],
+                             indexer_types=config.indexer_types[:layers])
+
+
+def _fill_random(tree, key: jax.Array):
+  """Every non-f32 leaf standard normal; the only f32 leaves, the scales of fp8 pages, stay 1."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  fill = lambda a, k: a if a.dtype == jnp.float32 else jax.random.normal(k, a.shape).astype(a.dtype)
+  return jax.tree.unflatten(treedef, [fill(a, k) for a, k in zip(leaves, keys)])
+
+
+def _random_cache(config: ModelConfig, context: int, extra: int, kv_dtype: str, key: jax.Array) -> KVCache:
+  """One sequence of `context` cached tokens with random values, room for `extra` more."""
+  pages = math.ceil((context + extra) / PAGE_SIZE)
+  cache = init_cache(config, num_pages=pages + 1, page_size=PAGE_SIZE, batch=1, max_pages=pages,
+                     kv_dtype=kv_dtype)
+  return cache.replace(layers=_fill_random(cache.layers, key),
+                       page_table=1 + jnp.arange(pages, dtype=jnp.int32)[None],
+                       lengths=jnp.full((1,), context, jnp.int32))
+
+
+def _decode_program(config: ModelConfig, spec: steps.StepSpec, draft_steps: int, num_pages: int,
+                    kv_dtype: str, key: jax.Array):
+  """(max_new_tokens -> fn(params, cache, mtp_pages) -> (tokens, counts, loop steps), MTP pages):
+  the plain decode loop, or with draft_steps the speculative loop drafting that many each step."""
+  first, active, eos = jnp.zeros(1, jnp.int32), jnp.ones(1, bool), jnp.asarray([], jnp.int32)
+  budget = lambda n: jnp.full((1,), n, jnp.int32)
+  if not draft_steps:
+    return (lambda n: lambda params, cache, mtp: steps.decode_loop(
+        params, cache, first, active, key, eos, budget(n), spec=spec, sampling=Sampling(),
+        max_new_tokens=n)[:3]), None
+  # Threshold 0: every step drafts all k tokens, whatever the draft's confidence.
+  draft_config = speculative.SpecConfig(num_draft=draft_steps, threshold=0.0)
+  draft = draft_config.shape
+  mtp = _fill_random(speculative.init_mtp_layer(config, num_pages=num_pages, page_size=PAGE_SIZE,
+                                                kv_dtype=kv_dtype), key)
+  hidden = jax.random.normal(key, (1, config.hidden_size), jnp.dtype(spec.dtype))
+  scratch = jnp.zeros((1, draft.paths - 1, draft.span_pages(PAGE_SIZE)), jnp.int32)
+  return (lambda n: lambda params, cache, mtp: speculative.spec_decode_loop(
+      params, cache, mtp, first, hidden, active, key, eos, budget(n), scratch, draft_config.knobs(),
+      spec=spec, sampling=Sampling(), max_new_tokens=n, draft=draft)[:3]), mtp
+
+
+def random_params(config: ModelConfig, dtype: str, *, weights: str = "bf16", mesh=None):
+  """Random params of `config`, quantized by the `weights` policy ("bf16": none); with a mesh,
+  created directly in its TEP layout (each device makes only its shards)."""
+  init = functools.partial(init_params, config, param_dtype=jnp.dtype(dtype))
+  shardings = None if mesh is None else parallel.param_shardings(abstract_params(config), mesh)
+  params = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+  return params if weights == "bf16" else jax.jit(functools.partial(quantize_params, policy=weights))(params)
+
+
+def time_decode_step(config: ModelConfig, *, context: int, attention: str, matmul: str, kv_dtype: str, dtype: str,
+                     steps_apart: int, quick: bool, draft_steps: int = 0, weights: str = "bf16",
+                     mesh=None, trace_dir: str = "") -> float:
+  """Seconds per decode step of `config` at `context` (batch 1), on the default device or under
+  `mesh`; with draft_steps, per speculative step (k drafts + a (k+1)-token verify). trace_dir:
+  also write a jax.profiler trace (perfetto) of one call of the longer loop there.
+
+  Each length's program is compiled once and called on fresh copies of the same cache (the
+  loops donate theirs); a call's copy, dispatch and sync are the same for both lengths and drop
+  out of the difference, so no timing loop (and no second compile per length) is needed.
+  """
+  with contextlib.ExitStack() as stack:
+    if mesh is not None:
+      stack.enter_context(parallel.use_mesh(mesh))
+    params = random_params(config, dtype, weights=weights, mesh=mesh)
+    spec = steps.StepSpec(config, make_runtime(config, attention=attention, matmul=matmul), dtype)
+    lengths = (2, 2 + steps_apart)
+    cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
+    program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,
+                                   jax.random.key(2))
+    if mesh is not None:
+      cache, mtp = parallel.shard_cache(cache, mesh), jax.device_put(mtp, NamedSharding(mesh, P()))
+    return _time_lengths(program, params, cache, mtp, lengths, steps_apart, 1 if quick else 5, trace_dir)
+
+
+def _time_lengths(program, params, cache, mtp, lengths, steps_apart: int, repeats: int, trace_dir: str) -> float:
+  """Seconds per loop step: the difference of the two loop lengths' medians (time_decode_step)."""
+  def timed(n: int) -> tuple[float, int]:
+    fn = program(n)
+    def once() -> tuple[float, int]:
+      inputs = jax.block_until_ready(jax.tree.map(jnp.copy, (cache, mtp)))
+      start = time.perf_counter()
+      out = jax.block_until_ready(fn(params, *inputs))
+      return time.perf_counter() - start, int(out[2])
+    once()  # compiles
+    runs = [once() for _ in range(repeats)]
+    return statistics.median(t for t, _ in runs), runs[0][1]
+
+  (short, short_steps), (long, long_steps) = (timed(n) for n in lengths)
+  if trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      inputs = jax.block_until_ready(jax.tree.map(jnp.copy, (cache, mtp)))
+      jax.block_until_ready(program(lengths[-1])(params, *inputs))
+  if long <= short or long_steps <= short_steps:
+    raise ValueError(f"{steps_apart} more tokens were not slower ({long:.6f} s vs {short:.6f} s, loop steps "
+                     f"{short_steps} vs {long_steps}): timing noise; raise --decode_steps or drop --quick")
+  return (long - short) / (long_steps - short_steps)
+
+
+def measure_rank_step(config: ModelConfig, measure_layers: list[int], **kw) -> dict[str, Any]:
+  """Time the rank's decode step, whole or extended linearly from two layer counts (the MTP
+  layer, with draft steps, is in both counts' programs, hence in the base)."""
+  if not measure_layers:
+    return dict(rank_step_s=time_decode_step(config, **kw), measured_layers=[config.num_hidden_layers])
+  a, b = measure_layers
+  types = config.mlp_layer_types
+  if not 0 < a < b <= config.num_hidden_layers or len(set(types[a:])) != 1:
+    raise ValueError(f"measure_layers {a},{b}: need 0 < a < b <= {config.num_hidden_layers} with layers "
+                     f"a.. all of one MLP type (got {sorted(set(types[a:]))})")
+  t_a, t_b = (time_decode_step(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0), **kw) for n in (a, b))
+  per_layer = (t_b - t_a) / (b - a)
+  return dict(rank_step_s=t_a + (config.num_hidden_layers - a) * per_layer, measured_layers=[a, b],
+              measured_s=[t_a, t_b], per_layer_s=per_layer)
