@@ -30,8 +30,14 @@ from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
 FULL = dict(contexts=(8192, 32768, 81920, 131072), query_tokens=(1, 5), index_heads=32,
             index_dim=128, heads=8, rank=512, rope=64, k=2048, page=64,
             topk_rows=(1, 64), topk_n=131072)
+SOFTMAX_SCALE = (192 + 64) ** -0.5  # GLM-5's (qk_nope + qk_rope)^-0.5
 QUICK = dict(contexts=(256,), query_tokens=(1, 2), index_heads=4, index_dim=32, heads=4, rank=64,
              rope=16, k=32, page=16, topk_rows=(2,), topk_n=512)
+
+
+def _timing(quick: bool) -> dict[str, int]:
+  """time_device's loop for quick (CPU smoke) and full runs."""
+  return dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=20, repeats=3, warmup=2)
 
 
 def _row(kernel: str, case: str, fn: Callable, ref: Callable, args: tuple, num_bytes: float,
@@ -100,8 +106,7 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
   s = dict(QUICK if quick else FULL)
   s["contexts"] = tuple(contexts) or s["contexts"]
   s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]
-  timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=40, repeats=3, warmup=2, unroll=8)
-  scale = (192 + 64) ** -0.5  # GLM-5's softmax scale (qk_nope + qk_rope)^-0.5
+  timing = _timing(quick)
   key = jax.random.key(0)
   for context in s["contexts"]:
     for t in s["query_tokens"]:
@@ -112,42 +117,40 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
         scores_fn = functools.partial(indexer_scores, num_keys=context)
         scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
         yield _row("indexer_scores", case, scores_fn, scores_ref, args,
-                         key_bytes + t * context * 4, timing, breakdown)
+                   key_bytes + t * context * 4, timing, breakdown)
         select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"])
         select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
         yield _row("indexer_topk", case, select_fn, select_ref, args,
-                         key_bytes + t * min(s["k"], context) * 4, timing, breakdown)
+                   key_bytes + t * min(s["k"], context) * 4, timing, breakdown)
         args, mla_bytes = _mla_case(s, context, t, fp8, k2)
         yield _row("sparse_mla_decode", case,
-                         functools.partial(sparse_mla_decode, softmax_scale=scale),
-                         functools.partial(sparse_mla_decode_reference, softmax_scale=scale),
-                         args, mla_bytes, timing, breakdown)
+                   functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE),
+                   functools.partial(sparse_mla_decode_reference, softmax_scale=SOFTMAX_SCALE),
+                   args, mla_bytes, timing, breakdown)
   n, k = s["topk_n"], s["k"]
   for num_rows in s["topk_rows"]:
     key, sub = jax.random.split(key)
     scores = jax.random.normal(sub, (num_rows, n), jnp.float32)
     yield _row("topk_indices", f"rows={num_rows} n={n} k={k}",
-                     functools.partial(topk_indices, k=k),
-                     functools.partial(topk_indices_reference, k=k), (scores,),
-                     num_rows * (n + k) * 4, timing, breakdown)
-
+               functools.partial(topk_indices, k=k),
+               functools.partial(topk_indices_reference, k=k), (scores,),
+               num_rows * (n + k) * 4, timing, breakdown)
 
 
 def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   """Tuning aid (not part of dsa_rows): each DSA kernel at its target case (80K keys, 5 query
   tokens, bf16; top-k of 2048 from 131,072 over 1 and 64 rows) under a grid of configs. Yields
-  rows with the config and `us` (kernel path only; calls unrolled 8 per loop iteration)."""
+  rows with the config and `us` (the kernel path only)."""
   s = QUICK if quick else FULL
-  context, t, n, k = (s["contexts"][0], 2, s["topk_n"], s["k"]) if quick else (81920, 5, s["topk_n"], s["k"])
-  timing = dict(iters=2, repeats=1, warmup=1) if quick else dict(iters=40, repeats=3, warmup=1, unroll=8)
+  context, t = (s["contexts"][0], 2) if quick else (81920, 5)
+  n, k, timing = s["topk_n"], s["k"], _timing(quick)
   idx_args, _ = _indexer_cases(s, context, t, False, jax.random.key(1))
   mla_args, _ = _mla_case(s, context, t, False, jax.random.key(2))
-  scale = (192 + 64) ** -0.5
   grids = {
       "indexer_scores": (functools.partial(indexer_scores, num_keys=context), idx_args,
                          [IndexerScoresConfig(block_k=bk, num_splits=sp, num_warps=w)
                           for bk in (64, 128, 256) for sp in (None, 128) for w in (4, 8)]),
-      "sparse_mla_decode": (functools.partial(sparse_mla_decode, softmax_scale=scale), mla_args,
+      "sparse_mla_decode": (functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE), mla_args,
                             [SparseMLAConfig(block_n=bn, num_splits=sp, num_warps=w)
                              for bn in (16, 32, 64) for sp in (None, 64) for w in (4, 8)]),
   }

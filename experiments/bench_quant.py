@@ -1,12 +1,13 @@
 """Weight-only quantized matmuls on GLM-5 shapes: NVFP4 / block-FP8 Pallas kernels against XLA.
 
-`quant_rows(quick=False)` yields one dict per (case, implementation), each case as it is measured;
-experiments/kernels_bench.py prints them. Every case times, in the same run, XLA's bf16 matmul of the same shape (the
-`speedup_vs_bf16` reference) and XLA's dequantize-then-matmul of the quantized weight.
+`quant_rows(quick=False)` yields one dict per (case, implementation), each case as it is
+measured; experiments/kernels_bench.py prints them. Every case times, in the same run, XLA's bf16
+matmul of the same shape (the `speedup_vs_bf16` reference) and XLA's dequantize-then-matmul of
+the quantized weight.
 
-Timing: `glmjax.bench.time_device` (calls in one on-device loop, 8 per iteration, median).
-Bytes: the weights (+ scales) an implementation must read plus the activations in and out; for the MoE, only the
-distinct experts the step's tokens chose (an implementation that reads more is charged the
+Timing: `glmjax.bench.time_device` (many calls in one on-device loop, median). Bytes: the
+weights (+ scales) an implementation must read plus the activations in and out; for the MoE,
+only the distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). `frac_of_copy` is against the H200's 4.22 TB/s copy.
 
 Cases: GEMV [M, 8192] x [8192, 28672] at M = 1, 8; one GLM-5 expert's gate/up [2048, 6144] and
@@ -115,7 +116,7 @@ def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
     gemv = [("gemv", 64, 128), ("expert_gate_up", 32, 96), ("expert_down", 96, 32)]
     moe = dict(tokens=5, top_k=2, experts=4, d=64, i=32)
   else:
-    timer = functools.partial(time_device, unroll=8)
+    timer = time_device
     gemv = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)]
     moe = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
   for name, n, k in gemv:

@@ -62,10 +62,10 @@ def main(argv: list[str]) -> None:
   tep = _TEP.value or jax.device_count()
   mesh = parallel.make_mesh(tep)
   parallel.check_config(config, mesh)
-  loops = _STEPS.value  # the longer loop runs about this many more steps than the shorter
-  step_s = time_decode_step(config, context=_CONTEXT.value, attention=_ATTENTION.value, matmul=_MATMUL.value,
-                            kv_dtype=_KV.value, dtype="bfloat16", steps_apart=_STEPS.value, quick=_QUICK.value,
-                            draft_steps=_DRAFT.value, weights=_WEIGHTS.value, mesh=mesh, trace_dir=_TRACE.value)
+  timed = time_decode_step(config, context=_CONTEXT.value, attention=_ATTENTION.value, matmul=_MATMUL.value,
+                           kv_dtype=_KV.value, dtype="bfloat16", steps_apart=_STEPS.value, quick=_QUICK.value,
+                           draft_steps=_DRAFT.value, weights=_WEIGHTS.value, mesh=mesh, trace_dir=_TRACE.value)
+  step_s = timed.seconds
   times = device_kernel_times(_TRACE.value)
   link = comm_model.Link(bandwidth=comm_model.NVLINK4_BANDWIDTH, latency=_LATENCY.value * 1e-6)
   predicted = comm_model.project(config, rank_step_s=step_s, tep=tep, link=link, accept_length=_ACCEPT.value,
@@ -75,8 +75,8 @@ def main(argv: list[str]) -> None:
       devices=[d.device_kind for d in mesh.devices.flat], context=_CONTEXT.value, draft_steps=_DRAFT.value,
       accept_length=_ACCEPT.value, weights=_WEIGHTS.value, matmul=_MATMUL.value, kv_dtype=_KV.value,
       step_s=step_s, tokens_per_s=_ACCEPT.value / step_s,
-      # The trace holds one call of the longer loop (short prefix + ~decode_steps steps): per step.
-      collective_s_per_step=collective_us(times) * 1e-6 / (loops + 2) if times else None,
+      # The trace holds one call of the longer loop.
+      collective_s_per_step=collective_us(times) * 1e-6 / timed.long_loop_steps if times else None,
       predicted_comm_s_per_step=predicted["comm_ms"] * 1e-3, predicted_collectives=predicted["collectives"],
       kernel_times_us={name: us for name, (_, us) in sorted(times.items(), key=lambda kv: -kv[1][1])[:40]})
   print(f"{config.num_hidden_layers}/{full.num_hidden_layers} layers of {_CONFIG.value}, TEP={tep} "

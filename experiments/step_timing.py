@@ -87,10 +87,18 @@ def random_params(config: ModelConfig, dtype: str, *, weights: str = "bf16", mes
   return params if weights == "bf16" else jax.jit(functools.partial(quantize_params, policy=weights))(params)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """A timed decode step: `seconds` per loop step; `long_loop_steps`, the steps of the longer
+  loop (the one a trace_dir profile holds one call of)."""
+  seconds: float
+  long_loop_steps: int
+
+
 def time_decode_step(config: ModelConfig, *, context: int, attention: str, matmul: str, kv_dtype: str, dtype: str,
                      steps_apart: int, quick: bool, draft_steps: int = 0, weights: str = "bf16",
-                     mesh=None, trace_dir: str = "") -> float:
-  """Seconds per decode step of `config` at `context` (batch 1), on the default device or under
+                     mesh=None, trace_dir: str = "") -> StepTime:
+  """Time per decode step of `config` at `context` (batch 1), on the default device or under
   `mesh`; with draft_steps, per speculative step (k drafts + a (k+1)-token verify). trace_dir:
   also write a jax.profiler trace (perfetto) of one call of the longer loop there.
 
@@ -109,44 +117,44 @@ def time_decode_step(config: ModelConfig, *, context: int, attention: str, matmu
                                    jax.random.key(2))
     if mesh is not None:
       cache, mtp = parallel.shard_cache(cache, mesh), jax.device_put(mtp, NamedSharding(mesh, P()))
-    return _time_lengths(program, params, cache, mtp, lengths, steps_apart, 1 if quick else 5, trace_dir)
+    return _time_lengths(program, params, cache, mtp, lengths, 1 if quick else 5, trace_dir)
 
 
-def _time_lengths(program, params, cache, mtp, lengths, steps_apart: int, repeats: int, trace_dir: str) -> float:
-  """Seconds per loop step: the difference of the two loop lengths' medians (time_decode_step)."""
+def _time_lengths(program, params, cache, mtp, lengths: tuple[int, int], repeats: int, trace_dir: str) -> StepTime:
+  """The difference of the two loop lengths' median times over that of their steps."""
+  def once(n: int) -> tuple[float, int]:
+    inputs = jax.block_until_ready(jax.tree.map(jnp.copy, (cache, mtp)))
+    start = time.perf_counter()
+    out = jax.block_until_ready(program(n)(params, *inputs))
+    return time.perf_counter() - start, int(out[2])
+
   def timed(n: int) -> tuple[float, int]:
-    fn = program(n)
-    def once() -> tuple[float, int]:
-      inputs = jax.block_until_ready(jax.tree.map(jnp.copy, (cache, mtp)))
-      start = time.perf_counter()
-      out = jax.block_until_ready(fn(params, *inputs))
-      return time.perf_counter() - start, int(out[2])
-    once()  # compiles
-    runs = [once() for _ in range(repeats)]
+    once(n)  # compiles
+    runs = [once(n) for _ in range(repeats)]
     return statistics.median(t for t, _ in runs), runs[0][1]
 
   (short, short_steps), (long, long_steps) = (timed(n) for n in lengths)
   if trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      inputs = jax.block_until_ready(jax.tree.map(jnp.copy, (cache, mtp)))
-      jax.block_until_ready(program(lengths[-1])(params, *inputs))
+      once(lengths[-1])
   if long <= short or long_steps <= short_steps:
-    raise ValueError(f"{steps_apart} more tokens were not slower ({long:.6f} s vs {short:.6f} s, loop steps "
-                     f"{short_steps} vs {long_steps}): timing noise; raise --decode_steps or drop --quick")
-  return (long - short) / (long_steps - short_steps)
+    raise ValueError(f"{lengths[1] - lengths[0]} more tokens were not slower ({long:.6f} s vs {short:.6f} s, "
+                     f"loop steps {short_steps} vs {long_steps}): timing noise; raise --decode_steps or drop --quick")
+  return StepTime((long - short) / (long_steps - short_steps), long_steps)
 
 
 def measure_rank_step(config: ModelConfig, measure_layers: list[int], **kw) -> dict[str, Any]:
   """Time the rank's decode step, whole or extended linearly from two layer counts (the MTP
   layer, with draft steps, is in both counts' programs, hence in the base)."""
   if not measure_layers:
-    return dict(rank_step_s=time_decode_step(config, **kw), measured_layers=[config.num_hidden_layers])
+    return dict(rank_step_s=time_decode_step(config, **kw).seconds, measured_layers=[config.num_hidden_layers])
   a, b = measure_layers
   types = config.mlp_layer_types
   if not 0 < a < b <= config.num_hidden_layers or len(set(types[a:])) != 1:
     raise ValueError(f"measure_layers {a},{b}: need 0 < a < b <= {config.num_hidden_layers} with layers "
                      f"a.. all of one MLP type (got {sorted(set(types[a:]))})")
-  t_a, t_b = (time_decode_step(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0), **kw) for n in (a, b))
+  t_a, t_b = (time_decode_step(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0), **kw).seconds
+              for n in (a, b))
   per_layer = (t_b - t_a) / (b - a)
   return dict(rank_step_s=t_a + (config.num_hidden_layers - a) * per_layer, measured_layers=[a, b],
               measured_s=[t_a, t_b], per_layer_s=per_layer)

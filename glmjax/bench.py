@@ -19,28 +19,27 @@ import jax.numpy as jnp
 from glmjax import hlo_stats
 
 
-def _loop_program(fn: Callable[..., Any], iters: int, unroll: int = 1) -> Callable[[tuple], jax.Array]:
-  """One jitted program running `fn(*args)` `iters` times (see the module docstring), `unroll`
-  calls per loop iteration."""
+def _loop_program(fn: Callable[..., Any], iters: int) -> Callable[[tuple], jax.Array]:
+  """One jitted program running `fn(*args)` `iters` times (see the module docstring)."""
   def loop(args):
     def body(_, carry):
       args, acc = carry
       args = jax.lax.optimization_barrier(args)
       first = jax.tree.leaves(fn(*args))[0]
       return args, acc + first.ravel()[0].astype(jnp.float32)
-    return jax.lax.fori_loop(0, iters, body, (args, jnp.float32(0)), unroll=unroll)[1]
+    return jax.lax.fori_loop(0, iters, body, (args, jnp.float32(0)))[1]
   return jax.jit(loop)
 
 
 def time_device(fn: Callable[..., Any], *args: Any, iters: int = 50, repeats: int = 5,
-                warmup: int = 1, unroll: int = 1) -> float:
+                warmup: int = 1) -> float:
   """Median seconds per call of `fn(*args)` (a jax-traceable function).
 
-  unroll: calls per loop iteration. On the H200 each iteration of the device loop costs about
-  10-20 us beyond its kernels (docs/BENCHMARKS.md, run 6), which dominates kernels of tens of
-  us; unrolling amortizes it (at the price of compiling `unroll` copies of fn).
+  For kernels of tens of us this includes the gaps between dependent launches (3-4 us each on
+  the H200, docs/BENCHMARKS.md run 7; unrolling the loop did not remove them):
+  `kernel_breakdown` gives the kernels' own device time.
   """
-  program = _loop_program(fn, iters, unroll)
+  program = _loop_program(fn, iters)
   for _ in range(warmup):
     jax.block_until_ready(program(args))
   per_call = []
@@ -71,8 +70,7 @@ def device_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
   trace_dir (glmjax.hlo_stats.perfetto_events). Device events are those of processes named
   "/device:..."; the CPU backend has none, so this is {} there."""
   events = hlo_stats.perfetto_events(trace_dir)
-  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-             and e["args"]["name"].startswith("/device:")}
+  devices = hlo_stats.device_pids(events)
   times: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in devices:

@@ -161,6 +161,12 @@ def perfetto_events(trace: str | os.PathLike) -> list[dict]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def device_pids(events: list[dict]) -> set:
+  """The perfetto process ids of devices: processes named "/device:..." (none on the CPU)."""
+  return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+          and e.get("args", {}).get("name", "").startswith("/device:")}
+
+
 def trace_kernels(trace: str | os.PathLike, module: str | None = None) -> dict[str, int] | None:
   """Device kernels in a perfetto trace (see `perfetto_events`) -> {"kernels": kernel events,
   "module_runs": runs of `module`}, kernels counted within those runs only when `module` is given
@@ -169,8 +175,7 @@ def trace_kernels(trace: str | os.PathLike, module: str | None = None) -> dict[s
   events = perfetto_events(trace)
   meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e.get("args", {}).get("name", "")
                        for e in events if e.get("ph") == "M" and e.get("name") == kind}
-  processes, threads = meta("process_name"), meta("thread_name")
-  devices = {pid for pid, name in processes.items() if name.startswith("/device:")}
+  threads, devices = meta("thread_name"), device_pids(events)
   line = lambda e: threads.get((e.get("pid"), e.get("tid")), "")
   complete = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices]
   kernels = [e for e in complete if line(e).startswith("Stream")

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import topk
-from pallas_kernels.indexer_scores import (QUERY_GROUP, IndexerScoresConfig, check_indexer_args, indexer_scores,
-                                           indexer_scores_reference, pad_queries, scores_call)
+from pallas_kernels.indexer_scores import (QUERY_GROUP, IndexerScoresConfig, check_indexer_args,
+                                           indexer_scores, indexer_scores_reference, pad_queries,
+                                           scores_call)
 
 
 @functools.partial(jax.jit,

@@ -318,12 +318,13 @@ def _params(config: TopKConfig):
 _TOT_SPEC = pl.BlockSpec((PREFIX_DIGITS, None, BINS), lambda r, s: (0, r, 0))
 
 
-def first_pass(scores: jax.Array, tot: jax.Array, *, splits: int, chunk: int, block: int,
-               config: TopKConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
-  """Digit-0 histograms: (ge0 [rows, splits, 256] f32, tot with tot[0] filled)."""
-  rows, n = scores.shape
+def _histogram_pass(kernel, scores: jax.Array, tot: jax.Array, *, splits: int, chunk: int,
+                    config: TopKConfig, interpret: bool, name: str) -> tuple[jax.Array, jax.Array]:
+  """One digit's histogram launch over (rows, splits) chunks: (ge [rows, splits, 256] f32, tot
+  with that digit's row totals added in place)."""
+  rows = scores.shape[0]
   return pl.pallas_call(
-      functools.partial(_first_pass_kernel, n=n, chunk=chunk, block=block),
+      kernel,
       grid=(rows, splits),
       in_specs=[pl.BlockSpec((None, chunk), lambda r, s: (r, s)), _TOT_SPEC],
       out_specs=[pl.BlockSpec((None, None, BINS), lambda r, s: (r, s, 0)), _TOT_SPEC],
@@ -332,8 +333,16 @@ def first_pass(scores: jax.Array, tot: jax.Array, *, splits: int, chunk: int, bl
       input_output_aliases={1: 1},
       compiler_params=_params(config),
       interpret=interpret,
-      name="topk_digit0",
+      name=name,
   )(scores, tot)
+
+
+def first_pass(scores: jax.Array, tot: jax.Array, *, splits: int, chunk: int, block: int,
+               config: TopKConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """Digit-0 histograms: (ge0 [rows, splits, 256] f32, tot with tot[0] filled)."""
+  kernel = functools.partial(_first_pass_kernel, n=scores.shape[1], chunk=chunk, block=block)
+  return _histogram_pass(kernel, scores, tot, splits=splits, chunk=chunk, config=config,
+                         interpret=interpret, name="topk_digit0")
 
 
 def select_from_first_pass(scores: jax.Array, ge0: jax.Array, tot: jax.Array, *, k: int,
@@ -342,18 +351,9 @@ def select_from_first_pass(scores: jax.Array, ge0: jax.Array, tot: jax.Array, *,
   """Digit 1, the gather and the selection, given digit 0's histograms: int32 [rows, k]."""
   rows, n = scores.shape
   score_spec = pl.BlockSpec((None, chunk), lambda r, s: (r, s))
-  ge1, tot = pl.pallas_call(
-      functools.partial(_second_pass_kernel, k=k, n=n, chunk=chunk, block=block),
-      grid=(rows, splits),
-      in_specs=[score_spec, _TOT_SPEC],
-      out_specs=[pl.BlockSpec((None, None, BINS), lambda r, s: (r, s, 0)), _TOT_SPEC],
-      out_shape=[jax.ShapeDtypeStruct((rows, splits, BINS), jnp.float32),
-                 jax.ShapeDtypeStruct(tot.shape, jnp.float32)],
-      input_output_aliases={1: 1},
-      compiler_params=_params(config),
-      interpret=interpret,
-      name="topk_digit1",
-  )(scores, tot)
+  ge1, tot = _histogram_pass(
+      functools.partial(_second_pass_kernel, k=k, n=n, chunk=chunk, block=block), scores, tot,
+      splits=splits, chunk=chunk, config=config, interpret=interpret, name="topk_digit1")
   all_ge_spec = pl.BlockSpec((None, splits, BINS), lambda r, s: (r, 0, 0))
   row_spec = lambda width: pl.BlockSpec((None, width), lambda r, s: (r, 0))
   out, cand, cand_pos = pl.pallas_call(
