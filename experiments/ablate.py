@@ -80,6 +80,18 @@ def plot(out: pathlib.Path, rows: list[tuple[str, dict]], contexts: list[tuple[s
     plt.close(fig)
 
 
+def host_gap_line(points: dict[str, dict]) -> str:
+  """The host's cost per decode step: the +NVFP4 row (a host-driven step loop, one dispatch and
+  one readback a step) against the +device loop row (the same switches, every step inside one
+  `lax.while_loop`); empty unless both rows were measured."""
+  host, device = points.get("nvfp4"), points.get("device_loop")
+  if not host or not device:
+    return ""
+  gap = host["step_s"] - device["step_s"]
+  return (f"host gap per decode step: {1e3 * gap:.3f} ms ({1e3 * host['step_s']:.3f} ms host-driven "
+          f"against {1e3 * device['step_s']:.3f} ms in the device loop)")
+
+
 def main(argv):
   del argv
   out = pathlib.Path(FLAGS.output_dir)
@@ -93,7 +105,7 @@ def main(argv):
                            if name in results.points]
   rows, contexts = measured(todo[:n_rows]), measured(todo[n_rows:])
   if rows:
-    table = study.markdown_table(rows + contexts)
+    table = "\n\n".join(filter(None, [study.markdown_table(rows + contexts), host_gap_line(results.points)]))
     print(table)
     (out / "ablate.md").write_text(table + "\n")
     study.write_csv(out / "ablate.csv", rows + contexts)

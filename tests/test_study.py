@@ -168,7 +168,11 @@ def test_ablate_and_sweep_on_tiny(tmp_path):
     assert (m["measured_at"] == points[name]["measured_at"]) == (name != "prefix_cache"), name
   assert again["prefix_cache"]["generated"] == tokens["prefix_cache"]
   table = (out / "ablate.md").read_text()
-  assert table in log and "+MTP (k=2)" in table and len(table.splitlines()) == 2 + len(points)
+  assert table in log and "+MTP (k=2)" in table
+  *rows, blank, gap = table.splitlines()
+  assert len(rows) == 2 + len(points) and blank == ""
+  host_gap = again["nvfp4"]["step_s"] - again["device_loop"]["step_s"]
+  assert gap.startswith(f"host gap per decode step: {1e3 * host_gap:.3f} ms"), gap
   assert [line.split(",")[0] for line in (out / "ablate.csv").read_text().splitlines()[1:4]] == [
       "baseline", "+prefix cache", "+MTP (k=2)"]
   for png in ("ablate_tokens_per_s.png", "ablate_step_vs_floor.png", "ablate_contexts.png"):
