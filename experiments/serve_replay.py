@@ -56,8 +56,8 @@ flags.DEFINE_enum("kv_dtype", "bf16", ["bf16", "fp32", "fp8"], "KV page storage"
 flags.DEFINE_float("host_tier_gb", 0.0, "host memory for evicted pages (0: evicted pages are dropped)")
 flags.DEFINE_enum("host_compression", "none", list(COMPRESSIONS), "compress pages held on the host")
 flags.DEFINE_enum("clock", "steps", ["steps", "wall"], "time unit: model steps or seconds")
-flags.DEFINE_bool("warmup", False, "replay the trace once on a throwaway scheduler first, so that the measured "
-                  "replay finds every program compiled (use with --clock=wall: else TTFT counts XLA compiles)")
+flags.DEFINE_bool("warmup", False, "compile every program serving can call before the replay "
+                  "(Scheduler.compile_programs; use with --clock=wall: else TTFT counts XLA compiles)")
 flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)")
 flags.DEFINE_integer("seed", 0, "PRNG seed (trace, params, sampling)")
 flags.DEFINE_string("output", "", "write the JSON report here (and the occupancy plot beside it, .png)")
@@ -101,21 +101,17 @@ def run(argv=None) -> dict:
                      one_shot_priority=FLAGS.one_shot_priority, seed=FLAGS.seed)
   longest = max([sum(map(len, c.rounds)) + len(c.rounds) * c.max_new_tokens for c in trace.conversations] +
                 [len(s.prompt) + s.max_new_tokens for s in trace.one_shots])
-  clock = StepClock if FLAGS.clock == "steps" else WallClock
-
-  def scheduler() -> tuple[Scheduler, HostTier | None]:
-    host = (HostTier(int(FLAGS.host_tier_gb * 2**30), compression=FLAGS.host_compression)
-            if FLAGS.host_tier_gb > 0 else None)
-    return Scheduler(config, params, num_pages=FLAGS.num_pages, page_size=FLAGS.page_size,
-                     max_batch=FLAGS.max_batch, max_seq_len=-(-longest // FLAGS.page_size) * FLAGS.page_size,
-                     kv_dtype=FLAGS.kv_dtype, prefill_chunk=FLAGS.prefill_chunk, token_budget=FLAGS.token_budget,
-                     priority=FLAGS.priority == "on", host_tier=host,
-                     runtime=make_runtime(config, attention=FLAGS.attention),
-                     sampling=Sampling(FLAGS.temperature), seed=FLAGS.seed, ignore_eos=True, clock=clock()), host
-
+  host = (HostTier(int(FLAGS.host_tier_gb * 2**30), compression=FLAGS.host_compression)
+          if FLAGS.host_tier_gb > 0 else None)
+  clock = StepClock() if FLAGS.clock == "steps" else WallClock()
+  sched = Scheduler(config, params, num_pages=FLAGS.num_pages, page_size=FLAGS.page_size,
+                    max_batch=FLAGS.max_batch, max_seq_len=-(-longest // FLAGS.page_size) * FLAGS.page_size,
+                    kv_dtype=FLAGS.kv_dtype, prefill_chunk=FLAGS.prefill_chunk, token_budget=FLAGS.token_budget,
+                    priority=FLAGS.priority == "on", host_tier=host,
+                    runtime=make_runtime(config, attention=FLAGS.attention),
+                    sampling=Sampling(FLAGS.temperature), seed=FLAGS.seed, ignore_eos=True, clock=clock)
   if FLAGS.warmup:
-    replay(scheduler()[0], trace)
-  sched, host = scheduler()
+    sched.compile_programs()
   start = time.perf_counter()
   done = replay(sched, trace)
   wall_s = time.perf_counter() - start
@@ -138,16 +134,16 @@ def run(argv=None) -> dict:
         f"{'queue':>7} {'ttft':>7} {'tpot':>6} {'pre':>3}")
   for x in requests:
     print(f"{x['id']:>10} {x['priority']:>11} {x['prompt_tokens']:>7} {x['output_tokens']:>5} "
-          f"{x['device_hit_tokens']:>7} {x['host_hit_tokens']:>6} {x['miss_tokens']:>6} {x['queue_delay']:>7.1f} "
-          f"{x['ttft']:>7.1f} {x['time_per_output_token']:>6.2f} {x['preemptions']:>3}")
+          f"{x['device_hit_tokens']:>7} {x['host_hit_tokens']:>6} {x['miss_tokens']:>6} {x['queue_delay']:>7.3g} "
+          f"{x['ttft']:>7.3g} {x['time_per_output_token']:>6.3g} {x['preemptions']:>3}")
   print(f"\n{len(done)} requests in {sched.steps} steps ({wall_s:.1f} s); prefix tokens from device "
         f"{summary['hit_rate_device']:.1%}, host {summary['hit_rate_host']:.1%}, "
         f"recomputed {summary['miss_rate']:.1%}; {summary['preemptions']} preemptions")
   for name in ("all",) + PRIORITIES:
     if name in summary:
       s = summary[name]
-      print(f"{name:>11}: n={s['n']} TTFT mean {s['ttft_mean']:.1f} p50 {s['ttft_p50']:.1f} p90 {s['ttft_p90']:.1f} "
-            f"{unit}; queue {s['queue_delay_mean']:.1f}; per output token {s['time_per_output_token_mean']:.2f}")
+      print(f"{name:>11}: n={s['n']} TTFT mean {s['ttft_mean']:.3g} p50 {s['ttft_p50']:.3g} p90 {s['ttft_p90']:.3g} "
+            f"{unit}; queue {s['queue_delay_mean']:.3g}; per output token {s['time_per_output_token_mean']:.3g}")
   if host is not None:
     h = summary["host"]
     print(f"host tier: {h['stored_pages']} pages stored ({h['raw_bytes'] / 2**20:.1f} MiB raw, "

@@ -29,13 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.api import check_tokens, params_dtype
-from glmjax.cache.paged import KVCache, check_geometry, init_cache
+from glmjax.cache.paged import NULL_PAGE, KVCache, check_geometry, init_cache
 from glmjax.cache.prefix_cache import PageContent, SequenceAlloc
 from glmjax.config import ModelConfig
 from glmjax.engine import steps
 from glmjax.engine.sampling import Sampling, sample
 from glmjax.runtime import Runtime
-from glmjax.serve.host_tier import HostTier, TieredPrefixCache, bucket_pow2, copy_pages
+from glmjax.serve.host_tier import (HostTier, TieredPrefixCache, bucket_pow2, copy_pages, extract_pages,
+                                    insert_pages)
 
 PRIORITIES = ("interactive", "batch")  # served in this order
 
@@ -70,12 +71,15 @@ class StepClock:
 
 
 class WallClock:
-  """Seconds since construction; idle gaps are skipped rather than slept through."""
+  """Seconds since it was first read (so time spent before serving, such as compiling, is not
+  counted); idle gaps are skipped rather than slept through."""
 
   def __init__(self):
-    self._start, self._skipped = time.perf_counter(), 0.0
+    self._start, self._skipped = None, 0.0
 
   def now(self) -> float:
+    if self._start is None:
+      self._start = time.perf_counter()
     return time.perf_counter() - self._start + self._skipped
 
   def tick(self) -> None:
@@ -173,6 +177,26 @@ class Scheduler:
     self._staged: dict[str, tuple[list[PageContent], list[jax.Array]]] = {}
     self._eos = set(config.eos_token_ids)
     self._key = jax.random.key(seed)
+
+  def compile_programs(self) -> None:
+    """Run once every program serving can call (each step shape: batch bucket x {1, prefill_chunk};
+    each page-batch bucket of the page copies and host-tier moves), on inputs that change
+    nothing: padding rows write only the null page, and the null page is copied onto itself. Then
+    no request's TTFT includes an XLA compile, whatever the schedule."""
+    for b in sorted({min(bucket_pow2(n), self.max_batch) for n in range(1, self.max_batch + 1)}):
+      for width in sorted({1, self.prefill_chunk}):
+        cache = self.cache.replace(page_table=jnp.zeros((b, self.max_pages), jnp.int32),
+                                   lengths=jnp.zeros((b,), jnp.int32))
+        _, _, self.cache = serve_step(self.params, cache, jnp.zeros((b, width), jnp.int32),
+                                      jnp.full((b, width), -1, jnp.int32), jax.random.key(0),
+                                      spec=self.spec, sampling=self.sampling)
+    for n in range(bucket_pow2(self.prefix.pool.usable).bit_length()):
+      nulls = [NULL_PAGE] * (1 << n)
+      self.cache = copy_pages(self.cache, nulls, nulls)
+      if self.prefix.host is not None:  # a restore writes host arrays (device_put), not device ones
+        data = jax.device_put([np.asarray(a) for a in extract_pages(self.cache.layers, jnp.asarray(nulls))])
+        self.cache = self.cache.replace(layers=insert_pages(self.cache.layers, jnp.asarray(nulls), data))
+    jax.block_until_ready(self.cache)
 
   @property
   def idle(self) -> bool:
