@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-from glmjax.bench import bandwidth_tbs, kernel_breakdown, time_device
+from glmjax.bench import agreement, bandwidth_tbs, kernel_breakdown, time_device
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from glmjax.footprint import H200_BANDWIDTH
 from pallas_kernels.indexer_scores import IndexerScoresConfig, indexer_scores, indexer_scores_reference
@@ -46,7 +46,8 @@ def _row(kernel: str, case: str, fn: Callable, ref: Callable, args: tuple, num_b
   xla_seconds = time_device(ref, *args, **timing)
   row = dict(kernel=kernel, case=case, us=seconds * 1e6, xla_us=xla_seconds * 1e6,
              speedup=xla_seconds / seconds, bytes=num_bytes,
-             floor_us=num_bytes / H200_BANDWIDTH * 1e6, tbs=bandwidth_tbs(num_bytes, seconds))
+             floor_us=num_bytes / H200_BANDWIDTH * 1e6, tbs=bandwidth_tbs(num_bytes, seconds),
+             **agreement(fn(*args), ref(*args)))
   if breakdown:  # per-launch device time of the kernel path, from a profile
     row["kernels"] = kernel_breakdown(fn, *args)
   return row
@@ -99,10 +100,12 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
 
 
 def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = (),
-             breakdown: bool = False) -> Iterator[dict[str, Any]]:
+             breakdown: bool = False, topk_methods: Sequence[str] = ("radix",)) -> Iterator[dict[str, Any]]:
   """Yields one dict per (kernel, case) as it is measured: us, xla_us, speedup, bytes, floor_us,
   tbs (achieved TB/s); with `breakdown` also `kernels`, glmjax.bench.kernel_breakdown of the
-  kernel path. contexts / query_tokens: override the shape set's (empty: keep)."""
+  kernel path. contexts / query_tokens: override the shape set's (empty: keep). topk_methods:
+  the top-k algorithms timed (indexer_topk and topk_indices rows, one per method; a method
+  other than radix is named in the kernel column)."""
   s = dict(QUICK if quick else FULL)
   s["contexts"] = tuple(contexts) or s["contexts"]
   s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]
@@ -118,10 +121,12 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
         scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
         yield _row("indexer_scores", case, scores_fn, scores_ref, args,
                    key_bytes + t * context * 4, timing, breakdown)
-        select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"])
         select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
-        yield _row("indexer_topk", case, select_fn, select_ref, args,
-                   key_bytes + t * min(s["k"], context) * 4, timing, breakdown)
+        for method in topk_methods:
+          select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"],
+                                        topk_config=TopKConfig(method=method))
+          yield _row(_method_name("indexer_topk", method), case, select_fn, select_ref, args,
+                     key_bytes + t * min(s["k"], context) * 4, timing, breakdown)
         args, mla_bytes = _mla_case(s, context, t, fp8, k2)
         yield _row("sparse_mla_decode", case,
                    functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE),
@@ -131,10 +136,15 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
   for num_rows in s["topk_rows"]:
     key, sub = jax.random.split(key)
     scores = jax.random.normal(sub, (num_rows, n), jnp.float32)
-    yield _row("topk_indices", f"rows={num_rows} n={n} k={k}",
-               functools.partial(topk_indices, k=k),
-               functools.partial(topk_indices_reference, k=k), (scores,),
-               num_rows * (n + k) * 4, timing, breakdown)
+    for method in topk_methods:
+      yield _row(_method_name("topk_indices", method), f"rows={num_rows} n={n} k={k}",
+                 functools.partial(topk_indices, k=k, config=TopKConfig(method=method)),
+                 functools.partial(topk_indices_reference, k=k), (scores,),
+                 num_rows * (n + k) * 4, timing, breakdown)
+
+
+def _method_name(kernel: str, method: str) -> str:
+  return kernel if method == "radix" else f"{kernel} ({method})"
 
 
 def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:

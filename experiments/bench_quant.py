@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.bench import bandwidth_tbs, time_device
+from glmjax.bench import agreement, bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_grouped_matmul import moe_grouped_matmul
@@ -36,13 +36,20 @@ def _nbytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def _rows(case: dict[str, Any], timed: list[tuple[str, str, float, int]]) -> list[dict[str, Any]]:
-  """Rows for (format, impl, seconds, bytes); the first entry is the XLA bf16 reference."""
+def _rows(case: dict[str, Any], timed: list[tuple]) -> list[dict[str, Any]]:
+  """Rows for (format, impl, seconds, bytes[, agreement with the XLA path of the same weights]);
+  the first entry is the XLA bf16 reference."""
   bf16_seconds = timed[0][2]
   return [dict(case, format=fmt, impl=impl, us=seconds * 1e6, bytes=nbytes,
                tbs=bandwidth_tbs(nbytes, seconds), frac_of_copy=bandwidth_tbs(nbytes, seconds) / COPY_TBS,
-               speedup_vs_bf16=bf16_seconds / seconds)
-          for fmt, impl, seconds, nbytes in timed]
+               speedup_vs_bf16=bf16_seconds / seconds, **(check[0] if check else {}))
+          for fmt, impl, seconds, nbytes, *check in timed]
+
+
+def _kernel_entry(fmt: str, kernel: Callable, reference: Callable, args: tuple, nbytes: int,
+                  timer: Callable[..., float]) -> tuple:
+  """A Pallas entry for _rows: its time and its output's agreement with the XLA path's."""
+  return (fmt, "pallas", timer(kernel, *args), nbytes, agreement(kernel(*args), reference(*args)))
 
 
 def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float], seed: int = 0):
@@ -58,7 +65,7 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     q = quantize(w)
     nbytes = _nbytes(q) + act_bytes
     timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
-    timed.append((fmt, "pallas", timer(kernel, x, q), nbytes))
+    timed.append(_kernel_entry(fmt, kernel, xla_dequant, (x, q), nbytes, timer))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
@@ -77,14 +84,14 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
   chosen = len(np.unique(ids)) / experts  # fraction of the stacked weights the step must read
   act_bytes = (tokens * d * 2) * 2 + ids.size * 8
   xla = jax.jit(functools.partial(moe_experts, impl="xla"))
-  timed = [("bf16", "xla", timer(xla, x, *routing, *weights), int(_nbytes(weights) * chosen) + act_bytes),
-           ("bf16", "pallas", timer(moe_grouped_matmul, x, *routing, *weights),
-            int(_nbytes(weights) * chosen) + act_bytes)]
+  bf16_bytes = int(_nbytes(weights) * chosen) + act_bytes
+  timed = [("bf16", "xla", timer(xla, x, *routing, *weights), bf16_bytes),
+           _kernel_entry("bf16", moe_grouped_matmul, xla, (x, *routing, *weights), bf16_bytes, timer)]
   for fmt, (quantize, _) in FORMATS.items():
     q = tuple(quantize(w) for w in weights)
     nbytes = int(_nbytes(q) * chosen) + act_bytes
     timed.append((fmt, "xla_dequant", timer(xla, x, *routing, *q), nbytes))
-    timed.append((fmt, "pallas", timer(moe_grouped_matmul, x, *routing, *q), nbytes))
+    timed.append(_kernel_entry(fmt, moe_grouped_matmul, xla, (x, *routing, *q), nbytes, timer))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, top_k=top_k,
                     chosen_experts=int(len(np.unique(ids)))), timed)
 

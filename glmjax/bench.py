@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from glmjax import hlo_stats
 
@@ -48,6 +49,26 @@ def time_device(fn: Callable[..., Any], *args: Any, iters: int = 50, repeats: in
     jax.block_until_ready(program(args))
     per_call.append((time.perf_counter() - start) / iters)
   return statistics.median(per_call)
+
+
+def agreement(got: Any, want: Any) -> dict[str, Any]:
+  """How a timed kernel's output compares with its reference's on the same inputs (a benchmark
+  row must not report the speed of a wrong answer). Integer outputs [..., k] (index sets):
+  `exact`, whether every row holds the same set. Float outputs: `max_rel_err`, the largest
+  difference over the reference's largest magnitude, with `exact` false where the two disagree
+  on which entries are infinite."""
+  got, want = np.asarray(got), np.asarray(want)
+  if got.shape != want.shape:
+    return dict(exact=False, max_rel_err=float("inf"))
+  if np.issubdtype(got.dtype, np.integer):
+    rows = lambda x: np.sort(x.reshape(-1, x.shape[-1]), axis=-1)
+    return dict(exact=bool(np.array_equal(rows(got), rows(want))))
+  got, want = got.astype(np.float64), want.astype(np.float64)
+  finite = np.isfinite(want)
+  same_inf = bool(np.array_equal(finite, np.isfinite(got)) and np.array_equal(got[~finite], want[~finite]))
+  scale = np.max(np.abs(want[finite]), initial=0.0) or 1.0
+  err = np.max(np.abs(got[finite] - want[finite]), initial=0.0) / scale
+  return dict(exact=bool(same_inf and err == 0.0), max_rel_err=float(err) if same_inf else float("inf"))
 
 
 def bandwidth_tbs(num_bytes: float, seconds: float) -> float:

@@ -22,11 +22,14 @@ class Runtime:
   nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas.
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
+  topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
+  "radix" or "sampled"; both exact).
   """
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None
   matmul: str = "xla"
   topk_ties: str = "index"
+  topk_method: str = "radix"
 
   def __post_init__(self):
     if self.attention not in ATTENTION_IMPLS:
@@ -35,6 +38,9 @@ class Runtime:
       raise ValueError(f"topk_ties must be 'index' or 'torch_cpu', got {self.topk_ties!r}")
     if self.matmul not in MATMUL_IMPLS:
       raise ValueError(f"matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
+    from pallas_kernels.topk import METHODS  # the kernels import glmjax: imported when needed
+    if self.topk_method not in METHODS:
+      raise ValueError(f"topk_method must be one of {METHODS}, got {self.topk_method!r}")
 
   def runs_indexer(self, layer_id: int, has_indexer: bool) -> bool:
     """Without a pattern, layers that have indexer weights run them. Layers past the pattern
@@ -45,7 +51,7 @@ class Runtime:
 
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
-                 matmul: str = "xla") -> Runtime:
+                 matmul: str = "xla", topk_method: str = "radix") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
   if index_share == "on":
@@ -57,4 +63,5 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
     if freq <= 0:
       raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
-  return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul)
+  return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
+                 topk_method=topk_method)

@@ -5,9 +5,10 @@ import json
 import os
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from glmjax.bench import device_kernel_times, kernel_breakdown, time_device
+from glmjax.bench import agreement, device_kernel_times, kernel_breakdown, time_device
 
 
 def _write_trace(directory, events):
@@ -39,3 +40,23 @@ def test_kernel_breakdown_runs_a_profile_and_time_device_is_positive():
   # The CPU backend's trace has no device events: the breakdown is empty, not an error.
   assert kernel_breakdown(lambda a: jnp.sin(a) @ a, x, iters=2) == []
   assert time_device(lambda a: jnp.sin(a) @ a, x, iters=2, repeats=1) > 0
+
+
+def test_agreement_compares_index_sets_and_float_errors():
+  """A benchmark row's check of the kernel's output against its reference's."""
+  rng = np.random.default_rng(0)
+  ids = np.stack([rng.permutation(50)[:8] for _ in range(3)]).astype(np.int32)
+  assert agreement(ids[:, ::-1], ids) == dict(exact=True)          # the same sets, in any order
+  other = ids.copy()
+  other[2, 0] = next(i for i in range(50) if i not in ids[2])
+  assert agreement(other, ids) == dict(exact=False)
+  want = rng.standard_normal((4, 6)).astype(np.float32)
+  want[0, :2] = -np.inf
+  assert agreement(want, want) == dict(exact=True, max_rel_err=0.0)
+  got = want.copy()
+  got[1, 1] += 0.01 * np.max(np.abs(want[np.isfinite(want)]))
+  check = agreement(got, want)
+  assert not check["exact"] and check["max_rel_err"] == pytest.approx(0.01, rel=1e-3)
+  got[0, 0] = 0.0   # a finite value where the reference has -inf
+  assert agreement(got, want)["max_rel_err"] == float("inf")
+  assert agreement(want[:2], want) == dict(exact=False, max_rel_err=float("inf"))

@@ -211,3 +211,11 @@ def test_tep8_shard_preset():
   assert c.num_local_experts == 32 and c.n_routed_experts == 256
   assert dataclasses.replace(c, num_attention_heads=64, num_key_value_heads=64, index_n_heads=32,
                              vocab_size=154880, rank_local_experts=0) == full
+
+
+@pytest.mark.parametrize("field,value", [("attention", "flash"), ("matmul", "cublas"), ("topk_ties", "random"),
+                                         ("topk_method", "sort")])
+def test_runtime_rejects_unknown_switches(field, value):
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match=field):
+    Runtime(**{field: value})

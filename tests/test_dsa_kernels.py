@@ -21,6 +21,7 @@ from pallas_kernels.indexer_scores import (IndexerScoresConfig, indexer_scores,
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
 from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode,
                                        sparse_mla_decode_reference)
+from pallas_kernels import topk
 from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
 
 PAGE = 16
@@ -120,6 +121,59 @@ def test_topk_k_equals_n():
   scores = _score_rows(_rng(3), (48, 20), 48, "ties")
   got = topk_indices(scores, 48, config=TopKConfig(block=16))
   _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 48)))
+
+
+SAMPLED = TopKConfig(block=64, method="sampled", sample=256)
+
+
+def _sampled(scores, k):
+  plan = topk.sample_plan(scores.shape[-1], k, SAMPLED.sample, SAMPLED.block)
+  assert plan is not None
+  got, fallback = topk.sampled_select(scores, k, plan, config=SAMPLED, interpret=True)
+  return np.asarray(got), np.asarray(fallback)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "close"])
+def test_sampled_topk_matches_reference(kind):
+  """The sampled method at awkward sizes (n not a multiple of the block or the sample), rows
+  with every entry valid, many, exactly k, and fewer than k (the threshold is then -inf's own
+  prefix: every valid score is a candidate). "close" rows share one key prefix: where their
+  candidates overflow the buffer, the select runs over the whole row instead."""
+  n, k = 4099, 61
+  scores = _score_rows(_rng(4), (n, 3000, k, 40, 0), n, kind)
+  got, fallback = _sampled(scores, k)
+  _assert_same_sets(got, np.asarray(topk_indices_reference(scores, k)))
+  for row in got:   # one ascending run of positions, then -1
+    valid = row[row >= 0]
+    assert np.all(np.diff(valid) > 0) and np.all(row[len(valid):] == -1)
+  # "close": the rows with more valid scores than the buffer holds overflow it.
+  np.testing.assert_array_equal(fallback, [1, 1, 0, 0, 0] if kind == "close" else 0)
+
+
+def test_sampled_topk_falls_back_when_the_sample_misleads():
+  """Every sampled position (a multiple of the stride) holds a large score, every other one a
+  small score: the threshold lands above the k-th score, the candidates are too few, and the
+  select over the whole row still returns the exact set (lowest positions first on ties)."""
+  n, k = 2 ** 14 + 5, 300
+  plan = topk.sample_plan(n, k, SAMPLED.sample, SAMPLED.block)
+  x = np.full((2, n), 1.0, np.float32)
+  x[:, ::plan.stride] = 50.0 + _rng(5).random((2, len(range(0, n, plan.stride))))
+  x[1, 7] = 0.5   # a row whose ties at 1.0 are broken by position
+  got, fallback = _sampled(jnp.asarray(x), k)
+  assert fallback.all()
+  ref = np.asarray(topk_indices_reference(jnp.asarray(x), k))
+  np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(ref, axis=1))
+
+
+def test_sampled_method_through_topk_indices():
+  """topk_indices with method="sampled": the sampled path on long rows, the radix select on
+  rows too short for a sample to pay; both exact."""
+  for n in (3000, 300):
+    scores = _score_rows(_rng(6), (n, n // 2, 10), n, "normal").reshape(1, 3, n)
+    got = topk_indices(scores, 40, config=SAMPLED)
+    assert got.shape == (1, 3, 40)
+    _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 40)))
+  assert topk.sample_plan(300, 40, SAMPLED.sample, SAMPLED.block) is None
 
 
 # --- indexer scores --------------------------------------------------------------------------
@@ -276,7 +330,8 @@ def test_invalid_inputs_raise():
 
 @pytest.mark.parametrize("make", [
     lambda: TopKConfig(block=24), lambda: TopKConfig(num_splits=3),
-    lambda: TopKConfig(num_splits=256), lambda: IndexerScoresConfig(block_k=8),
+    lambda: TopKConfig(num_splits=256), lambda: TopKConfig(method="sort"), lambda: TopKConfig(sample=100),
+    lambda: IndexerScoresConfig(block_k=8),
     lambda: IndexerScoresConfig(num_warps=3), lambda: SparseMLAConfig(block_n=48),
     lambda: SparseMLAConfig(num_splits=0)])
 def test_invalid_configs_raise(make):
@@ -300,6 +355,8 @@ def test_lowers_for_h200():
               s((1, max_pages), i32), s((1, 5, 2048), i32))
   cases = [
       (lambda x: topk_indices(x, 2048, interpret=False), (s((64, 131072), f32),)),
+      (lambda x: topk_indices(x, 2048, config=TopKConfig(method="sampled"), interpret=False),
+       (s((64, 131072), f32),)),
       (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False), idx_args),
       (lambda *a: indexer_topk(*a, num_keys=num_keys, k=2048, interpret=False), idx_args),
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, interpret=False), mla_args)]
