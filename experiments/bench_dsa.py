@@ -100,12 +100,14 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
 
 
 def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = (),
-             breakdown: bool = False, topk_methods: Sequence[str] = ("radix",)) -> Iterator[dict[str, Any]]:
+             breakdown: bool = False, topk_methods: Sequence[str] = ("radix",),
+             indexer_queries: Sequence[str] = ("float32",)) -> Iterator[dict[str, Any]]:
   """Yields one dict per (kernel, case) as it is measured: us, xla_us, speedup, bytes, floor_us,
   tbs (achieved TB/s); with `breakdown` also `kernels`, glmjax.bench.kernel_breakdown of the
   kernel path. contexts / query_tokens: override the shape set's (empty: keep). topk_methods:
   the top-k algorithms timed (indexer_topk and topk_indices rows, one per method; a method
-  other than radix is named in the kernel column)."""
+  other than radix is named in the kernel column). indexer_queries: the indexer queries'
+  dtypes timed (float32: three bf16 MMA terms in the kernel; bfloat16: one), likewise named."""
   s = dict(QUICK if quick else FULL)
   s["contexts"] = tuple(contexts) or s["contexts"]
   s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]
@@ -116,17 +118,21 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
       for fp8 in (False, True):
         case = f"ctx={context} T={t} {'fp8' if fp8 else 'bf16'}"
         key, k1, k2 = jax.random.split(key, 3)
-        args, key_bytes = _indexer_cases(s, context, t, fp8, k1)
-        scores_fn = functools.partial(indexer_scores, num_keys=context)
-        scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
-        yield _row("indexer_scores", case, scores_fn, scores_ref, args,
-                   key_bytes + t * context * 4, timing, breakdown)
-        select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
-        for method in topk_methods:
-          select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"],
-                                        topk_config=TopKConfig(method=method))
-          yield _row(_method_name("indexer_topk", method), case, select_fn, select_ref, args,
-                     key_bytes + t * min(s["k"], context) * 4, timing, breakdown)
+        fp32_args, key_bytes = _indexer_cases(s, context, t, fp8, k1)
+        for queries in indexer_queries:
+          args = (fp32_args[0].astype(queries), *fp32_args[1:])
+          q_bytes = args[0].size * (args[0].dtype.itemsize - 4)  # _indexer_cases counts fp32 queries
+          name = lambda kernel: kernel if queries == "float32" else f"{kernel} ({queries} q)"
+          scores_fn = functools.partial(indexer_scores, num_keys=context)
+          scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
+          yield _row(name("indexer_scores"), case, scores_fn, scores_ref, args,
+                     key_bytes + q_bytes + t * context * 4, timing, breakdown)
+          select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
+          for method in topk_methods:
+            select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"],
+                                          topk_config=TopKConfig(method=method))
+            yield _row(_method_name(name("indexer_topk"), method), case, select_fn, select_ref, args,
+                       key_bytes + q_bytes + t * min(s["k"], context) * 4, timing, breakdown)
         args, mla_bytes = _mla_case(s, context, t, fp8, k2)
         yield _row("sparse_mla_decode", case,
                    functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE),

@@ -27,6 +27,7 @@ _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
 _CONTEXTS = flags.DEFINE_list("contexts", [], "dsa: cached tokens per case (empty: 8K, 32K, 80K, 128K)")
 _QUERY = flags.DEFINE_list("query_tokens", [], "dsa: query tokens per step (empty: 1 and 5)")
 _TOPK = flags.DEFINE_list("topk_methods", ["radix", "sampled"], "dsa: top-k algorithms to time (pallas_kernels/topk.py)")
+_QUERIES = flags.DEFINE_list("indexer_queries", ["float32", "bfloat16"], "dsa: indexer query dtypes to time")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "dsa: also profile each kernel path's launches")
 _PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
@@ -53,7 +54,8 @@ def main(_):
                 host=platform.node(), jax=jax.__version__, suites={})
   suites = dict(SUITES, dsa=functools.partial(dsa_rows, contexts=[int(c) for c in _CONTEXTS.value],
                                               query_tokens=[int(t) for t in _QUERY.value],
-                                              breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value))
+                                              breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value,
+                                              indexer_queries=_QUERIES.value))
   for name in _SUITES.value:
     rows = report["suites"][name] = []
     with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{name}"):

@@ -41,6 +41,7 @@ flags.DEFINE_integer("seed", 0, "PRNG seed (tokens and sampling)")
 flags.DEFINE_enum("attention", "sparse", list(ATTENTION_IMPLS), "DSA attention implementation")
 flags.DEFINE_string("index_share", "on", "on / off / an integer indexer frequency")
 flags.DEFINE_enum("topk_method", "radix", ["radix", "sampled"], "the Pallas top-k's algorithm (--attention=pallas)")
+flags.DEFINE_enum("indexer_queries", "float32", ["float32", "bfloat16"], "precision of the indexer's queries")
 flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)")
 flags.DEFINE_enum("spec", "none", ["none", "mtp"], "speculative decoding with the MTP layer")
 flags.DEFINE_integer("num_draft", 4, "MTP draft tokens per step (k; k + 1 verified)")
@@ -74,7 +75,7 @@ def run(argv=None) -> dict:
   work = WORKLOADS[FLAGS.workload].scaled(FLAGS.scale, FLAGS.rounds or None)
   index_share = FLAGS.index_share if FLAGS.index_share in ("on", "off") else int(FLAGS.index_share)
   runtime = make_runtime(config, attention=FLAGS.attention, index_share=index_share, matmul=FLAGS.matmul,
-                         topk_method=FLAGS.topk_method)
+                         topk_method=FLAGS.topk_method, indexer_queries=FLAGS.indexer_queries)
   spec = None
   if FLAGS.spec == "mtp":
     spec = SpecConfig(num_draft=FLAGS.num_draft, branch=FLAGS.draft_branch, max_paths=FLAGS.max_paths,

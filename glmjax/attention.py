@@ -104,6 +104,8 @@ class MLAttention(nn.Module):
                        "(a 'shared' layer in the checkpoint): choose an IndexShare pattern whose "
                        "full layers have indexers")
     idx = Indexer(c, name="indexer", **kw)(x, q_resid, cos, sin) if (self.has_indexer and run_indexer) else None
+    if idx is not None and runtime.indexer_queries != "float32":  # one bf16 MMA term in the kernel, not three
+      idx = (idx[0].astype(runtime.indexer_queries), *idx[1:])
 
     if cache is None:
       out, topk = self._reference(q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime)

@@ -24,12 +24,17 @@ class Runtime:
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
   "radix" or "sampled"; both exact).
+  indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
+  scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
+  once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
+  rounds the same way, so they still select alike).
   """
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None
   matmul: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "radix"
+  indexer_queries: str = "float32"
 
   def __post_init__(self):
     if self.attention not in ATTENTION_IMPLS:
@@ -38,6 +43,8 @@ class Runtime:
       raise ValueError(f"topk_ties must be 'index' or 'torch_cpu', got {self.topk_ties!r}")
     if self.matmul not in MATMUL_IMPLS:
       raise ValueError(f"matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
+    if self.indexer_queries not in ("float32", "bfloat16"):
+      raise ValueError(f"indexer_queries must be 'float32' or 'bfloat16', got {self.indexer_queries!r}")
     from pallas_kernels.topk import METHODS  # the kernels import glmjax: imported when needed
     if self.topk_method not in METHODS:
       raise ValueError(f"topk_method must be one of {METHODS}, got {self.topk_method!r}")
@@ -51,7 +58,7 @@ class Runtime:
 
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
-                 matmul: str = "xla", topk_method: str = "radix") -> Runtime:
+                 matmul: str = "xla", topk_method: str = "radix", indexer_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
   if index_share == "on":
@@ -64,4 +71,4 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
       raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
-                 topk_method=topk_method)
+                 topk_method=topk_method, indexer_queries=indexer_queries)

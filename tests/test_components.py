@@ -1,6 +1,7 @@
 """Model components against small independent numpy references."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -137,6 +138,30 @@ def test_shared_layer_reuses_previous_full_selection():
   np.testing.assert_array_equal(seen["layers_2"], seen["layers_1"])
   assert not np.array_equal(seen["layers_3"], seen["layers_1"])
   assert "indexer" not in params["layers_2"]["self_attn"]
+
+
+def test_bf16_indexer_queries_reach_both_scoring_paths(monkeypatch):
+  """Runtime(indexer_queries="bfloat16") rounds the indexer queries before scoring, on the
+  no-cache forward (index_scores) and on the cached decode path (cached_topk) alike; the
+  default keeps them fp32."""
+  from glmjax.cache.paged import init_cache
+  from glmjax.engine import steps
+  config = get_model_config("tiny")
+  params = abstract_params(config)
+  cache = init_cache(config, num_pages=4, page_size=4, batch=1, max_pages=3, kv_dtype="bf16")
+  tokens = jnp.arange(2, 14)[None]
+  seen = []
+  index_scores, cached_topk = dsa.index_scores, dsa.cached_topk
+  monkeypatch.setattr(dsa, "index_scores", lambda q, *a, **k: seen.append(("scores", q.dtype)) or index_scores(q, *a, **k))
+  monkeypatch.setattr(dsa, "cached_topk", lambda q, *a, **k: seen.append(("cached", q.dtype)) or cached_topk(q, *a, **k))
+  for queries in ("bfloat16", "float32"):
+    runtime = Runtime(attention="sparse", indexer_queries=queries)
+    seen.clear()
+    jax.eval_shape(lambda p: CausalLM(config).apply({"params": p}, tokens, runtime=runtime), params)
+    jax.eval_shape(functools.partial(steps.prefill_chunk, spec=steps.StepSpec(config, runtime, "bfloat16")),
+                   params, cache, tokens, tokens - 2)
+    assert {kind for kind, _ in seen} == {"scores", "cached"}
+    assert {dtype for _, dtype in seen} == {jnp.dtype(queries)}
 
 
 def test_index_share_override_needs_indexer_weights():
