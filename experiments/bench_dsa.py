@@ -101,13 +101,14 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
 
 def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = (),
              breakdown: bool = False, topk_methods: Sequence[str] = ("radix",),
-             indexer_queries: Sequence[str] = ("float32",)) -> Iterator[dict[str, Any]]:
+             query_dtypes: Sequence[str] = ("float32",)) -> Iterator[dict[str, Any]]:
   """Yields one dict per (kernel, case) as it is measured: us, xla_us, speedup, bytes, floor_us,
   tbs (achieved TB/s); with `breakdown` also `kernels`, glmjax.bench.kernel_breakdown of the
   kernel path. contexts / query_tokens: override the shape set's (empty: keep). topk_methods:
   the top-k algorithms timed (indexer_topk and topk_indices rows, one per method; a method
-  other than radix is named in the kernel column). indexer_queries: the indexer queries'
-  dtypes timed (float32: three bf16 MMA terms in the kernel; bfloat16: one), likewise named."""
+  other than radix is named in the kernel column). query_dtypes: the dtypes of the queries fed
+  to the indexer and attention kernels (float32: three bf16 MMA terms; bfloat16: one), likewise
+  named."""
   s = dict(QUICK if quick else FULL)
   s["contexts"] = tuple(contexts) or s["contexts"]
   s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]
@@ -119,9 +120,10 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
         case = f"ctx={context} T={t} {'fp8' if fp8 else 'bf16'}"
         key, k1, k2 = jax.random.split(key, 3)
         fp32_args, key_bytes = _indexer_cases(s, context, t, fp8, k1)
-        for queries in indexer_queries:
+        fp32_mla_args, mla_bytes = _mla_case(s, context, t, fp8, k2)
+        for queries in query_dtypes:
           args = (fp32_args[0].astype(queries), *fp32_args[1:])
-          q_bytes = args[0].size * (args[0].dtype.itemsize - 4)  # _indexer_cases counts fp32 queries
+          q_bytes = args[0].size * (args[0].dtype.itemsize - 4)  # the cases count fp32 queries
           name = lambda kernel: kernel if queries == "float32" else f"{kernel} ({queries} q)"
           scores_fn = functools.partial(indexer_scores, num_keys=context)
           scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
@@ -133,11 +135,12 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
                                           topk_config=TopKConfig(method=method))
             yield _row(_method_name(name("indexer_topk"), method), case, select_fn, select_ref, args,
                        key_bytes + q_bytes + t * min(s["k"], context) * 4, timing, breakdown)
-        args, mla_bytes = _mla_case(s, context, t, fp8, k2)
-        yield _row("sparse_mla_decode", case,
-                   functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE),
-                   functools.partial(sparse_mla_decode_reference, softmax_scale=SOFTMAX_SCALE),
-                   args, mla_bytes, timing, breakdown)
+          args = (*(q.astype(queries) for q in fp32_mla_args[:2]), *fp32_mla_args[2:])
+          q_bytes = (args[0].size + args[1].size) * (args[0].dtype.itemsize - 4)
+          yield _row(name("sparse_mla_decode"), case,
+                     functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE),
+                     functools.partial(sparse_mla_decode_reference, softmax_scale=SOFTMAX_SCALE),
+                     args, mla_bytes + q_bytes, timing, breakdown)
   n, k = s["topk_n"], s["k"]
   for num_rows in s["topk_rows"]:
     key, sub = jax.random.split(key)

@@ -27,7 +27,8 @@ _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
 _CONTEXTS = flags.DEFINE_list("contexts", [], "dsa: cached tokens per case (empty: 8K, 32K, 80K, 128K)")
 _QUERY = flags.DEFINE_list("query_tokens", [], "dsa: query tokens per step (empty: 1 and 5)")
 _TOPK = flags.DEFINE_list("topk_methods", ["radix", "sampled"], "dsa: top-k algorithms to time (pallas_kernels/topk.py)")
-_QUERIES = flags.DEFINE_list("indexer_queries", ["float32", "bfloat16"], "dsa: indexer query dtypes to time")
+_QUERIES = flags.DEFINE_list("query_dtypes", ["float32", "bfloat16"],
+                             "dsa: dtypes of the queries fed to the indexer and attention kernels")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "dsa: also profile each kernel path's launches")
 _PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
@@ -55,7 +56,7 @@ def main(_):
   suites = dict(SUITES, dsa=functools.partial(dsa_rows, contexts=[int(c) for c in _CONTEXTS.value],
                                               query_tokens=[int(t) for t in _QUERY.value],
                                               breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value,
-                                              indexer_queries=_QUERIES.value))
+                                              query_dtypes=_QUERIES.value))
   for name in _SUITES.value:
     rows = report["suites"][name] = []
     with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{name}"):

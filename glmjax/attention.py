@@ -150,7 +150,8 @@ class MLAttention(nn.Module):
       q_idx, w_idx, _ = idx
       prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,
                                   runtime.attention, runtime.topk_ties, runtime.topk_method)
-    o_latent = dsa.cached_attention(q_latent, q_pe.astype(jnp.float32), layer, cache.page_table, positions,
-                                    prev_topk, c.softmax_scale, runtime.attention)
+    queries = jnp.dtype(runtime.attention_queries)
+    o_latent = dsa.cached_attention(q_latent.astype(queries), q_pe.astype(queries), layer, cache.page_table,
+                                    positions, prev_topk, c.softmax_scale, runtime.attention)
     out = jnp.einsum("bthr,hvr->bthv", o_latent, w_uv.astype(jnp.float32))
     return out, prev_topk, layer

@@ -12,6 +12,7 @@ from glmjax.config import ModelConfig, derive_indexer_types
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
 MATMUL_IMPLS = ("xla", "pallas")
+QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,11 @@ class Runtime:
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
   rounds the same way, so they still select alike).
+  attention_queries: the decode attention's absorbed queries, "float32" (the sparse MLA kernel
+  splits them, and the softmax weights, into three bf16 MMA terms) or "bfloat16" (FlashMLA's
+  numerics: one term, softmax weights in bf16; the jnp sparse path rounds its weights to bf16
+  too, but against the row's maximum rather than the kernel's running one, so the two agree to
+  bf16 rounding, not bit for bit: greedy tokens may differ at near-ties).
   """
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None
@@ -35,6 +41,7 @@ class Runtime:
   topk_ties: str = "index"
   topk_method: str = "radix"
   indexer_queries: str = "float32"
+  attention_queries: str = "float32"
 
   def __post_init__(self):
     if self.attention not in ATTENTION_IMPLS:
@@ -43,8 +50,9 @@ class Runtime:
       raise ValueError(f"topk_ties must be 'index' or 'torch_cpu', got {self.topk_ties!r}")
     if self.matmul not in MATMUL_IMPLS:
       raise ValueError(f"matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
-    if self.indexer_queries not in ("float32", "bfloat16"):
-      raise ValueError(f"indexer_queries must be 'float32' or 'bfloat16', got {self.indexer_queries!r}")
+    for name in ("indexer_queries", "attention_queries"):
+      if getattr(self, name) not in QUERY_DTYPES:
+        raise ValueError(f"{name} must be one of {QUERY_DTYPES}, got {getattr(self, name)!r}")
     from pallas_kernels.topk import METHODS  # the kernels import glmjax: imported when needed
     if self.topk_method not in METHODS:
       raise ValueError(f"topk_method must be one of {METHODS}, got {self.topk_method!r}")
@@ -58,7 +66,8 @@ class Runtime:
 
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
-                 matmul: str = "xla", topk_method: str = "radix", indexer_queries: str = "float32") -> Runtime:
+                 matmul: str = "xla", topk_method: str = "radix", indexer_queries: str = "float32",
+                 attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
   if index_share == "on":
@@ -71,4 +80,4 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
       raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
-                 topk_method=topk_method, indexer_queries=indexer_queries)
+                 topk_method=topk_method, indexer_queries=indexer_queries, attention_queries=attention_queries)

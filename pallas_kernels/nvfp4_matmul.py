@@ -29,6 +29,14 @@ on the tensor cores with M padded to 16 rows (bf16 x bf16 -> fp32); 2^14 and the
 scale multiply the fp32 accumulator once at the end. About 3 integer ops per weight remain (two
 shifts and a merged and/or per nibble): at 4.5 bits per weight that, not HBM, is the likely
 limit on the H200 (64 integer lanes per SM per clock), see experiments/bench_quant.py.
+
+decode="ptx" (MatmulConfig) attacks that limit: inline PTX (`pltriton.elementwise_inline_asm`,
+four packed bytes a 32-bit register) decodes two fp16 codes per instruction sequence on packed
+registers, into the even columns' and the odd columns' tiles separately, and the dot takes x's
+even and odd columns (split apart outside the kernel) against them: no interleave in registers.
+The interpreter cannot run PTX, so there the same halves come from `decode_halves`; the PTX
+program's bit logic is checked on the CPU by an emulator (tests/test_quant_kernels.py), its
+speed and its result on the GPU by kernels_bench (`pallas_ptx` rows). Not yet measured.
 """
 
 import dataclasses
@@ -46,6 +54,7 @@ from pallas_kernels.checks import check_at_least, check_launch, check_tile
 NUM_SMS = 132         # H200; the default configs aim for >= 2 programs per SM
 MAX_ROWS = 16         # M of one tensor-core tile; larger M is compute-bound: dequantize once
 DECODE_SCALE = 2.0 ** 14  # undoes the 2^-14 of the fp16 bit-pattern decode
+DECODES = ("jnp", "ptx")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +70,15 @@ class MatmulConfig:
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
+  decode: str = "jnp"
 
   def __post_init__(self):
     check_tile("MatmulConfig", "block_n", self.block_n)
     check_tile("MatmulConfig", "block_k", self.block_k)
     check_at_least("MatmulConfig", "split_k", self.split_k)
     check_launch("MatmulConfig", self.num_warps, self.num_stages)
+    if self.decode not in DECODES:
+      raise ValueError(f"MatmulConfig.decode must be one of {DECODES}, got {self.decode!r}")
 
 
 def default_config(m: int, n: int, k: int, *, max_block_k: int = 256) -> MatmulConfig:
@@ -124,12 +136,56 @@ def decode_nvfp4(packed: jax.Array, scale: jax.Array) -> jax.Array:
   Exact: see the module docstring. Masked-off bytes and scales (0) decode to +0.
   """
   r, c = packed.shape
-  b = packed.astype(jnp.uint16)
-  lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)   # even column: bits 0-2 magnitude, bit 3 sign
-  hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)    # odd column: bits 4-6, bit 7
-  values = lax.bitcast_convert_type(jnp.stack([lo, hi], axis=-1).reshape(r, 2 * c), jnp.float16)
+  values = jnp.stack(decode_halves(packed), axis=-1).reshape(r, 2 * c)
   s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, 2 * c // BLOCK, BLOCK))
   return (values * s.reshape(r, 2 * c)).astype(jnp.bfloat16)
+
+
+def decode_halves(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint8 [r, c] -> fp16 [r, c] twice: the even columns' codes (low nibbles) and the odd
+  columns' (high nibbles), each as E2M1 * 2^-14 (module docstring)."""
+  b = packed.astype(jnp.uint16)
+  lo = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+  hi = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+  return lax.bitcast_convert_type(lo, jnp.float16), lax.bitcast_convert_type(hi, jnp.float16)
+
+
+# Four packed bytes in $2 -> four fp16 in $0 (from bytes 0, 1) and $1 (bytes 2, 3): the even
+# columns' codes (low nibbles; shifts 9 and 12) or the odd columns' (high nibbles; 5 and 8).
+# prmt spreads two bytes into the two 16-bit halves of a register; then each half's nibble moves
+# into the fp16 pattern s<<15 | eem<<9 by shifts and masks on both halves at once (ptxas merges
+# each mask-and-or into one LOP3): about 2.5 instructions a weight, where the jnp decode, one
+# 16-bit element per 32-bit register, takes about 10. One program per half: Pallas-Triton lowers
+# inline asm with a single result only.
+_DECODE_PTX = """{{
+.reg .b32 t0, t1, a, b;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+shl.b32 a, t0, {mag}; and.b32 a, a, 0x0E000E00; shl.b32 b, t0, {sign}; and.b32 b, b, 0x80008000; or.b32 $0, a, b;
+shl.b32 a, t1, {mag}; and.b32 a, a, 0x0E000E00; shl.b32 b, t1, {sign}; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
+}}"""
+DECODE_PTX_EVEN = _DECODE_PTX.format(mag=9, sign=12)
+DECODE_PTX_ODD = _DECODE_PTX.format(mag=5, sign=8)
+
+
+def decode_halves_ptx(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`decode_halves` in inline PTX (Triton only: the interpreter cannot run it)."""
+  half = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
+  return tuple(pltriton.elementwise_inline_asm(asm, args=[packed], constraints="=r,=r,r", pack=4,
+                                               result_shape_dtypes=[half])[0]
+               for asm in (DECODE_PTX_EVEN, DECODE_PTX_ODD))
+
+
+def load_nvfp4_halves(packed_ref, scale_ref, step, *, block_k: int, k: int,
+                      rows_ok: jax.Array | None, ptx: bool) -> tuple[jax.Array, jax.Array]:
+  """Decoded bf16 [bn, block_k / 2] even- and odd-column weight tiles of K step `step` (times
+  2^-14): the tiles `dot_t` takes against x's even and odd columns, so no interleave is needed."""
+  kb, ks = block_k // 2, block_k // BLOCK
+  packed = load_tile(packed_ref.at[:, pl.ds(step * kb, kb)], rows_ok, range_mask(step * kb, kb, k // 2))
+  scale = load_tile(scale_ref.at[:, pl.ds(step * ks, ks)], rows_ok, range_mask(step * ks, ks, k // BLOCK))
+  r = packed.shape[0]
+  s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, ks, BLOCK // 2)).reshape(r, kb)
+  return tuple((h * s).astype(jnp.bfloat16) for h in (decode_halves_ptx if ptx else decode_halves)(packed))
 
 
 def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: int,
@@ -147,10 +203,12 @@ def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k
   return decode_nvfp4(packed, scale)
 
 
-def _nvfp4_matmul_kernel(x_ref, packed_ref, scale_ref, global_ref, o_ref, *, m: int, n: int, k: int,
-                         block_m: int, config: MatmulConfig):
-  # x_ref: bf16 [block_m, Kp] of [M, K]; packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16];
+def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: MatmulConfig,
+                         interpret: bool):
+  # x_ref: bf16 [block_m, Kp] of [M, K] (decode="ptx": x_even_ref, x_odd_ref [block_m, Kp/2], x's
+  # even and odd columns); packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16];
   # global_ref: f32 [1]; o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
+  *x_refs, packed_ref, scale_ref, global_ref, o_ref = refs
   bn, bk = config.block_n, config.block_k
   rows_ok = range_mask(0, block_m, m)
   n_ok = range_mask(pl.program_id(0) * bn, bn, n)
@@ -159,9 +217,16 @@ def _nvfp4_matmul_kernel(x_ref, packed_ref, scale_ref, global_ref, o_ref, *, m: 
   first = pl.program_id(1) * per_split
 
   def body(step, acc):
-    x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
-    w = load_nvfp4_tile(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok)
-    return acc + dot_t(x, w)
+    if config.decode == "jnp":
+      x = load_tile(x_refs[0].at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
+      w = load_nvfp4_tile(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok)
+      return acc + dot_t(x, w)
+    # x's even and odd columns against the two weight halves (K is even: one mask serves both).
+    cols_ok = range_mask(step * bk // 2, bk // 2, k // 2)
+    x_even, x_odd = (load_tile(ref.at[:, pl.ds(step * bk // 2, bk // 2)], rows_ok, cols_ok) for ref in x_refs)
+    w_even, w_odd = load_nvfp4_halves(packed_ref, scale_ref, step, block_k=bk, k=k, rows_ok=n_ok,
+                                      ptx=not interpret)
+    return acc + dot_t(x_even, w_even) + dot_t(x_odd, w_odd)
 
   acc = lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
                       jnp.zeros((block_m, bn), jnp.float32))
@@ -174,12 +239,17 @@ def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret:
   bn, bk, split = config.block_n, config.block_k, config.split_k
   block_m = max(16, pl.next_power_of_2(m))
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
+  xs, x_specs = [x], [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0))]
+  if config.decode == "ptx":  # even and odd columns apart (XLA fuses this into x's producer)
+    xs = [x[:, 0::2], x[:, 1::2]]
+    x_specs = [pl.BlockSpec((block_m, kp // 2), lambda j, s: (0, 0))] * 2
   out = pl.pallas_call(
-      functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config),
+      functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config,
+                        interpret=interpret),
       out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32 if split > 1 else x.dtype),
       grid=(pl.cdiv(n, bn), split),
       in_specs=[
-          pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
+          *x_specs,
           pl.BlockSpec((bn, kp // 2), lambda j, s: (j, 0)),
           pl.BlockSpec((bn, kp // BLOCK), lambda j, s: (j, 0)),
           pl.BlockSpec((1,), lambda j, s: (0,)),
@@ -188,7 +258,7 @@ def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret:
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="nvfp4_matmul",
-  )(x, w.packed, w.block_scale, w.global_scale.reshape(1))
+  )(*xs, w.packed, w.block_scale, w.global_scale.reshape(1))
   return out[0] if split == 1 else out.sum(0).astype(x.dtype)
 
 

@@ -250,7 +250,9 @@ def sparse_mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: 
                                 latent_scale: jax.Array | None, k_rope: jax.Array,
                                 page_table: jax.Array, indices: jax.Array, *,
                                 softmax_scale: float) -> jax.Array:
-  """Plain-jnp sparse MLA (gather + fp32 einsum + softmax): same arguments and result."""
+  """Plain-jnp sparse MLA (gather + fp32 einsum + softmax): same arguments and result (bf16
+  queries: the softmax weights are rounded to bf16 before the value product, as the kernel
+  does, though relative to the row's maximum where the kernel uses its running one)."""
   check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
   valid = indices >= 0
   page, slot = (a.reshape(indices.shape) for a in
@@ -267,5 +269,7 @@ def sparse_mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: 
   m = jnp.max(logits, axis=-1, keepdims=True)
   p = jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m))
   den = jnp.sum(p, axis=-1, keepdims=True)
+  if q_latent.dtype == jnp.bfloat16:  # the kernel's bf16 numerics (FlashMLA's): p enters p.v in bf16
+    p = p.astype(jnp.bfloat16).astype(jnp.float32)
   out = jnp.einsum("bthk,btkr->bthr", p, values, precision=hi)
   return out / jnp.where(den > 0, den, 1.0)

@@ -140,10 +140,12 @@ def test_shared_layer_reuses_previous_full_selection():
   assert "indexer" not in params["layers_2"]["self_attn"]
 
 
-def test_bf16_indexer_queries_reach_both_scoring_paths(monkeypatch):
-  """Runtime(indexer_queries="bfloat16") rounds the indexer queries before scoring, on the
-  no-cache forward (index_scores) and on the cached decode path (cached_topk) alike; the
-  default keeps them fp32."""
+@pytest.mark.parametrize("indexer,attention", [("bfloat16", "float32"), ("float32", "bfloat16"),
+                                               ("float32", "float32")])
+def test_query_precision_switches_reach_their_kernels(monkeypatch, indexer, attention):
+  """Runtime.indexer_queries rounds the indexer queries before scoring, on the no-cache forward
+  (index_scores) and on the cached path (cached_topk) alike; Runtime.attention_queries rounds
+  the absorbed queries entering the cached attention; float32 keeps them as computed."""
   from glmjax.cache.paged import init_cache
   from glmjax.engine import steps
   config = get_model_config("tiny")
@@ -151,17 +153,17 @@ def test_bf16_indexer_queries_reach_both_scoring_paths(monkeypatch):
   cache = init_cache(config, num_pages=4, page_size=4, batch=1, max_pages=3, kv_dtype="bf16")
   tokens = jnp.arange(2, 14)[None]
   seen = []
-  index_scores, cached_topk = dsa.index_scores, dsa.cached_topk
-  monkeypatch.setattr(dsa, "index_scores", lambda q, *a, **k: seen.append(("scores", q.dtype)) or index_scores(q, *a, **k))
-  monkeypatch.setattr(dsa, "cached_topk", lambda q, *a, **k: seen.append(("cached", q.dtype)) or cached_topk(q, *a, **k))
-  for queries in ("bfloat16", "float32"):
-    runtime = Runtime(attention="sparse", indexer_queries=queries)
-    seen.clear()
-    jax.eval_shape(lambda p: CausalLM(config).apply({"params": p}, tokens, runtime=runtime), params)
-    jax.eval_shape(functools.partial(steps.prefill_chunk, spec=steps.StepSpec(config, runtime, "bfloat16")),
-                   params, cache, tokens, tokens - 2)
-    assert {kind for kind, _ in seen} == {"scores", "cached"}
-    assert {dtype for _, dtype in seen} == {jnp.dtype(queries)}
+  for name in ("index_scores", "cached_topk", "cached_attention"):
+    monkeypatch.setattr(dsa, name, functools.partial(
+        lambda fn, name, q, *a, **k: seen.append((name, q.dtype)) or fn(q, *a, **k), getattr(dsa, name), name))
+  runtime = Runtime(attention="sparse", indexer_queries=indexer, attention_queries=attention)
+  jax.eval_shape(lambda p: CausalLM(config).apply({"params": p}, tokens, runtime=runtime), params)
+  jax.eval_shape(functools.partial(steps.prefill_chunk, spec=steps.StepSpec(config, runtime, "bfloat16")),
+                 params, cache, tokens, tokens - 2)
+  dtypes = lambda *names: {dtype for name, dtype in seen if name in names}
+  assert dtypes("index_scores", "cached_topk") == {jnp.dtype(indexer)}
+  assert dtypes("cached_attention") == {jnp.dtype(attention)}
+  assert {name for name, _ in seen} == {"index_scores", "cached_topk", "cached_attention"}
 
 
 def test_index_share_override_needs_indexer_weights():

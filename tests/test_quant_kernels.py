@@ -8,6 +8,8 @@ silu(g) * u that the model also keeps in bf16.
 
 import warnings
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +38,9 @@ def inputs(seed, m: int, n: int, k: int) -> tuple[jax.Array, np.ndarray]:
 
 # (M, K, N, config): K, N not powers of two with ragged tiles; one aligned split-K case.
 SKINNY_CASES = [(1, 272, 200, None), (3, 272, 200, None), (16, 272, 200, None),
-                (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3))]
+                (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3)),
+                (3, 272, 200, MatmulConfig(decode="ptx")),   # the interpreter runs its jnp twin
+                (16, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3, decode="ptx"))]
 FP8_CASES = [(1, 300, 200, None), (3, 300, 130, None), (16, 272, 200, None),
              (5, 512, 256, MatmulConfig(block_n=64, block_k=64, split_k=2))]
 
@@ -53,6 +57,47 @@ def test_weight_only_matmul(fmt, m, k, n, config):
   out = kernel(x, q, config=config)
   assert out.shape == (m, n) and out.dtype == jnp.bfloat16
   assert rel_err(out, reference(x, q)) <= TOL
+
+
+def _run_ptx(asm: str, word: np.ndarray) -> list[np.ndarray]:
+  """Evaluates a decode PTX program (prmt, shl, and, or on .b32 registers) on uint32 words:
+  $2 in, $0 and $1 out. An emulator of exactly the instructions the program uses, to check its
+  bit logic on the CPU (the interpreter cannot run inline PTX)."""
+  regs = {"$2": word.astype(np.uint64)}
+  value = lambda tok: regs[tok] if tok in regs else np.uint64(int(tok, 0))
+  for line in asm.replace("{", "").replace("}", "").split(";"):
+    line = line.strip()
+    if not line or line.startswith(".reg"):
+      continue
+    op, args = line.split(None, 1)
+    dst, *src = [a.strip() for a in args.split(",")]
+    a = [value(x) for x in src]
+    if op == "prmt.b32":   # bytes of {b, a}: a is bytes 0-3, b 4-7; selector nibble i picks byte i
+      pool = [(x >> np.uint64(8 * i)) & np.uint64(0xFF) for x in a[:2] for i in range(4)]
+      sel = int(a[2])
+      out = sum(pool[(sel >> (4 * i)) & 7] << np.uint64(8 * i) for i in range(4))
+    elif op == "shl.b32":
+      out = a[0] << a[1]
+    elif op == "and.b32":
+      out = a[0] & a[1]
+    elif op == "or.b32":
+      out = a[0] | a[1]
+    else:
+      raise AssertionError(f"unexpected instruction {op}")
+    regs[dst] = out & np.uint64(0xFFFFFFFF)
+  return [regs[f"${i}"].astype(np.uint32) for i in range(2)]
+
+
+def test_ptx_decode_equals_the_jnp_decode():
+  """Every byte value, four to a word, through the PTX programs equals `decode_halves`: $0 and
+  $1 hold bytes 0-1 and 2-3 as fp16 pairs (element 0 in the low half), the even columns' codes
+  from one program and the odd columns' from the other."""
+  from pallas_kernels.nvfp4_matmul import DECODE_PTX_EVEN, DECODE_PTX_ODD, decode_halves
+  packed = np.random.default_rng(7).permutation(np.tile(np.arange(256, dtype=np.uint8), 4)).reshape(-1, 4)
+  words = packed.view("<u4")[:, 0]
+  for asm, want in zip((DECODE_PTX_EVEN, DECODE_PTX_ODD), decode_halves(jnp.asarray(packed))):
+    got = np.concatenate([reg.view("<u2").reshape(-1, 2) for reg in _run_ptx(asm, words)], axis=1)
+    np.testing.assert_array_equal(got, np.asarray(want).view(np.uint16))
 
 
 def test_linear_pallas_matches_xla():
@@ -128,6 +173,8 @@ def test_kernels_lower_to_triton_for_h200():
   x = jax.ShapeDtypeStruct((3, 272), jnp.bfloat16)
   moe = moe_inputs(6, lambda w: w)
   cases = [(nvfp4_matmul, (x, shape(quantize_nvfp4, (200, 272)))),
+           (functools.partial(nvfp4_matmul, config=MatmulConfig(decode="ptx")),
+            (x, shape(quantize_nvfp4, (200, 272)))),
            (fp8_matmul, (x, shape(quantize_fp8_block, (200, 272))))]
   for fmt in FORMATS.values():
     cases.append((moe_grouped_matmul, (*moe[:3], *(jax.eval_shape(fmt, w) for w in moe[3:]))))
