@@ -20,12 +20,14 @@ demo: $(STAMP)
 	$(PY) -m experiments.replay --config=mini --checkpoint=checkpoints/mini --scale=40 --spec=mtp \
 	  --draft_threshold=0 --output=replay_demo.json
 
-# The main suite, then the tests that need 8 simulated CPU devices in their own process.
-# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+# The main suite, and beside it (its own process: 8 simulated CPU devices) the multi-device
+# tests, whose log follows the main suite's. Either failing fails the target; pytest exits 5
+# when it collected nothing, and that is a failure here, not a pass.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not multidevice" --ignore-glob='tests/test_multidevice_*.py' tests
-	@if ls tests/test_multidevice_*.py >/dev/null 2>&1; then \
-	  $(PY) -m pytest -q -m multidevice tests/test_multidevice_*.py; fi
+	@$(PY) -m pytest -q -m multidevice tests/test_multidevice_*.py > .multidevice.log 2>&1 & multi=$$!; \
+	$(PY) -m pytest -q -m "not multidevice" --ignore-glob='tests/test_multidevice_*.py' tests; main=$$?; \
+	wait $$multi; multi_rc=$$?; echo "== multi-device tests =="; cat .multidevice.log; \
+	test $$main -eq 0 && test $$multi_rc -eq 0
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .multidevice.log
