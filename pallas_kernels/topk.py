@@ -50,11 +50,11 @@ threshold from a sample, in three launches:
 Estimate: 64 rows, one read of the scores in each of launches 1 and 2 plus selects over 3-6K
 candidates: about 20-30 us, against 373 us (run 7). Not yet measured on the H200.
 
-Output order: the set, as two ascending runs (the keys above P, then the chosen candidates), then
--1 for slots beyond the row's valid entries. Sorting 2048 entries would cost a bitonic network
-(about 10 us on one SM) that no consumer needs: the sparse attention treats the selection as a
-set (method="sampled": one ascending run). `topk_indices_reference` returns `lax.top_k`'s order (descending score, then ascending
-index); compare the two as sets.
+Output order: the set, as two ascending runs (the keys above P, then the chosen candidates;
+method="sampled": one ascending run), then -1 for slots beyond the row's valid entries. Sorting
+2048 entries would cost a bitonic network (about 10 us on one SM) that no consumer needs: the
+sparse attention treats the selection as a set. `topk_indices_reference` returns `lax.top_k`'s
+order (descending score, then ascending index); compare the two as sets.
 
 Lowering: Triton (`pl.pallas_call` + `CompilerParams`). The kernels are per-element bit work,
 reductions, scans, a data-dependent scatter store and atomics on pointer tensors: Triton's
