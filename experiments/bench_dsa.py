@@ -101,14 +101,15 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
 
 def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = (),
              breakdown: bool = False, topk_methods: Sequence[str] = ("radix",),
-             query_dtypes: Sequence[str] = ("float32",)) -> Iterator[dict[str, Any]]:
+             query_dtypes: Sequence[str] = ("float32",),
+             mla_combines: Sequence[str] = ("xla",)) -> Iterator[dict[str, Any]]:
   """Yields one dict per (kernel, case) as it is measured: us, xla_us, speedup, bytes, floor_us,
   tbs (achieved TB/s); with `breakdown` also `kernels`, glmjax.bench.kernel_breakdown of the
   kernel path. contexts / query_tokens: override the shape set's (empty: keep). topk_methods:
   the top-k algorithms timed (indexer_topk and topk_indices rows, one per method; a method
   other than radix is named in the kernel column). query_dtypes: the dtypes of the queries fed
   to the indexer and attention kernels (float32: three bf16 MMA terms; bfloat16: one), likewise
-  named."""
+  named. mla_combines: how sparse MLA merges its splits (SparseMLAConfig.combine), likewise."""
   s = dict(QUICK if quick else FULL)
   s["contexts"] = tuple(contexts) or s["contexts"]
   s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]
@@ -137,10 +138,13 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
                        key_bytes + q_bytes + t * min(s["k"], context) * 4, timing, breakdown)
           args = (*(q.astype(queries) for q in fp32_mla_args[:2]), *fp32_mla_args[2:])
           q_bytes = (args[0].size + args[1].size) * (args[0].dtype.itemsize - 4)
-          yield _row(name("sparse_mla_decode"), case,
-                     functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE),
-                     functools.partial(sparse_mla_decode_reference, softmax_scale=SOFTMAX_SCALE),
-                     args, mla_bytes + q_bytes, timing, breakdown)
+          for combine in mla_combines:
+            kernel = name("sparse_mla_decode") + ("" if combine == "xla" else f" ({combine} combine)")
+            yield _row(kernel, case,
+                       functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE,
+                                         config=SparseMLAConfig(combine=combine)),
+                       functools.partial(sparse_mla_decode_reference, softmax_scale=SOFTMAX_SCALE),
+                       args, mla_bytes + q_bytes, timing, breakdown)
   n, k = s["topk_n"], s["k"]
   for num_rows in s["topk_rows"]:
     key, sub = jax.random.split(key)

@@ -29,6 +29,7 @@ _QUERY = flags.DEFINE_list("query_tokens", [], "dsa: query tokens per step (empt
 _TOPK = flags.DEFINE_list("topk_methods", ["radix", "sampled"], "dsa: top-k algorithms to time (pallas_kernels/topk.py)")
 _QUERIES = flags.DEFINE_list("query_dtypes", ["float32", "bfloat16"],
                              "dsa: dtypes of the queries fed to the indexer and attention kernels")
+_COMBINES = flags.DEFINE_list("mla_combines", ["xla", "pallas"], "dsa: sparse MLA split merges to time")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "dsa: also profile each kernel path's launches")
 _PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
@@ -56,7 +57,7 @@ def main(_):
   suites = dict(SUITES, dsa=functools.partial(dsa_rows, contexts=[int(c) for c in _CONTEXTS.value],
                                               query_tokens=[int(t) for t in _QUERY.value],
                                               breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value,
-                                              query_dtypes=_QUERIES.value))
+                                              query_dtypes=_QUERIES.value, mla_combines=_COMBINES.value))
   for name in _SUITES.value:
     rows = report["suites"][name] = []
     with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{name}"):

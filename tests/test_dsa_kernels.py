@@ -283,16 +283,20 @@ def _assert_attention_close(got, ref, rtol: float):
 def test_sparse_mla_matches_reference(t, fp8, q_dtype, rtol):
   args = _mla_inputs(50 + t, t, fp8, q_dtype=q_dtype)
   scale = (64 + 16) ** -0.5
-  got = sparse_mla_decode(*args, softmax_scale=scale, config=SparseMLAConfig(block_n=16))
-  _assert_attention_close(got, sparse_mla_decode_reference(*args, softmax_scale=scale), rtol)
+  want = sparse_mla_decode_reference(*args, softmax_scale=scale)
+  for combine in ("xla", "pallas"):
+    got = sparse_mla_decode(*args, softmax_scale=scale, config=SparseMLAConfig(block_n=16, combine=combine))
+    _assert_attention_close(got, want, rtol)
 
 
 def test_sparse_mla_empty_selection_and_default_config():
   args = list(_mla_inputs(60, 2, fp8=False))
   args[-1] = args[-1].at[1].set(-1)  # the second sequence selects nothing
-  got = sparse_mla_decode(*args, softmax_scale=0.1)
-  _assert_attention_close(got, sparse_mla_decode_reference(*args, softmax_scale=0.1), 1e-5)
-  assert np.all(np.asarray(got)[1] == 0)
+  want = sparse_mla_decode_reference(*args, softmax_scale=0.1)
+  for config in (None, SparseMLAConfig(combine="pallas")):
+    got = sparse_mla_decode(*args, softmax_scale=0.1, config=config)
+    _assert_attention_close(got, want, 1e-5)
+    assert np.all(np.asarray(got)[1] == 0)
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -333,7 +337,7 @@ def test_invalid_inputs_raise():
     lambda: TopKConfig(num_splits=256), lambda: TopKConfig(method="sort"), lambda: TopKConfig(sample=100),
     lambda: IndexerScoresConfig(block_k=8),
     lambda: IndexerScoresConfig(num_warps=3), lambda: SparseMLAConfig(block_n=48),
-    lambda: SparseMLAConfig(num_splits=0)])
+    lambda: SparseMLAConfig(num_splits=0), lambda: SparseMLAConfig(combine="atomic")])
 def test_invalid_configs_raise(make):
   with pytest.raises(ValueError):
     make()
@@ -359,7 +363,9 @@ def test_lowers_for_h200():
        (s((64, 131072), f32),)),
       (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False), idx_args),
       (lambda *a: indexer_topk(*a, num_keys=num_keys, k=2048, interpret=False), idx_args),
-      (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, interpret=False), mla_args)]
+      (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, interpret=False), mla_args),
+      (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, config=SparseMLAConfig(combine="pallas"),
+                                    interpret=False), mla_args)]
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
