@@ -22,6 +22,7 @@ import jax
 from absl import app, flags
 
 from configs import get_model_config
+from experiments import kernel_flags
 from experiments.step_timing import time_decode_step, with_layers
 from glmjax import parallel
 from glmjax.bench import device_kernel_times
@@ -37,6 +38,7 @@ _ACCEPT = flags.DEFINE_float("accept_length", 3.5, "tokens emitted per step (GLM
 _WEIGHTS = flags.DEFINE_enum("weights", "nvfp4_experts", ["bf16", "fp8", "nvfp4_experts", "nvfp4"], "weight layout")
 _MATMUL = flags.DEFINE_enum("matmul", "pallas", ["xla", "pallas"], "quantized matmuls: XLA or the Pallas kernels")
 _ATTENTION = flags.DEFINE_enum("attention", "sparse", ["dense", "sparse", "pallas"], "DSA attention")
+_KERNEL_SWITCHES = kernel_flags.define()
 _KV = flags.DEFINE_enum("kv_dtype", "fp8", ["bf16", "fp8"], "KV page storage")
 _STEPS = flags.DEFINE_integer("decode_steps", 16, "extra tokens of the longer timed loop")
 _LATENCY = flags.DEFINE_float("latency_us", 10.0, "per-collective latency of the prediction")
@@ -64,7 +66,8 @@ def main(argv: list[str]) -> None:
   parallel.check_config(config, mesh)
   timed = time_decode_step(config, context=_CONTEXT.value, attention=_ATTENTION.value, matmul=_MATMUL.value,
                            kv_dtype=_KV.value, dtype="bfloat16", steps_apart=_STEPS.value, quick=_QUICK.value,
-                           draft_steps=_DRAFT.value, weights=_WEIGHTS.value, mesh=mesh, trace_dir=_TRACE.value)
+                           draft_steps=_DRAFT.value, weights=_WEIGHTS.value, mesh=mesh, trace_dir=_TRACE.value,
+                           kernel_switches=_KERNEL_SWITCHES())
   step_s = timed.seconds
   times = device_kernel_times(_TRACE.value)
   link = comm_model.Link(bandwidth=comm_model.NVLINK4_BANDWIDTH, latency=_LATENCY.value * 1e-6)
@@ -73,7 +76,7 @@ def main(argv: list[str]) -> None:
   report: dict[str, Any] = dict(
       config=_CONFIG.value, layers=config.num_hidden_layers, of_layers=full.num_hidden_layers, tep=tep,
       devices=[d.device_kind for d in mesh.devices.flat], context=_CONTEXT.value, draft_steps=_DRAFT.value,
-      accept_length=_ACCEPT.value, weights=_WEIGHTS.value, matmul=_MATMUL.value, kv_dtype=_KV.value,
+      accept_length=_ACCEPT.value, weights=_WEIGHTS.value, matmul=_MATMUL.value, kv_dtype=_KV.value, **_KERNEL_SWITCHES(),
       step_s=step_s, tokens_per_s=_ACCEPT.value / step_s,
       # The trace holds one call of the longer loop.
       collective_s_per_step=collective_us(times) * 1e-6 / timed.long_loop_steps if times else None,

@@ -18,13 +18,13 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-from experiments import study
+from experiments import kernel_flags, study
 from glmjax.engine.engine import Engine
 from glmjax.engine.sampling import Sampling
 from glmjax.engine.speculative import SpecConfig
 from glmjax import parallel
 from glmjax.data import load_corpus
-from glmjax.runtime import ATTENTION_IMPLS, QUERY_DTYPES, make_runtime
+from glmjax.runtime import ATTENTION_IMPLS, make_runtime
 from glmjax.workload import WORKLOADS
 
 FLAGS = flags.FLAGS
@@ -40,10 +40,7 @@ flags.DEFINE_integer("concurrency", 1, "conversations decoded together")
 flags.DEFINE_integer("seed", 0, "PRNG seed (tokens and sampling)")
 flags.DEFINE_enum("attention", "sparse", list(ATTENTION_IMPLS), "DSA attention implementation")
 flags.DEFINE_string("index_share", "on", "on / off / an integer indexer frequency")
-flags.DEFINE_enum("topk_method", "radix", ["radix", "sampled"], "the Pallas top-k's algorithm (--attention=pallas)")
-flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES), "precision of the indexer's queries")
-flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
-                  "precision of the decode attention's queries (bfloat16: FlashMLA's numerics)")
+kernel_switches = kernel_flags.define()
 flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)")
 flags.DEFINE_enum("spec", "none", ["none", "mtp"], "speculative decoding with the MTP layer")
 flags.DEFINE_integer("num_draft", 4, "MTP draft tokens per step (k; k + 1 verified)")
@@ -77,8 +74,7 @@ def run(argv=None) -> dict:
   work = WORKLOADS[FLAGS.workload].scaled(FLAGS.scale, FLAGS.rounds or None)
   index_share = FLAGS.index_share if FLAGS.index_share in ("on", "off") else int(FLAGS.index_share)
   runtime = make_runtime(config, attention=FLAGS.attention, index_share=index_share, matmul=FLAGS.matmul,
-                         topk_method=FLAGS.topk_method, indexer_queries=FLAGS.indexer_queries,
-                         attention_queries=FLAGS.attention_queries)
+                         **kernel_switches())
   spec = None
   if FLAGS.spec == "mtp":
     spec = SpecConfig(num_draft=FLAGS.num_draft, branch=FLAGS.draft_branch, max_paths=FLAGS.max_paths,

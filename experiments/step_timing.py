@@ -97,10 +97,11 @@ class StepTime:
 
 def time_decode_step(config: ModelConfig, *, context: int, attention: str, matmul: str, kv_dtype: str, dtype: str,
                      steps_apart: int, quick: bool, draft_steps: int = 0, weights: str = "bf16",
-                     mesh=None, trace_dir: str = "") -> StepTime:
+                     mesh=None, trace_dir: str = "", kernel_switches: dict | None = None) -> StepTime:
   """Time per decode step of `config` at `context` (batch 1), on the default device or under
   `mesh`; with draft_steps, per speculative step (k drafts + a (k+1)-token verify). trace_dir:
   also write a jax.profiler trace (perfetto) of one call of the longer loop there.
+  kernel_switches: more `make_runtime` arguments (experiments/kernel_flags.py).
 
   Each length's program is compiled once and called on fresh copies of the same cache (the
   loops donate theirs); a call's copy, dispatch and sync are the same for both lengths and drop
@@ -110,7 +111,8 @@ def time_decode_step(config: ModelConfig, *, context: int, attention: str, matmu
     if mesh is not None:
       stack.enter_context(parallel.use_mesh(mesh))
     params = random_params(config, dtype, weights=weights, mesh=mesh)
-    spec = steps.StepSpec(config, make_runtime(config, attention=attention, matmul=matmul), dtype)
+    spec = steps.StepSpec(config, make_runtime(config, attention=attention, matmul=matmul,
+                                               **(kernel_switches or {})), dtype)
     lengths = (2, 2 + steps_apart)
     cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
     program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,

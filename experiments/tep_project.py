@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from configs import get_model_config
+from experiments import kernel_flags
 from experiments.step_timing import measure_rank_step
 from glmjax import parallel
 from glmjax.config import ModelConfig
@@ -51,6 +52,7 @@ _WEIGHTS = flags.DEFINE_enum("weights", "bf16", ["bf16", "fp8", "nvfp4_experts",
 _MATMUL = flags.DEFINE_enum("matmul", "xla", list(MATMUL_IMPLS),
                             "xla, or pallas: the grouped MoE kernel reads only the chosen experts")
 _KV = flags.DEFINE_enum("kv_dtype", "bf16", ["bf16", "fp8"], "KV page storage")
+_KERNEL_SWITCHES = kernel_flags.define()
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "params and compute dtype")
 _STEPS = flags.DEFINE_integer("decode_steps", 16, "extra decode steps of the longer timed loop")
 _QUICK = flags.DEFINE_bool("quick", False, "few timing iterations (CPU smoke runs)")
@@ -103,10 +105,12 @@ def main(argv: list[str]) -> None:
     measured = measure_rank_step(rank, [int(n) for n in _LAYERS.value], context=_CONTEXT.value,
                                  attention=_ATTENTION.value, matmul=_MATMUL.value, kv_dtype=_KV.value,
                                  dtype=_DTYPE.value, steps_apart=_STEPS.value, quick=_QUICK.value,
-                                 draft_steps=_DRAFT.value, weights=_WEIGHTS.value)
+                                 draft_steps=_DRAFT.value, weights=_WEIGHTS.value,
+                                 kernel_switches=_KERNEL_SWITCHES())
     measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}, context "
                             f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_WEIGHTS.value} weights, {_MATMUL.value} matmuls, "
-                            f"{_KV.value} KV, {_DTYPE.value}, {_DRAFT.value} draft step(s)")
+                            f"{_KV.value} KV, {_DTYPE.value}, {_DRAFT.value} draft step(s), "
+                            + ", ".join(f"{k}={v}" for k, v in _KERNEL_SWITCHES().items()))
   layout = layout_comparison(rank, full, tep, _DTYPE.value)
   rows = [comm_model.project(full, rank_step_s=measured["rank_step_s"], tep=tep, accept_length=_ACCEPT.value,
                              draft_steps=_DRAFT.value, act_bytes=act_bytes,
