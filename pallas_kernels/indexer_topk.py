@@ -50,6 +50,9 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   scores_config = scores_config or IndexerScoresConfig()
   topk_config = topk_config or topk.TopKConfig()
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  if fuse_first_pass and topk_config.method != "radix":
+    raise ValueError(f"fuse_first_pass fuses the radix select's first pass into scoring; "
+                     f"topk_config.method={topk_config.method!r} has no such pass")
   if not fuse_first_pass:
     scores = indexer_scores(q, weights, index_k, index_scale, page_table, q_positions,
                             num_keys=num_keys, config=scores_config, interpret=interpret)

@@ -302,6 +302,9 @@ def test_sparse_mla_empty_selection_and_default_config():
 # --- validation ------------------------------------------------------------------------------
 
 def test_invalid_inputs_raise():
+  with pytest.raises(ValueError, match="fuse_first_pass"):
+    indexer_topk(*_indexer_inputs(0, 1, False), num_keys=NUM_KEYS, k=8, fuse_first_pass=True,
+                 topk_config=TopKConfig(method="sampled"))
   scores = jnp.zeros((2, 100), jnp.float32)
   with pytest.raises(ValueError, match="k"):
     topk_indices(scores, 101)
