@@ -205,3 +205,15 @@ def test_compile_programs_changes_nothing(fixture_fp32):
   assert sched.prefix.host.stats.fetched_pages > 0
   for r in done:
     assert r.output == alone(fixture_fp32, r.prompt, r.max_new_tokens), r.id
+
+
+def test_wall_clock_starts_at_its_first_reading():
+  """Time spent between building a scheduler and serving (compiling its programs) is not
+  counted into any request's arrival or TTFT; skipped idle time is."""
+  import time
+  from glmjax.serve.scheduler import WallClock
+  clock = WallClock()
+  time.sleep(0.05)
+  assert clock.now() < 0.04
+  clock.skip_to(5.0)
+  assert 5.0 <= clock.now() < 5.04
