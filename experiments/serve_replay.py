@@ -112,6 +112,8 @@ def run(argv=None) -> dict:
                     sampling=Sampling(FLAGS.temperature), seed=FLAGS.seed, ignore_eos=True, clock=clock)
   if FLAGS.warmup:
     sched.compile_programs()
+  elif FLAGS.clock == "wall":
+    print("note: --clock=wall without --warmup: the first requests' TTFT includes XLA compiles", flush=True)
   start = time.perf_counter()
   done = replay(sched, trace)
   wall_s = time.perf_counter() - start
