@@ -176,13 +176,24 @@ def decode_halves_ptx(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
                for asm in (DECODE_PTX_EVEN, DECODE_PTX_ODD))
 
 
+def _load_packed(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: int,
+                 rows_ok: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """The uint8 [bn, block_k / 2] codes and e4m3 [bn, block_k / 16] scales of K step `step`
+  (`lead` indexes leading dims, an expert id, in the same indexer: Triton takes one per load)."""
+  kb, ks = block_k // 2, block_k // BLOCK
+  packed = load_tile(packed_ref.at[(*lead, slice(None), pl.ds(step * kb, kb))], rows_ok,
+                     range_mask(step * kb, kb, k // 2))
+  scale = load_tile(scale_ref.at[(*lead, slice(None), pl.ds(step * ks, ks))], rows_ok,
+                    range_mask(step * ks, ks, k // BLOCK))
+  return packed, scale
+
+
 def load_nvfp4_halves(packed_ref, scale_ref, step, *, block_k: int, k: int,
                       rows_ok: jax.Array | None, ptx: bool) -> tuple[jax.Array, jax.Array]:
   """Decoded bf16 [bn, block_k / 2] even- and odd-column weight tiles of K step `step` (times
   2^-14): the tiles `dot_t` takes against x's even and odd columns, so no interleave is needed."""
   kb, ks = block_k // 2, block_k // BLOCK
-  packed = load_tile(packed_ref.at[:, pl.ds(step * kb, kb)], rows_ok, range_mask(step * kb, kb, k // 2))
-  scale = load_tile(scale_ref.at[:, pl.ds(step * ks, ks)], rows_ok, range_mask(step * ks, ks, k // BLOCK))
+  packed, scale = _load_packed(packed_ref, scale_ref, (), step, block_k=block_k, k=k, rows_ok=rows_ok)
   r = packed.shape[0]
   s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, ks, BLOCK // 2)).reshape(r, kb)
   return tuple((h * s).astype(jnp.bfloat16) for h in (decode_halves_ptx if ptx else decode_halves)(packed))
@@ -192,15 +203,9 @@ def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k
                     rows_ok: jax.Array | None) -> jax.Array:
   """Decoded bf16 [bn, block_k] weight tile of K step `step` (times 2^-14, see decode_nvfp4).
 
-  packed_ref: uint8 [..., bn, Kp/2]; scale_ref: e4m3 [..., bn, Kp/16]; `lead` indexes the leading
-  dims (an expert id) in the same indexer, as Triton takes one indexer per load.
+  packed_ref: uint8 [..., bn, Kp/2]; scale_ref: e4m3 [..., bn, Kp/16]; `lead`: see _load_packed.
   """
-  kb, ks = block_k // 2, block_k // BLOCK
-  packed = load_tile(packed_ref.at[(*lead, slice(None), pl.ds(step * kb, kb))], rows_ok,
-                     range_mask(step * kb, kb, k // 2))
-  scale = load_tile(scale_ref.at[(*lead, slice(None), pl.ds(step * ks, ks))], rows_ok,
-                    range_mask(step * ks, ks, k // BLOCK))
-  return decode_nvfp4(packed, scale)
+  return decode_nvfp4(*_load_packed(packed_ref, scale_ref, lead, step, block_k=block_k, k=k, rows_ok=rows_ok))
 
 
 def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: MatmulConfig,
