@@ -183,13 +183,10 @@ class Scheduler:
     each page-batch bucket of the page copies and host-tier moves), on inputs that change
     nothing: padding rows write only the null page, and the null page is copied onto itself. Then
     no request's TTFT includes an XLA compile, whatever the schedule."""
-    for b in sorted({min(bucket_pow2(n), self.max_batch) for n in range(1, self.max_batch + 1)}):
+    for b in sorted({self._batch_bucket(n) for n in range(1, self.max_batch + 1)}):
       for width in sorted({1, self.prefill_chunk}):
-        cache = self.cache.replace(page_table=jnp.zeros((b, self.max_pages), jnp.int32),
-                                   lengths=jnp.zeros((b,), jnp.int32))
-        _, _, self.cache = serve_step(self.params, cache, jnp.zeros((b, width), jnp.int32),
-                                      jnp.full((b, width), -1, jnp.int32), jax.random.key(0),
-                                      spec=self.spec, sampling=self.sampling)
+        self._call(np.zeros((b, width), np.int32), np.full((b, width), -1, np.int32),
+                   np.zeros((b, self.max_pages), np.int32), jax.random.key(0))
     for n in range(bucket_pow2(self.prefix.pool.usable).bit_length()):
       nulls = [NULL_PAGE] * (1 << n)
       self.cache = copy_pages(self.cache, nulls, nulls)
@@ -336,7 +333,7 @@ class Scheduler:
     return rows
 
   def _run(self, rows: list[tuple[_Running, int]]) -> tuple[jax.Array, jax.Array, int]:
-    b = min(bucket_pow2(len(rows)), self.max_batch)
+    b = self._batch_bucket(len(rows))
     width = 1 if all(n == 1 for _, n in rows) else self.prefill_chunk
     tokens = np.zeros((b, width), np.int32)
     positions = np.full((b, width), -1, np.int32)
@@ -345,11 +342,20 @@ class Scheduler:
       tokens[i, :n] = r.seq.tokens[r.written:r.written + n]
       positions[i, :n] = np.arange(r.written, r.written + n)
       table[i] = self.prefix.page_table(r.seq, self.max_pages)[0]
-    cache = self.cache.replace(page_table=jnp.asarray(table), lengths=jnp.zeros((b,), jnp.int32))
     self._key, key = jax.random.split(self._key)
+    sampled, logits = self._call(tokens, positions, table, key)
+    return sampled, logits, width
+
+  def _batch_bucket(self, rows: int) -> int:
+    """Batch rows of the step program serving `rows` requests: a power of two, at most max_batch."""
+    return min(bucket_pow2(rows), self.max_batch)
+
+  def _call(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, key: jax.Array):
+    """One serve_step over rows [B, W] with page table [B, max_pages]: (sampled, logits)."""
+    cache = self.cache.replace(page_table=jnp.asarray(table), lengths=jnp.zeros((table.shape[0],), jnp.int32))
     sampled, logits, self.cache = serve_step(self.params, cache, jnp.asarray(tokens), jnp.asarray(positions),
                                              key, spec=self.spec, sampling=self.sampling)
-    return sampled, logits, width
+    return sampled, logits
 
   def _stage(self) -> None:
     """Start fetching the host pages of the next requests to be admitted, pinned until then."""
