@@ -125,22 +125,21 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
         for queries in query_dtypes:
           args = (fp32_args[0].astype(queries), *fp32_args[1:])
           q_bytes = args[0].size * (args[0].dtype.itemsize - 4)  # the cases count fp32 queries
-          name = lambda kernel: kernel if queries == "float32" else f"{kernel} ({queries} q)"
+          q_tag = "" if queries == "float32" else f"{queries} q"
           scores_fn = functools.partial(indexer_scores, num_keys=context)
           scores_ref = functools.partial(indexer_scores_reference, num_keys=context)
-          yield _row(name("indexer_scores"), case, scores_fn, scores_ref, args,
+          yield _row(_named("indexer_scores", q_tag), case, scores_fn, scores_ref, args,
                      key_bytes + q_bytes + t * context * 4, timing, breakdown)
           select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
           for method in topk_methods:
             select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"],
                                           topk_config=TopKConfig(method=method))
-            yield _row(_method_name(name("indexer_topk"), method), case, select_fn, select_ref, args,
+            yield _row(_named("indexer_topk", q_tag, _method_tag(method)), case, select_fn, select_ref, args,
                        key_bytes + q_bytes + t * min(s["k"], context) * 4, timing, breakdown)
           args = (*(q.astype(queries) for q in fp32_mla_args[:2]), *fp32_mla_args[2:])
           q_bytes = (args[0].size + args[1].size) * (args[0].dtype.itemsize - 4)
           for combine in mla_combines:
-            kernel = name("sparse_mla_decode") + ("" if combine == "xla" else f" ({combine} combine)")
-            yield _row(kernel, case,
+            yield _row(_named("sparse_mla_decode", q_tag, "" if combine == "xla" else f"{combine} combine"), case,
                        functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE,
                                          config=SparseMLAConfig(combine=combine)),
                        functools.partial(sparse_mla_decode_reference, softmax_scale=SOFTMAX_SCALE),
@@ -150,14 +149,19 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
     key, sub = jax.random.split(key)
     scores = jax.random.normal(sub, (num_rows, n), jnp.float32)
     for method in topk_methods:
-      yield _row(_method_name("topk_indices", method), f"rows={num_rows} n={n} k={k}",
+      yield _row(_named("topk_indices", _method_tag(method)), f"rows={num_rows} n={n} k={k}",
                  functools.partial(topk_indices, k=k, config=TopKConfig(method=method)),
                  functools.partial(topk_indices_reference, k=k), (scores,),
                  num_rows * (n + k) * 4, timing, breakdown)
 
 
-def _method_name(kernel: str, method: str) -> str:
-  return kernel if method == "radix" else f"{kernel} ({method})"
+def _method_tag(method: str) -> str:
+  return "" if method == "radix" else method
+
+
+def _named(kernel: str, *tags: str) -> str:
+  """The kernel column: its name, then each non-default variant in parentheses."""
+  return kernel + "".join(f" ({tag})" for tag in tags if tag)
 
 
 def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
