@@ -8,13 +8,15 @@ the quantized weight.
 Timing: `glmjax.bench.time_device` (many calls in one on-device loop, median). Bytes: the
 weights (+ scales) an implementation must read plus the activations in and out; for the MoE,
 only the distinct experts the step's tokens chose (an implementation that reads more is charged the
-same, so its TB/s is an effective rate). `frac_of_copy` is against the H200's 4.22 TB/s copy.
+same, so its TB/s is an effective rate). NVFP4 GEMV cases also time the inline-PTX decode
+(`pallas_ptx`, MatmulConfig.decode="ptx"). `frac_of_copy` is against the H200's 4.22 TB/s copy.
 
 Cases: GEMV [M, 8192] x [8192, 28672] at M = 1, 8; one GLM-5 expert's gate/up [2048, 6144] and
 down [6144, 2048] at M = 1, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
 (one TEP=8 rank), D = 6144, I = 2048. `quick=True`: tiny shapes for a CPU (interpret) smoke test.
 """
 
+import dataclasses
 import functools
 from typing import Any, Callable, Iterator
 
@@ -26,7 +28,7 @@ from glmjax.bench import agreement, bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_grouped_matmul import moe_grouped_matmul
-from pallas_kernels.nvfp4_matmul import MatmulConfig, nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import MatmulConfig, default_config, nvfp4_matmul
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
@@ -47,9 +49,9 @@ def _rows(case: dict[str, Any], timed: list[tuple]) -> list[dict[str, Any]]:
 
 
 def _kernel_entry(fmt: str, kernel: Callable, reference: Callable, args: tuple, nbytes: int,
-                  timer: Callable[..., float]) -> tuple:
+                  timer: Callable[..., float], impl: str = "pallas") -> tuple:
   """A Pallas entry for _rows: its time and its output's agreement with the XLA path's."""
-  return (fmt, "pallas", timer(kernel, *args), nbytes, agreement(kernel(*args), reference(*args)))
+  return (fmt, impl, timer(kernel, *args), nbytes, agreement(kernel(*args), reference(*args)))
 
 
 def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float], seed: int = 0):
@@ -66,6 +68,9 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     nbytes = _nbytes(q) + act_bytes
     timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
     timed.append(_kernel_entry(fmt, kernel, xla_dequant, (x, q), nbytes, timer))
+    if fmt == "nvfp4":  # the inline-PTX decode (MatmulConfig.decode), same tiles
+      ptx = jax.jit(functools.partial(kernel, config=dataclasses.replace(default_config(m, n, k), decode="ptx")))
+      timed.append(_kernel_entry(fmt, ptx, xla_dequant, (x, q), nbytes, timer, impl="pallas_ptx"))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
