@@ -40,26 +40,31 @@ from glmjax.quant.fp8_block import BLOCK as FP8_BLOCK, FP8BlockWeight
 from glmjax.quant.nvfp4 import BLOCK as NVFP4_BLOCK, NVFP4Weight
 from pallas_kernels.fp8_matmul import load_fp8_tile
 from pallas_kernels.checks import check_at_least, check_launch, check_tile
-from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, dot_t, load_nvfp4_tile, load_tile,
-                                         range_mask, store_tile)
+from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, dot_t, load_nvfp4_halves,
+                                         load_nvfp4_tile, load_tile, range_mask, store_tile)
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   """block_n: weight rows per program; block_k: inputs per K step (<= 128 with FP8 weights);
   down_split: programs sharing one down row block (slots interleaved); num_warps, num_stages:
-  Triton's warps per program and K-loop pipeline depth."""
+  Triton's warps per program and K-loop pipeline depth; decode: how NVFP4 tiles decode, as
+  nvfp4_matmul.MatmulConfig.decode ("ptx": into even/odd column halves by inline PTX, against
+  the activations' even and odd columns, which XLA splits before each launch)."""
   block_n: int = 64
   block_k: int = 128
   down_split: int = 4
   num_warps: int = 4
   num_stages: int = 3
+  decode: str = "jnp"
 
   def __post_init__(self):
     check_tile("MoEConfig", "block_n", self.block_n)
     check_tile("MoEConfig", "block_k", self.block_k)
     check_at_least("MoEConfig", "down_split", self.down_split)
     check_launch("MoEConfig", self.num_warps, self.num_stages)
+    if self.decode not in DECODES:
+      raise ValueError(f"MoEConfig.decode must be one of {DECODES}, got {self.decode!r}")
 
 
 # Per-format plumbing: the kernel operands of a stacked weight, their BlockSpecs, a tile.
@@ -95,10 +100,42 @@ def _specs(w, block_n: int, kp: int, row_block) -> list[pl.BlockSpec]:
   return [rows(kp)]
 
 
-def _tile(kind: str, refs, e, n_block, step, *, n: int, k: int, config: MoEConfig):
-  """(bf16 [block_n, block_k] weight tile of expert e, scale for its dot or None)."""
+def _halves(kind: str, config: MoEConfig) -> bool:
+  """Whether a `kind` weight decodes into even/odd column halves."""
+  return kind == "nvfp4" and config.decode == "ptx"
+
+
+def _activations(a: jax.Array, kinds, config: MoEConfig) -> list[jax.Array]:
+  """The activation arrays a launch reads: `a` [..., K] for weights decoded whole, its even and
+  odd columns for weights decoded into halves."""
+  halves = [a[..., 0::2], a[..., 1::2]] if any(_halves(kd, config) for kd in kinds) else []
+  return ([a] if not all(_halves(kd, config) for kd in kinds) else []) + halves
+
+
+def _activation_loader(refs, kinds, lead: tuple, rows_ok, *, k: int, config: MoEConfig):
+  """step -> (the [block_m, block_k] activation tile or None, its even/odd [block_m, block_k/2]
+  halves or None), from the refs of `_activations`' arrays; `lead` indexes leading dims."""
+  bk = config.block_k
+  whole = not all(_halves(kd, config) for kd in kinds)
+  tile = lambda ref, start, width, limit: load_tile(ref.at[(*lead, slice(None), pl.ds(start, width))],
+                                                    rows_ok, range_mask(start, width, limit))
+
+  def load(step):
+    x = tile(refs[0], step * bk, bk, k) if whole else None
+    halves = tuple(tile(ref, step * bk // 2, bk // 2, k // 2) for ref in refs[int(whole):])
+    return x, halves or None
+
+  return load
+
+
+def _tile(kind: str, refs, e, n_block, step, *, n: int, k: int, config: MoEConfig, interpret: bool):
+  """(bf16 [block_n, block_k] weight tile of expert e, or its even/odd column halves; scale for
+  its dot or None)."""
   bn, bk = config.block_n, config.block_k
   rows_ok = range_mask(n_block * bn, bn, n)
+  if _halves(kind, config):  # the interpreter runs the PTX's jnp twin
+    return load_nvfp4_halves(refs[0], refs[1], (e,), step, block_k=bk, k=k, rows_ok=rows_ok,
+                             ptx=not interpret), None
   if kind == "nvfp4":
     return load_nvfp4_tile(refs[0], refs[1], (e,), step, block_k=bk, k=k, rows_ok=rows_ok), None
   if kind == "fp8":
@@ -108,15 +145,16 @@ def _tile(kind: str, refs, e, n_block, step, *, n: int, k: int, config: MoEConfi
 
 
 def _expert_matmul(x_tile, weights, e, n_block, *, n: int, k: int, block_m: int,
-                   config: MoEConfig) -> list[jax.Array]:
+                   config: MoEConfig, interpret: bool) -> list[jax.Array]:
   """fp32 [block_m, bn] = x @ W_e[rows of n_block].T for each (kind, refs) in `weights`, one K
-  loop sharing the x tile `x_tile(step)`."""
+  loop sharing the x tiles `x_tile(step)` (see _activation_loader)."""
   def body(step, accs):
-    x = x_tile(step)
+    x, x_halves = x_tile(step)
     out = []
     for (kind, refs), acc in zip(weights, accs):
-      w, scale = _tile(kind, refs, e, n_block, step, n=n, k=k, config=config)
-      part = dot_t(x, w)
+      w, scale = _tile(kind, refs, e, n_block, step, n=n, k=k, config=config, interpret=interpret)
+      part = (dot_t(x_halves[0], w[0]) + dot_t(x_halves[1], w[1]) if isinstance(w, tuple)
+              else dot_t(x, w))
       out.append(acc + (part if scale is None else part * scale))
     return tuple(out)
 
@@ -126,42 +164,39 @@ def _expert_matmul(x_tile, weights, e, n_block, *, n: int, k: int, block_m: int,
           for (kind, refs), acc in zip(weights, accs)]
 
 
-def _gate_up_kernel(experts_ref, x_ref, *refs, kinds: tuple[str, str], num_gate_refs: int, t: int,
-                    d: int, i: int, block_m: int, config: MoEConfig):
-  # experts_ref: i32 [U]; x_ref: bf16 [block_m, Dp] of [T, D]; then gate's and up's operands as
-  # [E, bn, Dp/...] row blocks (see _specs); h_ref: bf16 [block_m, bn] of [U, block_m, I].
-  *w_refs, h_ref = refs
+def _gate_up_kernel(experts_ref, *refs, kinds: tuple[str, str], num_x_refs: int, num_gate_refs: int,
+                    t: int, d: int, i: int, block_m: int, config: MoEConfig, interpret: bool):
+  # experts_ref: i32 [U]; x refs: bf16 [block_m, Dp or Dp/2] of x [T, D] (_activations); then
+  # gate's and up's operands as [E, bn, Dp/...] row blocks (see _specs); h_ref: bf16
+  # [block_m, bn] of [U, block_m, I].
+  x_refs, (*w_refs, h_ref) = refs[:num_x_refs], refs[num_x_refs:]
   gate_refs, up_refs = w_refs[:num_gate_refs], w_refs[num_gate_refs:]
-  bk = config.block_k
   e = experts_ref[pl.program_id(0)]
   n_block = pl.program_id(1)
 
   @pl.when(e >= 0)
   def _():
-    tokens_ok = range_mask(0, block_m, t)
-    x_tile = lambda step: load_tile(x_ref.at[:, pl.ds(step * bk, bk)], tokens_ok,
-                                    range_mask(step * bk, bk, d))
+    x_tile = _activation_loader(x_refs, kinds, (), range_mask(0, block_m, t), k=d, config=config)
     g, u = _expert_matmul(x_tile, [(kinds[0], gate_refs), (kinds[1], up_refs)], e, n_block, n=i, k=d,
-                          block_m=block_m, config=config)
+                          block_m=block_m, config=config, interpret=interpret)
     store_tile(h_ref, (jax.nn.silu(g) * u).astype(h_ref.dtype), None,
                range_mask(n_block * config.block_n, config.block_n, i))
 
 
-def _down_kernel(experts_ref, count_ref, route_ref, h_ref, *refs, kind: str, d: int, i: int,
-                 block_m: int, config: MoEConfig):
-  # experts_ref: i32 [U]; count_ref: i32 [1]; route_ref: f32 [U, block_m]; h_ref: bf16
-  # [U, block_m, Ip] of [U, block_m, I]; then down's operands as [E, bn, Ip/...] row blocks;
-  # o_ref: f32 [block_m, bn] of the [down_split, block_m, D] partial sums.
-  *w_refs, o_ref = refs
-  bk, splits = config.block_k, config.down_split
+def _down_kernel(experts_ref, count_ref, route_ref, *refs, kind: str, num_h_refs: int, d: int,
+                 i: int, block_m: int, config: MoEConfig, interpret: bool):
+  # experts_ref: i32 [U]; count_ref: i32 [1]; route_ref: f32 [U, block_m]; h refs: bf16
+  # [U, block_m, Ip or Ip/2] of h [U, block_m, I] (_activations); then down's operands as
+  # [E, bn, Ip/...] row blocks; o_ref: f32 [block_m, bn] of the [down_split, block_m, D] partials.
+  h_refs, (*w_refs, o_ref) = refs[:num_h_refs], refs[num_h_refs:]
+  splits = config.down_split
   n_block, split = pl.program_id(0), pl.program_id(1)
 
   def per_slot(it, total):
     u = split + it * splits
-    x_tile = lambda step: load_tile(h_ref.at[u, :, pl.ds(step * bk, bk)], None,
-                                    range_mask(step * bk, bk, i))
+    x_tile = _activation_loader(h_refs, (kind,), (u,), None, k=i, config=config)
     (y,) = _expert_matmul(x_tile, [(kind, w_refs)], experts_ref[u], n_block, n=d, k=i,
-                          block_m=block_m, config=config)
+                          block_m=block_m, config=config, interpret=interpret)
     return total + route_ref[u, :][:, None] * y
 
   trips = (jnp.maximum(count_ref[0] - split, 0) + splits - 1) // splits
@@ -234,28 +269,33 @@ def moe_grouped_matmul(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
   slots = experts.shape[0]
   params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
 
+  kinds = (_kind(gate_proj), _kind(up_proj))
+  xs = _activations(x, kinds, config)
   h = pl.pallas_call(
-      functools.partial(_gate_up_kernel, kinds=(_kind(gate_proj), _kind(up_proj)),
+      functools.partial(_gate_up_kernel, kinds=kinds, num_x_refs=len(xs),
                         num_gate_refs=len(_operands(gate_proj)), t=t, d=d, i=i, block_m=block_m,
-                        config=config),
+                        config=config, interpret=interpret),
       out_shape=jax.ShapeDtypeStruct((slots, block_m, i), x.dtype),
       grid=(slots, pl.cdiv(i, bn)),
-      in_specs=[_whole(experts), pl.BlockSpec((block_m, dp), lambda u, j: (0, 0)),
+      in_specs=[_whole(experts),
+                *(pl.BlockSpec((block_m, dp * a.shape[-1] // d), lambda u, j: (0, 0)) for a in xs),
                 *_specs(gate_proj, bn, dp, lambda u, j: j), *_specs(up_proj, bn, dp, lambda u, j: j)],
       out_specs=pl.BlockSpec((None, block_m, bn), lambda u, j: (u, 0, j)),
       compiler_params=params, interpret=interpret, name="moe_gate_up",
-  )(experts, x, *_operands(gate_proj), *_operands(up_proj))
+  )(experts, *xs, *_operands(gate_proj), *_operands(up_proj))
 
+  hs = _activations(h, (_kind(down_proj),), config)
   partials = pl.pallas_call(
-      functools.partial(_down_kernel, kind=_kind(down_proj), d=d, i=i, block_m=block_m, config=config),
+      functools.partial(_down_kernel, kind=_kind(down_proj), num_h_refs=len(hs), d=d, i=i,
+                        block_m=block_m, config=config, interpret=interpret),
       out_shape=jax.ShapeDtypeStruct((splits, block_m, d), jnp.float32),
       grid=(pl.cdiv(d, bn), splits),
       in_specs=[_whole(experts), _whole(count), _whole(route),
-                pl.BlockSpec((slots, block_m, ip), lambda j, s: (0, 0, 0)),
+                *(pl.BlockSpec((slots, block_m, ip * a.shape[-1] // i), lambda j, s: (0, 0, 0)) for a in hs),
                 *_specs(down_proj, bn, ip, lambda j, s: j)],
       out_specs=pl.BlockSpec((None, block_m, bn), lambda j, s: (s, 0, j)),
       compiler_params=params, interpret=interpret, name="moe_down",
-  )(experts, count, route, h, *_operands(down_proj))
+  )(experts, count, route, *hs, *_operands(down_proj))
   return partials.sum(0)[:t].astype(x.dtype)
 
 

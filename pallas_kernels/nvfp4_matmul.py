@@ -188,12 +188,13 @@ def _load_packed(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: i
   return packed, scale
 
 
-def load_nvfp4_halves(packed_ref, scale_ref, step, *, block_k: int, k: int,
+def load_nvfp4_halves(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: int,
                       rows_ok: jax.Array | None, ptx: bool) -> tuple[jax.Array, jax.Array]:
   """Decoded bf16 [bn, block_k / 2] even- and odd-column weight tiles of K step `step` (times
-  2^-14): the tiles `dot_t` takes against x's even and odd columns, so no interleave is needed."""
+  2^-14): the tiles `dot_t` takes against x's even and odd columns, so no interleave is needed.
+  `lead`: see _load_packed."""
   kb, ks = block_k // 2, block_k // BLOCK
-  packed, scale = _load_packed(packed_ref, scale_ref, (), step, block_k=block_k, k=k, rows_ok=rows_ok)
+  packed, scale = _load_packed(packed_ref, scale_ref, lead, step, block_k=block_k, k=k, rows_ok=rows_ok)
   r = packed.shape[0]
   s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, ks, BLOCK // 2)).reshape(r, kb)
   return tuple((h * s).astype(jnp.bfloat16) for h in (decode_halves_ptx if ptx else decode_halves)(packed))
@@ -229,7 +230,7 @@ def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Ma
     # x's even and odd columns against the two weight halves (K is even: one mask serves both).
     cols_ok = range_mask(step * bk // 2, bk // 2, k // 2)
     x_even, x_odd = (load_tile(ref.at[:, pl.ds(step * bk // 2, bk // 2)], rows_ok, cols_ok) for ref in x_refs)
-    w_even, w_odd = load_nvfp4_halves(packed_ref, scale_ref, step, block_k=bk, k=k, rows_ok=n_ok,
+    w_even, w_odd = load_nvfp4_halves(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok,
                                       ptx=not interpret)
     return acc + dot_t(x_even, w_even) + dot_t(x_odd, w_odd)
 

@@ -6,9 +6,9 @@ fp32, so what remains is bf16 output rounding (~2e-3) and, in the MoE, the bf16 
 silu(g) * u that the model also keeps in bf16.
 """
 
-import warnings
-
+import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -123,14 +123,25 @@ def moe_inputs(seed, quantize):
 FORMATS = {"bf16": lambda w: w.astype(jnp.bfloat16), "nvfp4": quantize_nvfp4, "fp8": quantize_fp8_block}
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_moe_grouped_matmul(fmt):
+@pytest.mark.parametrize("fmt,decode", [("nvfp4", "jnp"), ("nvfp4", "ptx"), ("fp8", "jnp")])
+def test_moe_grouped_matmul(fmt, decode):
   args = moe_inputs(len(fmt), FORMATS[fmt])
-  out = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, down_split=2))
+  out = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, down_split=2, decode=decode))
   ref = moe_grouped_matmul_reference(*args)
   assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
   assert rel_err(out, ref) <= TOL
   np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
+
+
+def test_moe_grouped_matmul_mixed_formats_with_ptx_decode():
+  """decode="ptx" with an NVFP4 gate beside a bf16 up: one launch reads x whole and by column
+  parity; the result equals the jnp decode's (the interpreter runs the PTX's jnp twin)."""
+  x, ids, weights, gate, up, down = moe_inputs(9, FORMATS["bf16"])
+  args = (x, ids, weights, quantize_nvfp4(gate.astype(jnp.float32)), up, quantize_nvfp4(down.astype(jnp.float32)))
+  config = MoEConfig(block_n=16, block_k=32, down_split=2)
+  ptx = moe_grouped_matmul(*args, config=dataclasses.replace(config, decode="ptx"))
+  assert rel_err(ptx, moe_grouped_matmul_reference(*args)) <= TOL
+  assert rel_err(ptx, moe_grouped_matmul(*args, config=config)) <= 1e-2 * TOL
 
 
 def test_moe_experts_pallas_bf16_matches_xla():
@@ -158,6 +169,8 @@ def test_bad_inputs_raise():
     MatmulConfig(block_n=48)
   with pytest.raises(ValueError, match="down_split"):
     MoEConfig(down_split=0)
+  with pytest.raises(ValueError, match="decode"):
+    MoEConfig(decode="asm")
   args = moe_inputs(5, FORMATS["nvfp4"])
   with pytest.raises(ValueError, match="down_proj"):
     moe_grouped_matmul(*args[:5], args[3])
@@ -178,6 +191,8 @@ def test_kernels_lower_to_triton_for_h200():
            (fp8_matmul, (x, shape(quantize_fp8_block, (200, 272))))]
   for fmt in FORMATS.values():
     cases.append((moe_grouped_matmul, (*moe[:3], *(jax.eval_shape(fmt, w) for w in moe[3:]))))
+  cases.append((functools.partial(moe_grouped_matmul, config=MoEConfig(decode="ptx")),
+                (*moe[:3], *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
   with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     for op, args in cases:
