@@ -98,8 +98,8 @@ class Experts(nn.Module):
     up = make("up_proj", (e, i, d), ("expert_mlp", "embed"))
     down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
     x = x.astype(self.dtype)
-    if matmul == "pallas":
-      return quant.moe_experts(x, ids, weights, gate, up, down, impl="pallas")
+    if matmul != "xla":
+      return quant.moe_experts(x, ids, weights, gate, up, down, impl=matmul)
     return experts_reference(x, ids, weights, gate, up, down)
 
 

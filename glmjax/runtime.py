@@ -8,10 +8,11 @@ import dataclasses
 from typing import Literal
 
 from glmjax.config import ModelConfig, derive_indexer_types
+from glmjax.quant import IMPLS
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
-MATMUL_IMPLS = ("xla", "pallas")
+MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 
 
@@ -20,7 +21,8 @@ class Runtime:
   """attention: dense (masked attention over every cached token, the reference), sparse (jnp
   gather of the selected tokens and lax.top_k), pallas (the kernels in pallas_kernels/).
   indexer_pattern: per decoder layer, whether it runs its own indexer (else it reuses the
-  nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas.
+  nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas
+  (pallas_ptx: Pallas with the inline-PTX NVFP4 decode).
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:

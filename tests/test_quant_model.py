@@ -116,6 +116,9 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
   xla = glmjax.forward(CONFIG, q, ids)
   pallas = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas"))
   assert rel_err(pallas, xla) <= 2e-2
+  if case == "nvfp4":  # the PTX decode's path (its jnp twin here) through every linear and the MoE
+    ptx = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_ptx"))
+    assert rel_err(ptx, pallas) <= 2e-3
 
 
 @pytest.mark.parametrize("quantize", [quantize_nvfp4, quantize_fp8_block])

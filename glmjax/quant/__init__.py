@@ -12,10 +12,13 @@
 impl="xla" dequantizes and runs XLA's einsum (x.dtype inputs, fp32 accumulation); impl="pallas"
 runs the weight-only kernels in pallas_kernels/ on decode-sized bf16 inputs (at most
 nvfp4_matmul.MAX_ROWS rows), else the XLA path: more rows are compute-bound, and the kernels take
-bf16 only (not the fp32 indexer or fp32 models). Plain arrays always take the plain einsum: it is
-the reference model path and XLA's bf16 GEMV is already at copy speed.
+bf16 only (not the fp32 indexer or fp32 models). impl="pallas_ptx" is "pallas" with the NVFP4
+tiles decoded by inline PTX (MatmulConfig / MoEConfig decode="ptx"; on the H200 the GEMV
+[1, 8192] x [8192, 28672] takes 103 us against 124 us, BENCHMARKS.md run 10). Plain arrays always
+take the plain einsum: it is the reference model path and XLA's bf16 GEMV is already at copy speed.
 """
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -26,7 +29,7 @@ from glmjax.quant.fp8_block import FP8BlockWeight, quantize_fp8_block
 from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
 from glmjax.quant.policy import POLICIES, quantize_leaf, quantize_params, quantizes
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "pallas_ptx")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
 __all__ = ["FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight",
@@ -39,8 +42,13 @@ def _check_impl(impl: str) -> None:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def _decode(impl: str) -> str:
+  """The NVFP4 tile decode of a Pallas impl."""
+  return "ptx" if impl == "pallas_ptx" else "jnp"
+
+
 def _kernel_sized(x: jax.Array, rows: int) -> bool:
-  """Whether impl="pallas" runs its kernels on x (decode-sized bf16), see the module docstring."""
+  """Whether impl="pallas[_ptx]" runs its kernels on x (decode-sized bf16), see the module docstring."""
   from pallas_kernels.nvfp4_matmul import MAX_ROWS  # the kernels import the formats
   return x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_ROWS
 
@@ -74,10 +82,15 @@ def linear(x: jax.Array, w, *, impl: str = "xla") -> jax.Array:
   if w.ndim != 2 or w.shape[1] != x.shape[-1]:
     raise ValueError(f"linear: weight must be [out, in={x.shape[-1]}], got logical shape {w.shape}")
   rows = math.prod(x.shape[:-1])
-  if impl == "pallas" and _kernel_sized(x, rows):
+  if impl != "xla" and _kernel_sized(x, rows):
     from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
-    matmul = nvfp4_matmul.nvfp4_matmul if isinstance(w, NVFP4Weight) else fp8_matmul.fp8_matmul
-    return matmul(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    x2 = x.reshape(rows, x.shape[-1])
+    if isinstance(w, NVFP4Weight):
+      config = nvfp4_matmul.default_config(rows, *w.shape)
+      out = nvfp4_matmul.nvfp4_matmul(x2, w, config=dataclasses.replace(config, decode=_decode(impl)))
+    else:
+      out = fp8_matmul.fp8_matmul(x2, w)
+    return out.reshape(*x.shape[:-1], w.shape[0])
   return jnp.einsum("...k,nk->...n", x, w.dequantize(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -93,8 +106,9 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   decode-sized bf16 x (else the reference, as in `linear`).
   """
   _check_impl(impl)
-  if impl == "pallas" and _kernel_sized(x, x.shape[0]):
-    from pallas_kernels.moe_grouped_matmul import moe_grouped_matmul
-    return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+  if impl != "xla" and _kernel_sized(x, x.shape[0]):
+    from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul
+    return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+                              config=MoEConfig(decode=_decode(impl)))
   from glmjax.moe import experts_reference
   return experts_reference(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
