@@ -93,11 +93,19 @@ def _first_rows(x: jax.Array, rows: int) -> jax.Array:
   return x if x.shape[0] == rows else jnp.split(x, x.shape[0] // rows, axis=0)[0]
 
 
+def _tile_rows(x: jax.Array, rows: int) -> jax.Array:
+  """[h, ...] -> [rows, ...], x repeated (a power-of-two ratio): the MMA's 16 rows from 8 heads
+  in registers, where padding the queries in XLA costs a launch per query operand."""
+  h = x.shape[0]
+  return x if h == rows else jnp.broadcast_to(x[None], (rows // h, *x.shape)).reshape(rows, *x.shape[1:])
+
+
 def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, chunk: int,
                        block_n: int, page_size: int, softmax_scale: float, fp8: bool,
-                       heads_out: int):
+                       heads_out: int, hp: int):
   """Partial attention of one query token over one split of its selected tokens."""
-  # ql_ref [Hp, R] bf16|f32 ; qr_ref [Hp, dr] bf16|f32 ; pt_ref [max_pages] i32 ; idx_ref [k] i32
+  # ql_ref [Hs, R] bf16|f32 ; qr_ref [Hs, dr] bf16|f32 (Hs heads, repeated to Hp MMA rows)
+  # pt_ref [max_pages] i32 ; idx_ref [k] i32
   # lat_ref [P, page_size, R] bf16|e4m3 ; scale_ref [P, page_size, R // blk] f32 (FP8 only)
   # rope_ref [P, page_size, dr] bf16 ; acc_ref [Hs, R] f32 ; m_ref, l_ref [Hs] f32
   if fp8:
@@ -105,18 +113,22 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
   else:
     rope_ref, acc_ref, m_ref, l_ref = refs
   max_pages = pt_ref.shape[0]
-  hp, rank = ql_ref.shape
+  rank = ql_ref.shape[1]
   rope_dim = qr_ref.shape[1]
   start = pl.program_id(1) * chunk
   exact = ql_ref.dtype == jnp.float32  # fp32 queries: fp32-faithful dots (module docstring)
-  ql = bf16_parts(ql_ref[...])
-  qr = bf16_parts(qr_ref[...])
-  cols = jnp.arange(rank, dtype=jnp.int32)
+  # The latent in column groups (FP8: one per scale, so a group's scale is one per token row and
+  # no [bn, G] -> [bn, R] broadcast is needed; bf16: one group), each with its own dots.
+  groups = scale_ref.shape[-1] if fp8 else 1
+  width = rank // groups
+  ql = [bf16_parts(_tile_rows(ql_ref[:, pl.ds(g * width, width)], hp)) for g in range(groups)]
+  qr = bf16_parts(_tile_rows(qr_ref[...], hp))
+  cols = jnp.arange(width, dtype=jnp.int32)
   rope_cols = jnp.arange(rope_dim, dtype=jnp.int32)
   contract_last = (((1,), (1,)), ((), ()))
 
   def body(i, carry):
-    m, l, acc = carry
+    m, l, accs = carry
     j = start + i * block_n + jnp.arange(block_n, dtype=jnp.int32)
     idx = pltriton.load(idx_ref.at[pl.ds(start + i * block_n, block_n)], mask=j < k, other=-1)
     valid = idx >= 0
@@ -124,28 +136,31 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
     page = jnp.where(valid, pt_ref[jnp.minimum(tok // page_size, max_pages - 1)], 0)
     slot = (tok % page_size)[:, None]
     page = page[:, None]
-    lat = lat_ref[page, slot, cols[None, :]]  # [bn, R]
-    if fp8:
-      groups = scale_ref.shape[-1]
-      scale = scale_ref[page, slot, jnp.arange(groups, dtype=jnp.int32)[None, :]]  # [bn, G]
-      lat = (lat.astype(jnp.float32).reshape(block_n, groups, rank // groups)
-             * scale[:, :, None]).reshape(block_n, rank)
-    lat = lat.astype(jnp.bfloat16)
+    lats = []
+    for g in range(groups):
+      lat = lat_ref[page, slot, g * width + cols[None, :]]  # [bn, width]
+      if fp8:
+        lat = lat.astype(jnp.float32) * scale_ref[page, slot, jnp.full_like(slot, g)]
+      lats.append(lat.astype(jnp.bfloat16))
     rope = rope_ref[page, slot, rope_cols[None, :]]  # [bn, dr]
-    logits = parts_dot(ql, lat, contract_last) + parts_dot(qr, rope, contract_last)
+    logits = parts_dot(qr, rope, contract_last)
+    for q_g, lat in zip(ql, lats):
+      logits += parts_dot(q_g, lat, contract_last)
     logits = jnp.where(valid[None, :], logits * softmax_scale, -jnp.inf)  # [Hp, bn]
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid token yet: keep zeros
     alpha = jnp.exp(m - m_safe)
     p = jnp.exp(logits - m_safe[:, None])
     p_parts = bf16_parts(p) if exact else [p.astype(jnp.bfloat16)]
-    acc = acc * alpha[:, None] + parts_dot(p_parts, lat, (((1,), (0,)), ((), ())))
-    return m_new, l * alpha + jnp.sum(p, axis=1), acc
+    accs = tuple(acc * alpha[:, None] + parts_dot(p_parts, lat, (((1,), (0,)), ((), ())))
+                 for acc, lat in zip(accs, lats))
+    return m_new, l * alpha + jnp.sum(p, axis=1), accs
 
   init = (jnp.full((hp,), -jnp.inf, jnp.float32), jnp.zeros((hp,), jnp.float32),
-          jnp.zeros((hp, rank), jnp.float32))
-  m, l, acc = lax.fori_loop(0, chunk // block_n, body, init)
-  acc_ref[...] = _first_rows(acc, heads_out)
+          (jnp.zeros((hp, width), jnp.float32),) * groups)
+  m, l, accs = lax.fori_loop(0, chunk // block_n, body, init)
+  for g, acc in enumerate(accs):
+    acc_ref[:, pl.ds(g * width, width)] = _first_rows(acc, heads_out)
   m_ref[...] = _first_rows(m, heads_out)
   l_ref[...] = _first_rows(l, heads_out)
 
@@ -256,9 +271,9 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
     if dim < _MIN_MMA or not is_pow2(dim):
       raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
   heads_out = pl.next_power_of_2(h)
-  hp = max(_MIN_MMA, heads_out)  # MMA rows; padded heads have zero queries
-  ql = _pad_heads(q_latent, hp)
-  qr = _pad_heads(q_rope, hp)
+  hp = max(_MIN_MMA, heads_out)  # MMA rows: the heads_out queries repeated (_tile_rows)
+  ql = _pad_heads(q_latent, heads_out)  # padded heads have zero queries
+  qr = _pad_heads(q_rope, heads_out)
   splits = config.num_splits or _num_splits(b * t, k, config.block_n)
   chunk = pl.cdiv(k, splits * config.block_n) * config.block_n
   splits = pl.cdiv(k, chunk)  # no empty splits
@@ -269,10 +284,10 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
   acc, m, l = pl.pallas_call(
       functools.partial(_sparse_mla_kernel, k=k, chunk=chunk, block_n=config.block_n,
                         page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8,
-                        heads_out=heads_out),
+                        heads_out=heads_out, hp=hp),
       grid=(t, splits, b),  # query token fastest: its programs share the selected rows
-      in_specs=[pl.BlockSpec((None, None, hp, rank), lambda i, s, j: (j, i, 0, 0)),
-                pl.BlockSpec((None, None, hp, rope_dim), lambda i, s, j: (j, i, 0, 0)),
+      in_specs=[pl.BlockSpec((None, None, heads_out, rank), lambda i, s, j: (j, i, 0, 0)),
+                pl.BlockSpec((None, None, heads_out, rope_dim), lambda i, s, j: (j, i, 0, 0)),
                 pl.BlockSpec((None, page_table.shape[1]), lambda i, s, j: (j, 0)),
                 pl.BlockSpec((None, None, k), lambda i, s, j: (j, i, 0)),
                 *map(whole, caches)],

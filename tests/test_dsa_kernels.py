@@ -289,6 +289,17 @@ def test_sparse_mla_matches_reference(t, fp8, q_dtype, rtol):
     _assert_attention_close(got, want, rtol)
 
 
+def test_sparse_mla_odd_head_count_and_two_scale_groups():
+  """3 heads: padded to 4 in XLA, repeated to the MMA's 16 rows in the kernel; 3 come back.
+  FP8 latent of 256: two 128-wide scale groups, each with its own dots."""
+  args = _mla_inputs(70, 2, fp8=True, heads=3, rank=256)
+  assert args[3].shape[-1] == 2
+  want = sparse_mla_decode_reference(*args, softmax_scale=0.1)
+  got = sparse_mla_decode(*args, softmax_scale=0.1, config=SparseMLAConfig(block_n=16))
+  assert got.shape[2] == 3
+  _assert_attention_close(got, want, 1e-5)
+
+
 def test_sparse_mla_empty_selection_and_default_config():
   args = list(_mla_inputs(60, 2, fp8=False))
   args[-1] = args[-1].at[1].set(-1)  # the second sequence selects nothing
