@@ -93,18 +93,11 @@ def _first_rows(x: jax.Array, rows: int) -> jax.Array:
   return x if x.shape[0] == rows else jnp.split(x, x.shape[0] // rows, axis=0)[0]
 
 
-def _tile_rows(x: jax.Array, rows: int) -> jax.Array:
-  """[h, ...] -> [rows, ...], x repeated (a power-of-two ratio): the MMA's 16 rows from 8 heads
-  in registers, where padding the queries in XLA costs a launch per query operand."""
-  h = x.shape[0]
-  return x if h == rows else jnp.broadcast_to(x[None], (rows // h, *x.shape)).reshape(rows, *x.shape[1:])
-
-
 def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, chunk: int,
                        block_n: int, page_size: int, softmax_scale: float, fp8: bool,
-                       heads_out: int, hp: int):
+                       heads_out: int):
   """Partial attention of one query token over one split of its selected tokens."""
-  # ql_ref [Hs, R] bf16|f32 ; qr_ref [Hs, dr] bf16|f32 (Hs heads, repeated to Hp MMA rows)
+  # ql_ref [Hp, R] bf16|f32 ; qr_ref [Hp, dr] bf16|f32
   # pt_ref [max_pages] i32 ; idx_ref [k] i32
   # lat_ref [P, page_size, R] bf16|e4m3 ; scale_ref [P, page_size, R // blk] f32 (FP8 only)
   # rope_ref [P, page_size, dr] bf16 ; acc_ref [Hs, R] f32 ; m_ref, l_ref [Hs] f32
@@ -113,7 +106,7 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
   else:
     rope_ref, acc_ref, m_ref, l_ref = refs
   max_pages = pt_ref.shape[0]
-  rank = ql_ref.shape[1]
+  hp, rank = ql_ref.shape
   rope_dim = qr_ref.shape[1]
   start = pl.program_id(1) * chunk
   exact = ql_ref.dtype == jnp.float32  # fp32 queries: fp32-faithful dots (module docstring)
@@ -121,8 +114,8 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
   # no [bn, G] -> [bn, R] broadcast is needed; bf16: one group), each with its own dots.
   groups = scale_ref.shape[-1] if fp8 else 1
   width = rank // groups
-  ql = [bf16_parts(_tile_rows(ql_ref[:, pl.ds(g * width, width)], hp)) for g in range(groups)]
-  qr = bf16_parts(_tile_rows(qr_ref[...], hp))
+  ql = [bf16_parts(ql_ref[:, pl.ds(g * width, width)]) for g in range(groups)]
+  qr = bf16_parts(qr_ref[...])
   cols = jnp.arange(width, dtype=jnp.int32)
   rope_cols = jnp.arange(rope_dim, dtype=jnp.int32)
   contract_last = (((1,), (1,)), ((), ()))
@@ -271,9 +264,9 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
     if dim < _MIN_MMA or not is_pow2(dim):
       raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
   heads_out = pl.next_power_of_2(h)
-  hp = max(_MIN_MMA, heads_out)  # MMA rows: the heads_out queries repeated (_tile_rows)
-  ql = _pad_heads(q_latent, heads_out)  # padded heads have zero queries
-  qr = _pad_heads(q_rope, heads_out)
+  hp = max(_MIN_MMA, heads_out)  # MMA rows; padded heads have zero queries
+  ql = _pad_heads(q_latent, hp)
+  qr = _pad_heads(q_rope, hp)
   splits = config.num_splits or _num_splits(b * t, k, config.block_n)
   chunk = pl.cdiv(k, splits * config.block_n) * config.block_n
   splits = pl.cdiv(k, chunk)  # no empty splits
@@ -284,10 +277,10 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
   acc, m, l = pl.pallas_call(
       functools.partial(_sparse_mla_kernel, k=k, chunk=chunk, block_n=config.block_n,
                         page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8,
-                        heads_out=heads_out, hp=hp),
+                        heads_out=heads_out),
       grid=(t, splits, b),  # query token fastest: its programs share the selected rows
-      in_specs=[pl.BlockSpec((None, None, heads_out, rank), lambda i, s, j: (j, i, 0, 0)),
-                pl.BlockSpec((None, None, heads_out, rope_dim), lambda i, s, j: (j, i, 0, 0)),
+      in_specs=[pl.BlockSpec((None, None, hp, rank), lambda i, s, j: (j, i, 0, 0)),
+                pl.BlockSpec((None, None, hp, rope_dim), lambda i, s, j: (j, i, 0, 0)),
                 pl.BlockSpec((None, page_table.shape[1]), lambda i, s, j: (j, 0)),
                 pl.BlockSpec((None, None, k), lambda i, s, j: (j, i, 0)),
                 *map(whole, caches)],

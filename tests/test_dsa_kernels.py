@@ -290,8 +290,8 @@ def test_sparse_mla_matches_reference(t, fp8, q_dtype, rtol):
 
 
 def test_sparse_mla_odd_head_count_and_two_scale_groups():
-  """3 heads: padded to 4 in XLA, repeated to the MMA's 16 rows in the kernel; 3 come back.
-  FP8 latent of 256: two 128-wide scale groups, each with its own dots."""
+  """3 heads, padded to the MMA's 16 rows; 3 come back. FP8 latent of 256: two 128-wide scale
+  groups, each with its own dots."""
   args = _mla_inputs(70, 2, fp8=True, heads=3, rank=256)
   assert args[3].shape[-1] == 2
   want = sparse_mla_decode_reference(*args, softmax_scale=0.1)
