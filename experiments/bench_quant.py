@@ -28,7 +28,7 @@ from glmjax.bench import agreement, bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul
-from pallas_kernels.nvfp4_matmul import MatmulConfig, default_config, nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import DECODES, MatmulConfig, default_config, nvfp4_matmul
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
@@ -74,10 +74,8 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
-def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Callable[..., float],
-             seed: int = 0):
-  """Routed-expert MLP: XLA bf16 (the model's reference path), then per format (and bf16) the
-  grouped kernel, plus XLA dequant for the quantized formats."""
+def _moe_case(tokens: int, top_k: int, experts: int, d: int, i: int, seed: int = 0):
+  """(x, ids, routing weights, bf16 (gate, up, down), fraction of the experts chosen)."""
   keys = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
   stacked = lambda key, shape: jax.random.normal(key, shape, jnp.bfloat16) * 0.02
@@ -86,8 +84,16 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
   rng = np.random.default_rng(seed)
   ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
   routing = (jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32))
-  chosen = len(np.unique(ids)) / experts  # fraction of the stacked weights the step must read
-  act_bytes = (tokens * d * 2) * 2 + ids.size * 8
+  return x, routing, weights, len(np.unique(ids))
+
+
+def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Callable[..., float],
+             seed: int = 0):
+  """Routed-expert MLP: XLA bf16 (the model's reference path), then per format (and bf16) the
+  grouped kernel, plus XLA dequant for the quantized formats."""
+  x, routing, weights, chosen_experts = _moe_case(tokens, top_k, experts, d, i, seed)
+  chosen = chosen_experts / experts  # fraction of the stacked weights the step must read
+  act_bytes = (tokens * d * 2) * 2 + routing[0].size * 8
   xla = jax.jit(functools.partial(moe_experts, impl="xla"))
   bf16_bytes = int(_nbytes(weights) * chosen) + act_bytes
   timed = [("bf16", "xla", timer(xla, x, *routing, *weights), bf16_bytes),
@@ -101,7 +107,7 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
       ptx = jax.jit(functools.partial(moe_grouped_matmul, config=MoEConfig(decode="ptx")))
       timed.append(_kernel_entry(fmt, ptx, xla, (x, *routing, *q), nbytes, timer, impl="pallas_ptx"))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, top_k=top_k,
-                    chosen_experts=int(len(np.unique(ids)))), timed)
+                    chosen_experts=chosen_experts), timed)
 
 
 def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConfig] | None = None, *,
@@ -122,6 +128,39 @@ def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConf
                      us=seconds * 1e6, bytes=nbytes, tbs=bandwidth_tbs(nbytes, seconds),
                      frac_of_copy=bandwidth_tbs(nbytes, seconds) / COPY_TBS))
   return rows
+
+
+def moe_sweep_rows(fmt: str, configs: list[MoEConfig], *, timer: Callable[..., float] = time_device,
+                   **case) -> list[dict[str, Any]]:
+  """Tuning aid: the grouped MoE kernel with `fmt` weights under each config (case: moe_rows')."""
+  x, routing, weights, chosen_experts = _moe_case(**case)
+  q = tuple(FORMATS[fmt][0](w) for w in weights)
+  nbytes = int(_nbytes(q) * chosen_experts / case["experts"]) + (case["tokens"] * case["d"] * 2) * 2
+  rows = []
+  for config in configs:
+    seconds = timer(jax.jit(functools.partial(moe_grouped_matmul, config=config)), x, *routing, *q)
+    rows.append(dict(name="moe_sweep", format=fmt, config=str(config), us=seconds * 1e6, bytes=nbytes,
+                     tbs=bandwidth_tbs(nbytes, seconds), frac_of_copy=bandwidth_tbs(nbytes, seconds) / COPY_TBS))
+  return rows
+
+
+def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
+  """Tile and decode sweeps of the NVFP4 kernels (kernels_bench --sweep): the GEMV [1, 8192] x
+  [8192, 28672] and the routed-expert MLP of moe_rows, each over both decodes."""
+  timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_device
+  gemv = (1, 128, 64) if quick else (1, 28672, 8192)
+  moe = (dict(tokens=5, top_k=2, experts=4, d=64, i=32) if quick
+         else dict(tokens=5, top_k=8, experts=32, d=6144, i=2048))
+  tiles = ((64, 256, 1), (32, 512, 1), (64, 512, 1), (32, 512, 2))
+  gemv_configs = [MatmulConfig(block_n=bn, block_k=bk, split_k=s, decode=d) for bn, bk, s in tiles for d in DECODES]
+  moe_configs = [MoEConfig(block_n=bn, block_k=bk, num_warps=w, decode=d)
+                 for bn, bk, w in ((64, 128, 4), (64, 256, 4), (32, 512, 4), (64, 512, 4), (32, 256, 4))
+                 for d in DECODES]
+  if quick:
+    gemv_configs, moe_configs = gemv_configs[:2], moe_configs[:2]
+  for row in config_sweep_rows("nvfp4", *gemv, gemv_configs, timer=timer):
+    yield dict(row, config=str(row["config"]))
+  yield from moe_sweep_rows("nvfp4", moe_configs, timer=timer, **moe)
 
 
 def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
   python -m experiments.kernels_bench --suites=dsa,quant --output=/tmp/kernels.json
   python -m experiments.kernels_bench --suites=dsa --contexts=81920 --query_tokens=5   # the targets
+  python -m experiments.kernels_bench --suites=quant --sweep   # tile and decode sweeps
 
 Rows come from `experiments.bench_dsa.dsa_rows` (indexer scores, top-k, sparse MLA: one TEP=8
 rank's shapes) and `experiments.bench_quant.quant_rows` (NVFP4 / FP8 weight-only GEMV and the
@@ -17,11 +18,13 @@ import platform
 import jax
 from absl import app, flags
 
+from experiments import bench_dsa, bench_quant
 from experiments.bench_dsa import dsa_rows
 from experiments.bench_quant import quant_rows
 from glmjax.bench import maybe_profile
 
 SUITES = {"dsa": dsa_rows, "quant": quant_rows}
+SWEEPS = {"dsa": bench_dsa.config_sweep_rows, "quant": bench_quant.quant_sweep_rows}
 _SUITES = flags.DEFINE_list("suites", list(SUITES), "which suites to run")
 _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
 _CONTEXTS = flags.DEFINE_list("contexts", [], "dsa: cached tokens per case (empty: 8K, 32K, 80K, 128K)")
@@ -30,6 +33,7 @@ _TOPK = flags.DEFINE_list("topk_methods", ["radix", "sampled"], "dsa: top-k algo
 _QUERIES = flags.DEFINE_list("query_dtypes", ["float32", "bfloat16"],
                              "dsa: dtypes of the queries fed to the indexer and attention kernels")
 _COMBINES = flags.DEFINE_list("mla_combines", ["xla", "pallas"], "dsa: sparse MLA split merges to time")
+_SWEEP = flags.DEFINE_bool("sweep", False, "run each suite's tile/config sweep instead of its rows")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "dsa: also profile each kernel path's launches")
 _PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
@@ -58,6 +62,8 @@ def main(_):
                                               query_tokens=[int(t) for t in _QUERY.value],
                                               breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value,
                                               query_dtypes=_QUERIES.value, mla_combines=_COMBINES.value))
+  if _SWEEP.value:
+    suites = SWEEPS
   for name in _SUITES.value:
     rows = report["suites"][name] = []
     with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{name}"):

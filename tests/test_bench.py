@@ -60,3 +60,14 @@ def test_agreement_compares_index_sets_and_float_errors():
   got[0, 0] = 0.0   # a finite value where the reference has -inf
   assert agreement(got, want)["max_rel_err"] == float("inf")
   assert agreement(want[:2], want) == dict(exact=False, max_rel_err=float("inf"))
+
+
+def test_quant_sweep_covers_both_decodes():
+  """kernels_bench --sweep's quant rows: the GEMV and the MoE, each under both NVFP4 decodes,
+  every one timed (interpret mode: the PTX decode runs its jnp twin)."""
+  from experiments.bench_quant import quant_sweep_rows
+  rows = list(quant_sweep_rows(quick=True))
+  assert {r["name"] for r in rows} == {"sweep", "moe_sweep"}
+  for name in ("sweep", "moe_sweep"):
+    assert {"decode='jnp'" in r["config"] for r in rows if r["name"] == name} == {True, False}
+  assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
