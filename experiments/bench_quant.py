@@ -9,14 +9,13 @@ Timing: `glmjax.bench.time_device` (many calls in one on-device loop, median). B
 weights (+ scales) an implementation must read plus the activations in and out; for the MoE,
 only the distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX decode
-(`pallas_ptx`: MatmulConfig / MoEConfig decode="ptx", same tiles). `frac_of_copy` is against the H200's 4.22 TB/s copy.
+(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`). `frac_of_copy` is against the H200's 4.22 TB/s copy.
 
 Cases: GEMV [M, 8192] x [8192, 28672] at M = 1, 8; one GLM-5 expert's gate/up [2048, 6144] and
 down [6144, 2048] at M = 1, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
 (one TEP=8 rank), D = 6144, I = 2048. `quick=True`: tiny shapes for a CPU (interpret) smoke test.
 """
 
-import dataclasses
 import functools
 from typing import Any, Callable, Iterator
 
@@ -27,7 +26,7 @@ import numpy as np
 from glmjax.bench import agreement, bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.fp8_matmul import fp8_matmul
-from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul
+from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.nvfp4_matmul import DECODES, MatmulConfig, default_config, nvfp4_matmul
 
 COPY_TBS = 4.22
@@ -69,7 +68,7 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
     timed.append(_kernel_entry(fmt, kernel, xla_dequant, (x, q), nbytes, timer))
     if fmt == "nvfp4":  # the inline-PTX decode (MatmulConfig.decode), same tiles
-      ptx = jax.jit(functools.partial(kernel, config=dataclasses.replace(default_config(m, n, k), decode="ptx")))
+      ptx = jax.jit(functools.partial(kernel, config=default_config(m, n, k, decode="ptx")))
       timed.append(_kernel_entry(fmt, ptx, xla_dequant, (x, q), nbytes, timer, impl="pallas_ptx"))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
@@ -104,7 +103,7 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
     timed.append((fmt, "xla_dequant", timer(xla, x, *routing, *q), nbytes))
     timed.append(_kernel_entry(fmt, moe_grouped_matmul, xla, (x, *routing, *q), nbytes, timer))
     if fmt == "nvfp4":
-      ptx = jax.jit(functools.partial(moe_grouped_matmul, config=MoEConfig(decode="ptx")))
+      ptx = jax.jit(functools.partial(moe_grouped_matmul, config=default_moe_config(q, decode="ptx")))
       timed.append(_kernel_entry(fmt, ptx, xla, (x, *routing, *q), nbytes, timer, impl="pallas_ptx"))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)

@@ -67,6 +67,15 @@ class MoEConfig:
       raise ValueError(f"MoEConfig.decode must be one of {DECODES}, got {self.decode!r}")
 
 
+def default_moe_config(weights, *, decode: str = "jnp") -> MoEConfig:
+  """The H200 tiles for these (gate, up, down) weights: MoEConfig's, except NVFP4-only weights
+  under decode="ptx", which take block_k=256 (GLM-5 rank shape, 5 tokens: 362 us against 448 us
+  at block_k=128; the jnp decode gains less, 413 us against 434; BENCHMARKS.md run 10)."""
+  if decode == "ptx" and all(_kind(w) == "nvfp4" for w in weights):
+    return MoEConfig(block_k=256, decode=decode)
+  return MoEConfig(decode=decode)
+
+
 # Per-format plumbing: the kernel operands of a stacked weight, their BlockSpecs, a tile.
 
 def _kind(w) -> str:

@@ -81,18 +81,23 @@ class MatmulConfig:
       raise ValueError(f"MatmulConfig.decode must be one of {DECODES}, got {self.decode!r}")
 
 
-def default_config(m: int, n: int, k: int, *, max_block_k: int = 256) -> MatmulConfig:
-  """Tiles for [M, K] x [N, K] on the H200. Up to 4 rows: 64 x max_block_k weight tiles. More
-  rows: 128 x 128, so the x tile (re-read from L2 by every program) stays small next to the
-  weight tile. Then split K until there are >= 2 programs per SM (or K runs out)."""
-  block_n, block_k = (64, max_block_k) if m <= 4 else (128, min(128, max_block_k))
+def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: str = "jnp") -> MatmulConfig:
+  """Tiles for [M, K] x [N, K] on the H200. Up to 4 rows: 64 x max_block_k weight tiles (decode
+  "ptx": 32 x 512, the best of an 8-config sweep at [1, 8192] x [8192, 28672], 97.8 us against
+  107.8 us for 64 x 256, BENCHMARKS.md run 10). More rows: 128 x 128, so the x tile (re-read
+  from L2 by every program) stays small next to the weight tile. Then split K until there are
+  >= 2 programs per SM (or K runs out)."""
+  if m <= 4:
+    block_n, block_k = (32, 512) if decode == "ptx" else (64, max_block_k)
+  else:
+    block_n, block_k = 128, min(128, max_block_k)
   block_n = min(block_n, max(16, pl.next_power_of_2(n)))
   block_k = min(block_k, max(16, pl.next_power_of_2(k)))
   blocks, steps = pl.cdiv(n, block_n), pl.cdiv(k, block_k)
   split = 1
   while blocks * split < 2 * NUM_SMS and steps >= 4 * split:
     split *= 2
-  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
+  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode)
 
 
 # Tile helpers shared by the weight-only kernels (fp8_matmul.py, moe_grouped_matmul.py).

@@ -199,3 +199,19 @@ def test_kernels_lower_to_triton_for_h200():
       text = jax.jit(lambda *a, op=op: op(*a, interpret=False)).trace(*args).lower(
           lowering_platforms=("cuda",)).as_text()
       assert "__gpu$xla.gpu.triton" in text
+
+
+def test_ptx_default_tiles():
+  """decode="ptx" picks its measured tiles only where they apply: the GEMV's 32 x 512 up to 4
+  rows, the MoE's block_k=256 only over NVFP4-only weights (FP8 tiles stay <= 128)."""
+  from pallas_kernels.moe_grouped_matmul import default_moe_config
+  from pallas_kernels.nvfp4_matmul import default_config
+  one, eight = default_config(1, 28672, 8192, decode="ptx"), default_config(8, 28672, 8192, decode="ptx")
+  assert (one.block_n, one.block_k, one.decode) == (32, 512, "ptx")
+  assert (eight.block_n, eight.block_k) == (default_config(8, 28672, 8192).block_n, 128)
+  moe = moe_inputs(3, lambda w: w)
+  q4 = [jax.eval_shape(quantize_nvfp4, w.astype(jnp.float32)) for w in moe[3:]]
+  q8 = jax.eval_shape(quantize_fp8_block, moe[5].astype(jnp.float32))
+  assert default_moe_config(q4, decode="ptx") == MoEConfig(block_k=256, decode="ptx")
+  assert default_moe_config([*q4[:2], q8], decode="ptx").block_k == 128
+  assert default_moe_config(q4) == MoEConfig()

@@ -18,7 +18,6 @@ tiles decoded by inline PTX (MatmulConfig / MoEConfig decode="ptx"; on the H200 
 take the plain einsum: it is the reference model path and XLA's bf16 GEMV is already at copy speed.
 """
 
-import dataclasses
 import math
 
 import flax.linen as nn
@@ -86,8 +85,8 @@ def linear(x: jax.Array, w, *, impl: str = "xla") -> jax.Array:
     from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
     x2 = x.reshape(rows, x.shape[-1])
     if isinstance(w, NVFP4Weight):
-      config = nvfp4_matmul.default_config(rows, *w.shape)
-      out = nvfp4_matmul.nvfp4_matmul(x2, w, config=dataclasses.replace(config, decode=_decode(impl)))
+      config = nvfp4_matmul.default_config(rows, *w.shape, decode=_decode(impl))
+      out = nvfp4_matmul.nvfp4_matmul(x2, w, config=config)
     else:
       out = fp8_matmul.fp8_matmul(x2, w)
     return out.reshape(*x.shape[:-1], w.shape[0])
@@ -107,8 +106,8 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   """
   _check_impl(impl)
   if impl != "xla" and _kernel_sized(x, x.shape[0]):
-    from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul
-    return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
-                              config=MoEConfig(decode=_decode(impl)))
+    from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
+    config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl))
+    return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, config=config)
   from glmjax.moe import experts_reference
   return experts_reference(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
