@@ -23,7 +23,9 @@ the expert id: a program only ever touches its expert's rows.
   down:    grid (D / block_n, down_split). Program (j, s) loops over slots u = s, s + S, ... <
            count, computes h[u] @ down_e[rows j].T and accumulates route[u, t] * that in fp32;
            XLA sums the S partials [S, Tp, D] (fp32, ~0.5 MB at GLM-5 size) over s.
-Both K loops, tile decoders and numerics are those of nvfp4_matmul.py / fp8_matmul.py.
+Both K loops, tile decoders and numerics are those of nvfp4_matmul.py / fp8_matmul.py, including
+its inline-PTX NVFP4 decode (MoEConfig.decode="ptx"): 350 us against 431 us for the jnp decode at
+the GLM-5 rank shape above, 5 tokens, 24 experts (BENCHMARKS.md run 10).
 """
 
 import dataclasses

@@ -16,6 +16,10 @@ a row once and L2 the rest.
 (One program per query token rather than one per step: T [16, 512] fp32 accumulators would not
 fit in one program's registers.)
 
+FP8 latents attend in their 128-wide scale groups: each group's dots take its e4m3 codes times
+one scale per token row, so no [bn, G] -> [bn, R] scale broadcast is built (32 against 37 us for
+fp32 queries at 80K, T=5, BENCHMARKS.md run 10).
+
 Numerics follow the queries' dtype. The cached rows are exact in bf16 (bf16 pages, or e4m3
 codes times a power-of-two scale per 128 values, dequantised in-kernel), so every dot has an
 exact bf16 right-hand side and only the left one can lose bits:
@@ -71,7 +75,8 @@ class SparseMLAConfig:
     with fp32 queries a program holds q as three bf16 terms (48 KB at Hp=16, R=512) next to its
     [Hp, R] fp32 accumulator and a [block_n, R] row tile, about 110 registers a thread at 8.
   combine: how the splits' partial softmax states merge: "xla" (jnp reductions, which XLA runs
-    as a few fusions: 7.7 us at 80K, T=5, run 5) or "pallas" (one launch, `_combine_kernel`).
+    as two fusions: 3.2 us at 80K, T=5, run 10) or "pallas" (one launch, `_combine_kernel`:
+    14 us there, its 40 programs each walking every split; kept as the ablation's other arm).
   """
   block_n: int = 32
   num_splits: int | None = None

@@ -47,8 +47,11 @@ threshold from a sample, in three launches:
 3. select, one program per row: if the buffer holds at least k keys (or every valid key) and did
    not overflow, the four digits are resolved over it alone; otherwise (a sample more than
    4 sigma off, or a row of many equal scores) over the whole row. Exact either way.
-Estimate: 64 rows, one read of the scores in each of launches 1 and 2 plus selects over 3-6K
-candidates: about 20-30 us, against 373 us (run 7). Not yet measured on the H200.
+Measured (BENCHMARKS.md run 10): 287 us for 64 rows of 131,072 against 382 us for the radix
+select, but 145 us against 36 us for one row. Each count program re-derives the row's threshold
+from the whole sample (43 us at one row, 149 us at 64), and each select walks its 3-6K
+candidates in one program (60-80 us); the estimate of 20-30 us assumed both cheap. The radix
+select stays the default.
 
 Output order: the set, as two ascending runs (the keys above P, then the chosen candidates;
 method="sampled": one ascending run), then -1 for slots beyond the row's valid entries. Sorting
