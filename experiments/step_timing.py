@@ -3,13 +3,18 @@ number: random params (in any weight layout, made in place on a mesh) and a rand
 context, two loop lengths of the engine's decode program (plain, or speculative with k drafts),
 the difference of their times over the difference of their steps. Used by
 experiments.tep_project (one TEP rank) and experiments.multigpu_run (TEP over N GPUs).
+`measure_rank_step(kernels=True)` also profiles both layer counts and differences their device
+kernels into what one decoder layer launches (`layer_kernels`).
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import math
+import re
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glmjax import parallel
+from glmjax.bench import device_kernel_times
 from glmjax.cache.paged import KVCache, init_cache
 from glmjax.config import ModelConfig
 from glmjax.engine import speculative, steps
@@ -145,18 +151,62 @@ def _time_lengths(program, params, cache, mtp, lengths: tuple[int, int], repeats
   return StepTime((long - short) / (long_steps - short_steps), long_steps)
 
 
-def measure_rank_step(config: ModelConfig, measure_layers: list[int], **kw) -> dict[str, Any]:
+def kernel_family(name: str) -> str:
+  """A device kernel's name less XLA's numeric suffixes (loop_add_fusion_3, fusion.12), so that
+  the same operation matches across two programs."""
+  return re.sub(r"([._]\d+)+$", "", name)
+
+
+def step_kernels(times: dict[str, tuple[int, float]], steps: int) -> dict[str, tuple[float, float]]:
+  """{kernel family: (launches, us)} per loop step, from one traced call of `steps` steps
+  (glmjax.bench.device_kernel_times)."""
+  out = collections.defaultdict(lambda: [0.0, 0.0])
+  for name, (launches, us) in times.items():
+    family = out[kernel_family(name)]
+    family[0] += launches / steps
+    family[1] += us / steps
+  return {name: (n, us) for name, (n, us) in out.items()}
+
+
+def layer_difference(fewer: dict[str, tuple[float, float]], more: dict[str, tuple[float, float]],
+                     layers: int) -> list[tuple[str, float, float]]:
+  """Per decoder layer: (family, launches, us) of `more`'s per-step kernels less `fewer`'s, over
+  the `layers` they differ by, slowest first (what the two programs share cancels)."""
+  rows = []
+  for name in set(fewer) | set(more):
+    (n0, us0), (n1, us1) = fewer.get(name, (0.0, 0.0)), more.get(name, (0.0, 0.0))
+    rows.append((name, (n1 - n0) / layers, (us1 - us0) / layers))
+  return sorted(rows, key=lambda r: -r[2])
+
+
+def _timed_with_kernels(config: ModelConfig, kernels: bool, **kw) -> tuple[float, dict]:
+  """(seconds per step, per-step kernel families or {}) of one config."""
+  if not kernels:
+    return time_decode_step(config, **kw).seconds, {}
+  with tempfile.TemporaryDirectory() as trace_dir:
+    timed = time_decode_step(config, trace_dir=trace_dir, **kw)
+    return timed.seconds, step_kernels(device_kernel_times(trace_dir), timed.long_loop_steps)
+
+
+def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels: bool = False,
+                      **kw) -> dict[str, Any]:
   """Time the rank's decode step, whole or extended linearly from two layer counts (the MTP
-  layer, with draft steps, is in both counts' programs, hence in the base)."""
+  layer, with draft steps, is in both counts' programs, hence in the base). kernels: also
+  profile each program once after its timing; with two layer counts, `layer_kernels` lists one
+  decoder layer's (family, launches, us) from their difference, else `step_kernels` the step's."""
   if not measure_layers:
-    return dict(rank_step_s=time_decode_step(config, **kw).seconds, measured_layers=[config.num_hidden_layers])
+    seconds, per_step = _timed_with_kernels(config, kernels, **kw)
+    out = dict(rank_step_s=seconds, measured_layers=[config.num_hidden_layers])
+    return out | (dict(step_kernels=sorted(((n, *v) for n, v in per_step.items()), key=lambda r: -r[2]))
+                  if kernels else {})
   a, b = measure_layers
   types = config.mlp_layer_types
   if not 0 < a < b <= config.num_hidden_layers or len(set(types[a:])) != 1:
     raise ValueError(f"measure_layers {a},{b}: need 0 < a < b <= {config.num_hidden_layers} with layers "
                      f"a.. all of one MLP type (got {sorted(set(types[a:]))})")
-  t_a, t_b = (time_decode_step(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0), **kw).seconds
-              for n in (a, b))
+  (t_a, k_a), (t_b, k_b) = (_timed_with_kernels(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0),
+                                                kernels, **kw) for n in (a, b))
   per_layer = (t_b - t_a) / (b - a)
-  return dict(rank_step_s=t_a + (config.num_hidden_layers - a) * per_layer, measured_layers=[a, b],
-              measured_s=[t_a, t_b], per_layer_s=per_layer)
+  out = dict(rank_step_s=t_a + (config.num_hidden_layers - a) * per_layer, measured_layers=[a, b],
+             measured_s=[t_a, t_b], per_layer_s=per_layer)
+  return out | (dict(layer_kernels=layer_difference(k_a, k_b, b - a)) if kernels else {})

@@ -16,7 +16,9 @@ difference of their step counts, so dispatch drops out. (On random weights the d
 rejected, so a speculative step emits ~1 token here; its time does not depend on acceptance,
 which --accept_length supplies.) tep8_shard does not fit one H200 in bf16
 (~197 GB): --measure_layers=a,b times a- and b-layer models and extends linearly to every layer.
-The collectives come from glmjax.parallel.comm_model (its docstring states the link and latency
+--layer_kernels also profiles both programs once after timing them and prints what one decoder
+layer launches (kernel families by device time: the two programs' difference over their layer
+counts; experiments.step_timing.layer_difference). The collectives come from glmjax.parallel.comm_model (its docstring states the link and latency
 assumptions); the table shows several latencies. The printout also compares the weights the
 rank config holds with what one device holds in the rules' layout (glmjax.parallel.rules).
 """
@@ -61,6 +63,7 @@ _ACCEPT = flags.DEFINE_float("accept_length", 1.0, "tokens emitted per step (<= 
 _LATENCY = flags.DEFINE_list("latency_us", ["5", "10", "15"], "per-collective latencies to show")
 _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", comm_model.NVLINK4_BANDWIDTH / 1e9,
                                 "link bandwidth per direction per GPU, GB/s")
+_LAYER_KERNELS = flags.DEFINE_bool("layer_kernels", False, "also profile the timed programs: one layer's kernels")
 _OUTPUT = flags.DEFINE_string("output", "tep_project.json", "JSON output path ('' for none)")
 
 def device_weight_bytes(config: ModelConfig, tep: int, dtype: str) -> int:
@@ -92,6 +95,12 @@ def format_report(report: dict[str, Any]) -> str:
   lines += ["", "collectives of one step (latency row 1):"]
   lines += [f"  {c['count']:>4} x {c['kind']:<10} {c['nbytes']:>9,} B  {c['us_each']:7.2f} us  {c['where']}"
             for c in rows[0]["detail"]]
+  kernels = report["measured"].get("layer_kernels")
+  if kernels:
+    launches, total = sum(n for _, n, _ in kernels), sum(us for *_, us in kernels)
+    lines += ["", f"one decoder layer's kernels (profile): {launches:.1f} launches, {total:.1f} us of "
+                  f"device time; the {min(len(kernels), 25)} slowest:"]
+    lines += [f"  {us:9.2f} us {n:6.2f} x  {name}" for name, n, us in kernels[:25]]
   return "\n".join(lines)
 
 
@@ -106,7 +115,7 @@ def main(argv: list[str]) -> None:
                                  attention=_ATTENTION.value, matmul=_MATMUL.value, kv_dtype=_KV.value,
                                  dtype=_DTYPE.value, steps_apart=_STEPS.value, quick=_QUICK.value,
                                  draft_steps=_DRAFT.value, weights=_WEIGHTS.value,
-                                 kernel_switches=_KERNEL_SWITCHES())
+                                 kernel_switches=_KERNEL_SWITCHES(), kernels=_LAYER_KERNELS.value)
     measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}, context "
                             f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_WEIGHTS.value} weights, {_MATMUL.value} matmuls, "
                             f"{_KV.value} KV, {_DTYPE.value}, {_DRAFT.value} draft step(s), "

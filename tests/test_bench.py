@@ -71,3 +71,20 @@ def test_quant_sweep_covers_both_decodes():
   for name in ("sweep", "moe_sweep"):
     assert {"decode='jnp'" in r["config"] for r in rows if r["name"] == name} == {True, False}
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
+
+
+def test_layer_kernels_from_two_programs():
+  """One layer's kernels: families match across programs despite XLA's numbering, per-step counts
+  divide by the loop's steps, and what both programs launch alike cancels."""
+  from experiments.step_timing import kernel_family, layer_difference, step_kernels
+  assert kernel_family("loop_add_fusion_12") == "loop_add_fusion"
+  assert kernel_family("fusion.3") == "fusion" and kernel_family("sparse_mla_decode") == "sparse_mla_decode"
+  three = step_kernels({"sparse_mla_decode": (12, 60.0), "loop_add_fusion_1": (4, 8.0),
+                        "loop_add_fusion_7": (2, 4.0), "embed_fusion": (2, 10.0)}, steps=2)
+  assert three["loop_add_fusion"] == (3.0, 6.0) and three["sparse_mla_decode"] == (6.0, 30.0)
+  five = step_kernels({"sparse_mla_decode": (20, 100.0), "loop_add_fusion_9": (10, 20.0),
+                       "embed_fusion": (2, 10.0), "moe_down": (4, 16.0)}, steps=2)
+  rows = {name: (n, us) for name, n, us in layer_difference(three, five, layers=2)}
+  assert rows == {"sparse_mla_decode": (2.0, 10.0), "loop_add_fusion": (1.0, 2.0),
+                  "embed_fusion": (0.0, 0.0), "moe_down": (1.0, 4.0)}
+  assert [r[0] for r in layer_difference(three, five, layers=2)][:2] == ["sparse_mla_decode", "moe_down"]
