@@ -116,18 +116,25 @@ def _halves(kind: str, config: MoEConfig) -> bool:
   return kind == "nvfp4" and config.decode == "ptx"
 
 
+def _activation_forms(kinds, config: MoEConfig) -> tuple[bool, bool]:
+  """Whether a launch over weights of these kinds reads its activations whole, and by column
+  parity (both, for mixed formats under decode="ptx")."""
+  halves = [_halves(kind, config) for kind in kinds]
+  return not all(halves), any(halves)
+
+
 def _activations(a: jax.Array, kinds, config: MoEConfig) -> list[jax.Array]:
   """The activation arrays a launch reads: `a` [..., K] for weights decoded whole, its even and
   odd columns for weights decoded into halves."""
-  halves = [a[..., 0::2], a[..., 1::2]] if any(_halves(kd, config) for kd in kinds) else []
-  return ([a] if not all(_halves(kd, config) for kd in kinds) else []) + halves
+  whole, halves = _activation_forms(kinds, config)
+  return ([a] if whole else []) + ([a[..., 0::2], a[..., 1::2]] if halves else [])
 
 
 def _activation_loader(refs, kinds, lead: tuple, rows_ok, *, k: int, config: MoEConfig):
   """step -> (the [block_m, block_k] activation tile or None, its even/odd [block_m, block_k/2]
   halves or None), from the refs of `_activations`' arrays; `lead` indexes leading dims."""
   bk = config.block_k
-  whole = not all(_halves(kd, config) for kd in kinds)
+  whole, _ = _activation_forms(kinds, config)
   tile = lambda ref, start, width, limit: load_tile(ref.at[(*lead, slice(None), pl.ds(start, width))],
                                                     rows_ok, range_mask(start, width, limit))
 
