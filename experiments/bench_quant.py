@@ -9,7 +9,8 @@ Timing: `glmjax.bench.time_device` (many calls in one on-device loop, median). B
 weights (+ scales) an implementation must read plus the activations in and out; for the MoE,
 only the distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX decode
-(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`). `frac_of_copy` is against the H200's 4.22 TB/s copy.
+(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`).
+`frac_of_copy` is against the H200's 4.22 TB/s copy.
 
 Cases: GEMV [M, 8192] x [8192, 28672] at M = 1, 8; one GLM-5 expert's gate/up [2048, 6144] and
 down [6144, 2048] at M = 1, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
@@ -67,14 +68,14 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     nbytes = _nbytes(q) + act_bytes
     timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
     timed.append(_kernel_entry(fmt, kernel, xla_dequant, (x, q), nbytes, timer))
-    if fmt == "nvfp4":  # the inline-PTX decode (MatmulConfig.decode), same tiles
+    if fmt == "nvfp4":  # the inline-PTX decode (MatmulConfig.decode) with its default tiles
       ptx = jax.jit(functools.partial(kernel, config=default_config(m, n, k, decode="ptx")))
       timed.append(_kernel_entry(fmt, ptx, xla_dequant, (x, q), nbytes, timer, impl="pallas_ptx"))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
 def _moe_case(tokens: int, top_k: int, experts: int, d: int, i: int, seed: int = 0):
-  """(x, ids, routing weights, bf16 (gate, up, down), fraction of the experts chosen)."""
+  """(x, (ids, routing weights), bf16 (gate, up, down), number of distinct experts chosen)."""
   keys = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
   stacked = lambda key, shape: jax.random.normal(key, shape, jnp.bfloat16) * 0.02

@@ -14,7 +14,7 @@ runs the weight-only kernels in pallas_kernels/ on decode-sized bf16 inputs (at 
 nvfp4_matmul.MAX_ROWS rows), else the XLA path: more rows are compute-bound, and the kernels take
 bf16 only (not the fp32 indexer or fp32 models). impl="pallas_ptx" is "pallas" with the NVFP4
 tiles decoded by inline PTX (MatmulConfig / MoEConfig decode="ptx"; on the H200 the GEMV
-[1, 8192] x [8192, 28672] takes 103 us against 124 us, BENCHMARKS.md run 10). Plain arrays always
+[1, 8192] x [8192, 28672] takes 97 us against 124 us, BENCHMARKS.md run 10). Plain arrays always
 take the plain einsum: it is the reference model path and XLA's bf16 GEMV is already at copy speed.
 """
 
