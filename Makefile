@@ -21,14 +21,11 @@ demo: $(STAMP)
 	  --draft_threshold=0 --output=replay_demo.json
 
 # The main suite, and beside it (its own process: 8 simulated CPU devices) the multi-device
-# tests and those whose work runs in child processes (marker child_processes: they balance the
-# two cores), whose log follows the main suite's. Either failing fails the target; pytest exits 5
-# when it collected nothing, and that is a failure here, not a pass. The multi-device file comes
-# first: it sets the device count before anything starts JAX's backend.
-SIDE_FILES := tests/test_multidevice_sharding.py tests/test_study.py tests/test_analysis.py
+# tests, whose log follows the main suite's. Either failing fails the target; pytest exits 5
+# when it collected nothing, and that is a failure here, not a pass.
 test: $(STAMP)
-	@$(PY) -m pytest -q -m "multidevice or child_processes" $(SIDE_FILES) > .multidevice.log 2>&1 & multi=$$!; \
-	$(PY) -m pytest -q -m "not multidevice and not child_processes" --ignore-glob='tests/test_multidevice_*.py' tests; main=$$?; \
+	@$(PY) -m pytest -q -m multidevice tests/test_multidevice_*.py > .multidevice.log 2>&1 & multi=$$!; \
+	$(PY) -m pytest -q -m "not multidevice" --ignore-glob='tests/test_multidevice_*.py' tests; main=$$?; \
 	wait $$multi; multi_rc=$$?; echo "== multi-device tests =="; cat .multidevice.log; \
 	test $$main -eq 0 && test $$multi_rc -eq 0
 

@@ -103,7 +103,6 @@ def _wait(proc: subprocess.Popen, log: pathlib.Path, *, ok: bool = True) -> str:
   return text
 
 
-@pytest.mark.child_processes
 def test_ablate_and_sweep_on_tiny(tmp_path):
   """The chain in two processes sharing one ablate.json (Pallas rows compile slowly in interpret
   mode), the sweeps after the first (their programs are its sparse row's, from the disk cache),
