@@ -27,6 +27,12 @@ def check_at_least(owner: str, name: str, value: int, minimum: int = 1) -> None:
     raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
 
 
+def check_choice(owner: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+  """A tuning field that names one of a fixed set of variants."""
+  if value not in choices:
+    raise ValueError(f"{owner}.{name} must be one of {choices}, got {value!r}")
+
+
 def check_splits(owner: str, value: int | None, maximum: int) -> None:
   """Programs per row or sequence: None (picked from the problem size) or a power of two <= maximum."""
   if value is not None and (not is_pow2(value) or value > maximum):

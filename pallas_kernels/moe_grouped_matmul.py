@@ -41,7 +41,7 @@ from glmjax.moe import experts_reference
 from glmjax.quant.fp8_block import BLOCK as FP8_BLOCK, FP8BlockWeight
 from glmjax.quant.nvfp4 import BLOCK as NVFP4_BLOCK, NVFP4Weight
 from pallas_kernels.fp8_matmul import load_fp8_tile
-from pallas_kernels.checks import check_at_least, check_launch, check_tile
+from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile
 from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, dot_t, load_nvfp4_halves,
                                          load_nvfp4_tile, load_tile, range_mask, store_tile)
 
@@ -65,8 +65,7 @@ class MoEConfig:
     check_tile("MoEConfig", "block_k", self.block_k)
     check_at_least("MoEConfig", "down_split", self.down_split)
     check_launch("MoEConfig", self.num_warps, self.num_stages)
-    if self.decode not in DECODES:
-      raise ValueError(f"MoEConfig.decode must be one of {DECODES}, got {self.decode!r}")
+    check_choice("MoEConfig", "decode", self.decode, DECODES)
 
 
 def default_moe_config(weights, *, decode: str = "jnp") -> MoEConfig:

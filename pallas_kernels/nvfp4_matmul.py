@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
-from pallas_kernels.checks import check_at_least, check_launch, check_tile
+from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile
 
 NUM_SMS = 132         # H200; the default configs aim for >= 2 programs per SM
 MAX_ROWS = 16         # M of one tensor-core tile; larger M is compute-bound: dequantize once
@@ -82,8 +82,7 @@ class MatmulConfig:
     check_tile("MatmulConfig", "block_k", self.block_k)
     check_at_least("MatmulConfig", "split_k", self.split_k)
     check_launch("MatmulConfig", self.num_warps, self.num_stages)
-    if self.decode not in DECODES:
-      raise ValueError(f"MatmulConfig.decode must be one of {DECODES}, got {self.decode!r}")
+    check_choice("MatmulConfig", "decode", self.decode, DECODES)
 
 
 def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: str = "jnp") -> MatmulConfig:

@@ -56,8 +56,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.cache.kv_fp8 import dequantize_fp8, fp8_block_size
 from glmjax.cache.paged import token_slots
-from pallas_kernels.checks import (bf16_parts, check_at_least, check_launch, check_page_table,
-                                   check_paged, check_tile, is_pow2, parts_dot)
+from pallas_kernels.checks import (bf16_parts, check_at_least, check_choice, check_launch,
+                                   check_page_table, check_paged, check_tile, is_pow2, parts_dot)
 
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 _TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM
@@ -89,8 +89,7 @@ class SparseMLAConfig:
     if self.num_splits is not None:
       check_at_least("SparseMLAConfig", "num_splits", self.num_splits)
     check_launch("SparseMLAConfig", self.num_warps, self.num_stages)
-    if self.combine not in COMBINES:
-      raise ValueError(f"SparseMLAConfig.combine must be one of {COMBINES}, got {self.combine!r}")
+    check_choice("SparseMLAConfig", "combine", self.combine, COMBINES)
 
 
 def _first_rows(x: jax.Array, rows: int) -> jax.Array:

@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax import dsa
-from pallas_kernels.checks import check_launch, check_splits, check_tile
+from pallas_kernels.checks import check_choice, check_launch, check_splits, check_tile
 
 DIGIT_BITS = 8
 BINS = 1 << DIGIT_BITS
@@ -113,8 +113,7 @@ class TopKConfig:
     check_tile("TopKConfig", "block", self.block)
     check_splits("TopKConfig", self.num_splits, MAX_SPLITS)
     check_launch("TopKConfig", self.num_warps)
-    if self.method not in METHODS:
-      raise ValueError(f"TopKConfig.method must be one of {METHODS}, got {self.method!r}")
+    check_choice("TopKConfig", "method", self.method, METHODS)
     check_tile("TopKConfig", "sample", self.sample)
 
 
