@@ -42,8 +42,9 @@ from glmjax.quant.fp8_block import BLOCK as FP8_BLOCK, FP8BlockWeight
 from glmjax.quant.nvfp4 import BLOCK as NVFP4_BLOCK, NVFP4Weight
 from pallas_kernels.fp8_matmul import load_fp8_tile
 from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile
-from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, dot_t, load_nvfp4_halves,
-                                         load_nvfp4_tile, load_tile, range_mask, store_tile)
+from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, column_halves, dot_halves, dot_t,
+                                         load_column_halves, load_nvfp4_halves, load_nvfp4_tile,
+                                         load_tile, range_mask, store_tile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,21 +127,19 @@ def _activations(a: jax.Array, kinds, config: MoEConfig) -> list[jax.Array]:
   """The activation arrays a launch reads: `a` [..., K] for weights decoded whole, its even and
   odd columns for weights decoded into halves."""
   whole, halves = _activation_forms(kinds, config)
-  return ([a] if whole else []) + ([a[..., 0::2], a[..., 1::2]] if halves else [])
+  return ([a] if whole else []) + (column_halves(a) if halves else [])
 
 
 def _activation_loader(refs, kinds, lead: tuple, rows_ok, *, k: int, config: MoEConfig):
   """step -> (the [block_m, block_k] activation tile or None, its even/odd [block_m, block_k/2]
   halves or None), from the refs of `_activations`' arrays; `lead` indexes leading dims."""
   bk = config.block_k
-  whole, _ = _activation_forms(kinds, config)
-  tile = lambda ref, start, width, limit: load_tile(ref.at[(*lead, slice(None), pl.ds(start, width))],
-                                                    rows_ok, range_mask(start, width, limit))
+  whole, halves = _activation_forms(kinds, config)
 
   def load(step):
-    x = tile(refs[0], step * bk, bk, k) if whole else None
-    halves = tuple(tile(ref, step * bk // 2, bk // 2, k // 2) for ref in refs[int(whole):])
-    return x, halves or None
+    x = (load_tile(refs[0].at[(*lead, slice(None), pl.ds(step * bk, bk))], rows_ok, range_mask(step * bk, bk, k))
+         if whole else None)
+    return x, load_column_halves(refs[int(whole):], lead, rows_ok, step, block_k=bk, k=k) if halves else None
 
   return load
 
@@ -170,8 +169,7 @@ def _expert_matmul(x_tile, weights, e, n_block, *, n: int, k: int, block_m: int,
     out = []
     for (kind, refs), acc in zip(weights, accs):
       w, scale = _tile(kind, refs, e, n_block, step, n=n, k=k, config=config, interpret=interpret)
-      part = (dot_t(x_halves[0], w[0]) + dot_t(x_halves[1], w[1]) if isinstance(w, tuple)
-              else dot_t(x, w))
+      part = dot_halves(x_halves, w) if isinstance(w, tuple) else dot_t(x, w)
       out.append(acc + (part if scale is None else part * scale))
     return tuple(out)
 

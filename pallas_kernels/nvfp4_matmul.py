@@ -209,6 +209,27 @@ def load_nvfp4_halves(packed_ref, scale_ref, lead: tuple, step, *, block_k: int,
   return tuple((h * s).astype(jnp.bfloat16) for h in (decode_halves_ptx if ptx else decode_halves)(packed))
 
 
+def column_halves(a: jax.Array) -> list[jax.Array]:
+  """a [..., K] as its even and odd columns, apart: the activations that weight tiles decoded
+  into halves (decode="ptx") are dotted against. XLA fuses the split into a's producer."""
+  return [a[..., 0::2], a[..., 1::2]]
+
+
+def load_column_halves(refs, lead: tuple, rows_ok: jax.Array | None, step, *, block_k: int,
+                       k: int) -> tuple[jax.Array, jax.Array]:
+  """The [rows, block_k / 2] tiles of K step `step` from the refs of `column_halves`' arrays
+  (K is even: one mask serves both); `lead` indexes leading dims, as in _load_packed."""
+  width = block_k // 2
+  cols_ok = range_mask(step * width, width, k // 2)
+  return tuple(load_tile(ref.at[(*lead, slice(None), pl.ds(step * width, width))], rows_ok, cols_ok)
+               for ref in refs)
+
+
+def dot_halves(x_halves, w_halves) -> jax.Array:
+  """x @ w.T in fp32 from both operands' even and odd column halves."""
+  return dot_t(x_halves[0], w_halves[0]) + dot_t(x_halves[1], w_halves[1])
+
+
 def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: int,
                     rows_ok: jax.Array | None) -> jax.Array:
   """Decoded bf16 [bn, block_k] weight tile of K step `step` (times 2^-14, see decode_nvfp4).
@@ -236,12 +257,9 @@ def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Ma
       x = load_tile(x_refs[0].at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
       w = load_nvfp4_tile(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok)
       return acc + dot_t(x, w)
-    # x's even and odd columns against the two weight halves (K is even: one mask serves both).
-    cols_ok = range_mask(step * bk // 2, bk // 2, k // 2)
-    x_even, x_odd = (load_tile(ref.at[:, pl.ds(step * bk // 2, bk // 2)], rows_ok, cols_ok) for ref in x_refs)
-    w_even, w_odd = load_nvfp4_halves(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok,
-                                      ptx=not interpret)
-    return acc + dot_t(x_even, w_even) + dot_t(x_odd, w_odd)
+    x = load_column_halves(x_refs, (), rows_ok, step, block_k=bk, k=k)
+    w = load_nvfp4_halves(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok, ptx=not interpret)
+    return acc + dot_halves(x, w)
 
   acc = lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
                       jnp.zeros((block_m, bn), jnp.float32))
@@ -255,8 +273,8 @@ def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret:
   block_m = max(16, pl.next_power_of_2(m))
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
   xs, x_specs = [x], [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0))]
-  if config.decode == "ptx":  # even and odd columns apart (XLA fuses this into x's producer)
-    xs = [x[:, 0::2], x[:, 1::2]]
+  if config.decode == "ptx":
+    xs = column_halves(x)
     x_specs = [pl.BlockSpec((block_m, kp // 2), lambda j, s: (0, 0))] * 2
   out = pl.pallas_call(
       functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config,
