@@ -38,13 +38,18 @@ def _nbytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
+def _rate(seconds: float, nbytes: int) -> dict[str, float]:
+  """A timed row's columns: us, bytes, achieved TB/s and its fraction of the copy speed."""
+  tbs = bandwidth_tbs(nbytes, seconds)
+  return dict(us=seconds * 1e6, bytes=nbytes, tbs=tbs, frac_of_copy=tbs / COPY_TBS)
+
+
 def _rows(case: dict[str, Any], timed: list[tuple]) -> list[dict[str, Any]]:
   """Rows for (format, impl, seconds, bytes[, agreement with the XLA path of the same weights]);
   the first entry is the XLA bf16 reference."""
   bf16_seconds = timed[0][2]
-  return [dict(case, format=fmt, impl=impl, us=seconds * 1e6, bytes=nbytes,
-               tbs=bandwidth_tbs(nbytes, seconds), frac_of_copy=bandwidth_tbs(nbytes, seconds) / COPY_TBS,
-               speedup_vs_bf16=bf16_seconds / seconds, **(check[0] if check else {}))
+  return [dict(case, format=fmt, impl=impl, **_rate(seconds, nbytes), speedup_vs_bf16=bf16_seconds / seconds,
+               **(check[0] if check else {}))
           for fmt, impl, seconds, nbytes, *check in timed]
 
 
@@ -87,20 +92,25 @@ def _moe_case(tokens: int, top_k: int, experts: int, d: int, i: int, seed: int =
   return x, routing, weights, len(np.unique(ids))
 
 
+def _moe_bytes(weights, chosen: float, x: jax.Array, ids: jax.Array) -> int:
+  """Bytes a routed-expert step must move: the chosen share of the stacked weights, x in and
+  out (bf16), the routing ids and weights."""
+  return int(_nbytes(weights) * chosen) + x.size * 2 * 2 + ids.size * 8
+
+
 def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Callable[..., float],
              seed: int = 0):
   """Routed-expert MLP: XLA bf16 (the model's reference path), then per format (and bf16) the
   grouped kernel, plus XLA dequant for the quantized formats."""
   x, routing, weights, chosen_experts = _moe_case(tokens, top_k, experts, d, i, seed)
   chosen = chosen_experts / experts  # fraction of the stacked weights the step must read
-  act_bytes = (tokens * d * 2) * 2 + routing[0].size * 8
   xla = jax.jit(functools.partial(moe_experts, impl="xla"))
-  bf16_bytes = int(_nbytes(weights) * chosen) + act_bytes
+  bf16_bytes = _moe_bytes(weights, chosen, x, routing[0])
   timed = [("bf16", "xla", timer(xla, x, *routing, *weights), bf16_bytes),
            _kernel_entry("bf16", moe_grouped_matmul, xla, (x, *routing, *weights), bf16_bytes, timer)]
   for fmt, (quantize, _) in FORMATS.items():
     q = tuple(quantize(w) for w in weights)
-    nbytes = int(_nbytes(q) * chosen) + act_bytes
+    nbytes = _moe_bytes(q, chosen, x, routing[0])
     timed.append((fmt, "xla_dequant", timer(xla, x, *routing, *q), nbytes))
     timed.append(_kernel_entry(fmt, moe_grouped_matmul, xla, (x, *routing, *q), nbytes, timer))
     if fmt == "nvfp4":
@@ -125,8 +135,7 @@ def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConf
   for config in configs:
     seconds = timer(jax.jit(functools.partial(kernel, config=config)), x, q)
     rows.append(dict(name="sweep", m=m, n=n, k=k, format=fmt, impl="pallas", config=config,
-                     us=seconds * 1e6, bytes=nbytes, tbs=bandwidth_tbs(nbytes, seconds),
-                     frac_of_copy=bandwidth_tbs(nbytes, seconds) / COPY_TBS))
+                     **_rate(seconds, nbytes)))
   return rows
 
 
@@ -135,12 +144,11 @@ def moe_sweep_rows(fmt: str, configs: list[MoEConfig], *, timer: Callable[..., f
   """Tuning aid: the grouped MoE kernel with `fmt` weights under each config (case: moe_rows')."""
   x, routing, weights, chosen_experts = _moe_case(**case)
   q = tuple(FORMATS[fmt][0](w) for w in weights)
-  nbytes = int(_nbytes(q) * chosen_experts / case["experts"]) + (case["tokens"] * case["d"] * 2) * 2
+  nbytes = _moe_bytes(q, chosen_experts / case["experts"], x, routing[0])
   rows = []
   for config in configs:
     seconds = timer(jax.jit(functools.partial(moe_grouped_matmul, config=config)), x, *routing, *q)
-    rows.append(dict(name="moe_sweep", format=fmt, config=str(config), us=seconds * 1e6, bytes=nbytes,
-                     tbs=bandwidth_tbs(nbytes, seconds), frac_of_copy=bandwidth_tbs(nbytes, seconds) / COPY_TBS))
+    rows.append(dict(name="moe_sweep", format=fmt, config=str(config), **_rate(seconds, nbytes)))
   return rows
 
 
