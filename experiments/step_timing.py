@@ -172,11 +172,16 @@ def layer_difference(fewer: dict[str, tuple[float, float]], more: dict[str, tupl
                      layers: int) -> list[tuple[str, float, float]]:
   """Per decoder layer: (family, launches, us) of `more`'s per-step kernels less `fewer`'s, over
   the `layers` they differ by, slowest first (what the two programs share cancels)."""
-  rows = []
+  rows = {}
   for name in set(fewer) | set(more):
     (n0, us0), (n1, us1) = fewer.get(name, (0.0, 0.0)), more.get(name, (0.0, 0.0))
-    rows.append((name, (n1 - n0) / layers, (us1 - us0) / layers))
-  return sorted(rows, key=lambda r: -r[2])
+    rows[name] = ((n1 - n0) / layers, (us1 - us0) / layers)
+  return slowest_first(rows)
+
+
+def slowest_first(kernels: dict[str, tuple[float, float]]) -> list[tuple[str, float, float]]:
+  """{family: (launches, us)} as (family, launches, us) rows, most device time first."""
+  return sorted(((name, n, us) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
 
 
 def _timed_with_kernels(config: ModelConfig, kernels: bool, **kw) -> tuple[float, dict]:
@@ -197,8 +202,7 @@ def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels
   if not measure_layers:
     seconds, per_step = _timed_with_kernels(config, kernels, **kw)
     out = dict(rank_step_s=seconds, measured_layers=[config.num_hidden_layers])
-    return out | (dict(step_kernels=sorted(((n, *v) for n, v in per_step.items()), key=lambda r: -r[2]))
-                  if kernels else {})
+    return out | (dict(step_kernels=slowest_first(per_step)) if kernels else {})
   a, b = measure_layers
   types = config.mlp_layer_types
   if not 0 < a < b <= config.num_hidden_layers or len(set(types[a:])) != 1:
