@@ -1,13 +1,22 @@
-"""The DSA kernels' precision and algorithm switches as absl flags, shared by the experiments
-that build a Runtime (replay, tep_project, multigpu_run): --topk_method, --indexer_queries,
---attention_queries (glmjax.runtime.Runtime's fields of those names)."""
+"""Kernel switches as absl flags, shared by the experiments that build a Runtime (replay,
+tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
+default) and the DSA kernels' --topk_method, --indexer_queries, --attention_queries (`define`);
+glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 
 from absl import flags
 
-from glmjax.runtime import QUERY_DTYPES
+from glmjax.runtime import MATMUL_IMPLS, QUERY_DTYPES
 from pallas_kernels.topk import METHODS
+
+
+def define_matmul(default: str) -> flags.FlagHolder[str]:
+  """--matmul: the weight-only quantized matmuls' implementation."""
+  return flags.DEFINE_enum("matmul", default, list(MATMUL_IMPLS),
+                           "quantized matmuls: xla (dequantize, einsum), pallas (the weight-only kernels; "
+                           "the grouped MoE reads only the chosen experts), pallas_ptx (pallas with the "
+                           "inline-PTX NVFP4 decode)")
 
 
 def define() -> Callable[[], dict[str, str]]:

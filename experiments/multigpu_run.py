@@ -27,7 +27,6 @@ from experiments.step_timing import time_decode_step, with_layers
 from glmjax import parallel
 from glmjax.bench import device_kernel_times
 from glmjax.parallel import comm_model
-from glmjax.runtime import MATMUL_IMPLS
 
 _CONFIG = flags.DEFINE_string("config", "glm5", "model preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "decoder layers to build (0: all of them)")
@@ -37,7 +36,7 @@ _CONTEXT = flags.DEFINE_integer("context", 80_000, "cached tokens")
 _DRAFT = flags.DEFINE_integer("draft_steps", 4, "MTP drafts per step (k)")
 _ACCEPT = flags.DEFINE_float("accept_length", 3.5, "tokens emitted per step (GLM-5 MTP on SGLang: 3.48)")
 _WEIGHTS = flags.DEFINE_enum("weights", "nvfp4_experts", ["bf16", "fp8", "nvfp4_experts", "nvfp4"], "weight layout")
-_MATMUL = flags.DEFINE_enum("matmul", "pallas", list(MATMUL_IMPLS), "quantized matmuls: XLA or the Pallas kernels (pallas_ptx: inline-PTX NVFP4 decode)")
+_MATMUL = kernel_flags.define_matmul("pallas")
 _ATTENTION = flags.DEFINE_enum("attention", "sparse", ["dense", "sparse", "pallas"], "DSA attention")
 _KERNEL_SWITCHES = kernel_flags.define()
 _KV = flags.DEFINE_enum("kv_dtype", "fp8", ["bf16", "fp8"], "KV page storage")

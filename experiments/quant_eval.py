@@ -28,10 +28,11 @@ from absl import app, flags
 
 import glmjax
 from configs import get_model_config
+from experiments import kernel_flags
 from glmjax.config import ModelConfig
 from glmjax.model import init_params
 from glmjax.quant import POLICIES, quantize_params
-from glmjax.runtime import ATTENTION_IMPLS, MATMUL_IMPLS, Runtime, make_runtime
+from glmjax.runtime import ATTENTION_IMPLS, Runtime, make_runtime
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "checkpoints/mini", "HF checkpoint directory; a random --config if absent")
@@ -43,7 +44,7 @@ flags.DEFINE_integer("prompt_len", 64, "tokens per prompt")
 flags.DEFINE_integer("windows", 16, "validation windows the loss averages over")
 flags.DEFINE_integer("seq_len", 256, "tokens per validation window")
 flags.DEFINE_enum("attention", "dense", list(ATTENTION_IMPLS), "DSA attention implementation")
-flags.DEFINE_enum("matmul", "xla", list(MATMUL_IMPLS), "quantized matmul implementation")
+kernel_flags.define_matmul("xla")
 flags.DEFINE_string("dtype", "bfloat16", "params and compute dtype of the plain weights")
 flags.DEFINE_integer("seed", 0, "random init, prompt choice and random-token fallback")
 flags.DEFINE_string("output", "", "write the JSON report here")

@@ -24,7 +24,7 @@ from glmjax.engine.sampling import Sampling
 from glmjax.engine.speculative import SpecConfig
 from glmjax import parallel
 from glmjax.data import load_corpus
-from glmjax.runtime import ATTENTION_IMPLS, MATMUL_IMPLS, make_runtime
+from glmjax.runtime import ATTENTION_IMPLS, make_runtime
 from glmjax.workload import WORKLOADS
 
 FLAGS = flags.FLAGS
@@ -57,7 +57,7 @@ flags.DEFINE_enum("text", "auto", ["auto", "random", "validation"],
                   "checkpoint has a tokenizer.json")
 flags.DEFINE_enum("weights", "bf16", ["bf16", "fp8", "nvfp4_experts", "nvfp4"],
                   "weight format: bf16, block FP8, NVFP4 routed experts, NVFP4 all linears but lm_head")
-flags.DEFINE_enum("matmul", "xla", list(MATMUL_IMPLS), "quantized matmuls through XLA or the Pallas kernels (pallas_ptx: inline-PTX NVFP4 decode)")
+kernel_flags.define_matmul("xla")
 flags.DEFINE_integer("tep", 1, "tensor-and-expert parallel degree (devices in the mesh)")
 flags.DEFINE_string("coordinator_address", "", "multi-host: jax.distributed coordinator host:port")
 flags.DEFINE_integer("num_processes", 1, "multi-host: number of processes")

@@ -18,9 +18,10 @@ which --accept_length supplies.) tep8_shard does not fit one H200 in bf16
 (~197 GB): --measure_layers=a,b times a- and b-layer models and extends linearly to every layer.
 --layer_kernels also profiles both programs once after timing them and prints what one decoder
 layer launches (kernel families by device time: the two programs' difference over their layer
-counts; experiments.step_timing.layer_difference). The collectives come from glmjax.parallel.comm_model (its docstring states the link and latency
-assumptions); the table shows several latencies. The printout also compares the weights the
-rank config holds with what one device holds in the rules' layout (glmjax.parallel.rules).
+counts; experiments.step_timing.layer_difference). The collectives come from
+glmjax.parallel.comm_model (its docstring states the link and latency assumptions); the table
+shows several latencies. The printout also compares the weights the rank config holds with what
+one device holds in the rules' layout (glmjax.parallel.rules).
 """
 
 import json
@@ -40,7 +41,7 @@ from glmjax.config import ModelConfig
 from glmjax.footprint import H200_BANDWIDTH
 from glmjax.model import abstract_params
 from glmjax.parallel import comm_model
-from glmjax.runtime import ATTENTION_IMPLS, MATMUL_IMPLS
+from glmjax.runtime import ATTENTION_IMPLS
 
 _CONFIG = flags.DEFINE_string("config", "tep8_shard", "the model one rank runs (timed here)")
 _FULL = flags.DEFINE_string("full_config", "glm5", "the whole model, for the layout comparison")
@@ -51,8 +52,7 @@ _LAYERS = flags.DEFINE_list("measure_layers", [], "a,b: time a- and b-layer mode
 _ATTENTION = flags.DEFINE_enum("attention", "sparse", list(ATTENTION_IMPLS), "DSA attention")
 _WEIGHTS = flags.DEFINE_enum("weights", "bf16", ["bf16", "fp8", "nvfp4_experts", "nvfp4"],
                              "weight format of the random params (glmjax.quant policies)")
-_MATMUL = flags.DEFINE_enum("matmul", "xla", list(MATMUL_IMPLS),
-                            "xla, or pallas: the grouped MoE kernel reads only the chosen experts")
+_MATMUL = kernel_flags.define_matmul("xla")
 _KV = flags.DEFINE_enum("kv_dtype", "bf16", ["bf16", "fp8"], "KV page storage")
 _KERNEL_SWITCHES = kernel_flags.define()
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "params and compute dtype")
