@@ -19,11 +19,9 @@ import jax
 from absl import app, flags
 
 from experiments import bench_dsa, bench_quant
-from experiments.bench_dsa import dsa_rows
-from experiments.bench_quant import quant_rows
 from glmjax.bench import maybe_profile
 
-SUITES = {"dsa": dsa_rows, "quant": quant_rows}
+SUITES = {"dsa": bench_dsa.dsa_rows, "quant": bench_quant.quant_rows}
 SWEEPS = {"dsa": bench_dsa.config_sweep_rows, "quant": bench_quant.quant_sweep_rows}
 _SUITES = flags.DEFINE_list("suites", list(SUITES), "which suites to run")
 _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
@@ -58,12 +56,10 @@ def main(_):
     raise app.UsageError(f"unknown suites {sorted(unknown)}; known: {sorted(SUITES)}")
   report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 host=platform.node(), jax=jax.__version__, suites={})
-  suites = dict(SUITES, dsa=functools.partial(dsa_rows, contexts=[int(c) for c in _CONTEXTS.value],
-                                              query_tokens=[int(t) for t in _QUERY.value],
-                                              breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value,
-                                              query_dtypes=_QUERIES.value, mla_combines=_COMBINES.value))
-  if _SWEEP.value:
-    suites = SWEEPS
+  suites = SWEEPS if _SWEEP.value else dict(SUITES, dsa=functools.partial(
+      bench_dsa.dsa_rows, contexts=[int(c) for c in _CONTEXTS.value], query_tokens=[int(t) for t in _QUERY.value],
+      breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value, query_dtypes=_QUERIES.value,
+      mla_combines=_COMBINES.value))
   for name in _SUITES.value:
     rows = report["suites"][name] = []
     with maybe_profile(_PROFILE.value and f"{_PROFILE.value}/{name}"):
