@@ -89,8 +89,7 @@ def test_step_bytes_follow_the_switches(context):
 
 def _launch(module: str, args: list[str], log: pathlib.Path, cache: pathlib.Path) -> subprocess.Popen:
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # XLA_FLAGS: conftest's optimization level 0
   with open(log, "w") as f:
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=f,
                             stderr=subprocess.STDOUT)
