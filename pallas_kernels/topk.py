@@ -36,22 +36,23 @@ select program then walks that many candidates three times.
 
 method="sampled" replaces the two full-row histogram passes, measured at about 145 us each for
 64 rows of 131,072 (run 7: the one-hot operands cost about 80 instructions a score), by a
-threshold from a sample, in three launches:
-1. count, grid (rows, splits): every program takes the row's strided sample (every
-   n / `sample`-th score; 4096 by default), resolves the 16-bit prefix P of its r_lo-th largest
-   key with two histograms of the sample (r_lo: the sample rank of the row's k-th score plus
-   4 sigma, `sample_plan`), then counts the keys of its chunk with prefix >= P: a compare and an
-   add a score, not a histogram.
-2. compaction, same grid: the keys with prefix >= P, in index order (offsets from the chunks'
+threshold from a sample, in four launches:
+1. threshold, one program per row: the row's strided sample (every n / `sample`-th score; 4096
+   by default) gives the 16-bit prefix P of its r_lo-th largest key by two histograms (r_lo: the
+   sample rank of the row's k-th score plus 4 sigma, `sample_plan`).
+2. count, grid (rows, splits): every program counts the keys of its chunk with prefix >= P: a
+   compare and an add a score, not a histogram.
+3. compaction, same grid: the keys with prefix >= P, in index order (offsets from the chunks'
    counts), go to a per-row buffer of twice the expected number (about 6K at k=2048 of 131,072).
-3. select, one program per row: if the buffer holds at least k keys (or every valid key) and did
+4. select, one program per row: if the buffer holds at least k keys (or every valid key) and did
    not overflow, the four digits are resolved over it alone; otherwise (a sample more than
    4 sigma off, or a row of many equal scores) over the whole row. Exact either way.
-Measured (BENCHMARKS.md run 10): 287 us for 64 rows of 131,072 against 382 us for the radix
-select, but 145 us against 36 us for one row. Each count program re-derives the row's threshold
-from the whole sample (43 us at one row, 149 us at 64), and each select walks its 3-6K
-candidates in one program (60-80 us); the estimate of 20-30 us assumed both cheap. The radix
-select stays the default.
+Measured (BENCHMARKS.md run 10, with the threshold then derived inside every count program):
+287 us for 64 rows of 131,072 against 382 us for the radix select, but 145 us against 36 us for
+one row. The count launch took 43 us at one row and 149 us at 64, each of its programs redoing
+the row's sample histograms; launch 1 now does them once per row (not yet timed on the GPU).
+Each select walks its 3-6K candidates in one program (60-80 us). The radix select stays the
+default.
 
 Output order: the set, as two ascending runs (the keys above P, then the chosen candidates;
 method="sampled": one ascending run), then -1 for slots beyond the row's valid entries. Sorting
@@ -500,14 +501,17 @@ def _sample_prefix(row_ref, *, sample: int, stride: int, r_lo: int, block: int):
   return prefix
 
 
-def _sample_count_kernel(row_ref, chunk_ref, prefix_ref, count_ref, *, n: int, chunk: int,
-                         block: int, sample: int, plan: SamplePlan):
-  """The row's threshold (every program of the row computes the same one) and this chunk's
-  number of candidates."""
-  # row_ref [n] f32 (the whole row: its sample) ; chunk_ref [chunk] f32 ; prefix_ref, count_ref
-  # [] i32 (this program's)
-  prefix = _sample_prefix(row_ref, sample=sample, stride=plan.stride, r_lo=plan.r_lo,
-                          block=min(block, sample))
+def _sample_threshold_kernel(row_ref, prefix_ref, *, sample: int, plan: SamplePlan, block: int):
+  """The row's threshold: the 16-bit prefix of its sample's r_lo-th largest key."""
+  # row_ref [n] f32 (the whole row: its sample) ; prefix_ref [] i32 (the row's)
+  prefix = _sample_prefix(row_ref, sample=sample, stride=plan.stride, r_lo=plan.r_lo, block=block)
+  prefix_ref[...] = prefix.astype(jnp.int32)
+
+
+def _sample_count_kernel(chunk_ref, prefix_ref, count_ref, *, n: int, chunk: int, block: int):
+  """This chunk's number of candidates (keys with prefix >= the row's threshold)."""
+  # chunk_ref [chunk] f32 ; prefix_ref [] i32 (the row's) ; count_ref [] i32 (this program's)
+  prefix = prefix_ref[...].astype(jnp.uint32)
   start = pl.program_id(1) * chunk
 
   def body(i, count):
@@ -515,17 +519,16 @@ def _sample_count_kernel(row_ref, chunk_ref, prefix_ref, count_ref, *, n: int, c
     return count + jnp.sum((inside & _is_candidate(order_key(score), prefix)).astype(jnp.int32))
 
   count_ref[...] = lax.fori_loop(0, chunk // block, body, jnp.int32(0))
-  prefix_ref[...] = prefix.astype(jnp.int32)
 
 
 def _compact_kernel(chunk_ref, prefix_ref, count_ref, cand_ref, cand_pos_ref, *, n: int,
                     chunk: int, block: int, splits: int, capacity: int):
   """This chunk's candidates -> the row's buffer, in index order (the chunks' counts give each
   its offset); candidates past `capacity` are dropped (the select then falls back)."""
-  # chunk_ref [chunk] f32 ; prefix_ref, count_ref [splits] i32 (the row's)
+  # chunk_ref [chunk] f32 ; prefix_ref [] i32 ; count_ref [splits] i32 (the row's)
   # cand_ref [capacity] f32 ; cand_pos_ref [capacity] i32 (the row's)
   s = pl.program_id(1)
-  prefix = prefix_ref[0].astype(jnp.uint32)
+  prefix = prefix_ref[...].astype(jnp.uint32)
   offset = jnp.sum(jnp.where(jnp.arange(splits, dtype=jnp.int32) < s, count_ref[...], 0))
   start = s * chunk
 
@@ -548,8 +551,8 @@ def _sampled_select_kernel(cand_ref, cand_pos_ref, row_ref, prefix_ref, count_re
   threshold is -inf's prefix), and no overflow. Otherwise (a sample more than 4 sigma off, or
   a row of many equal scores) the same select over the whole row: exact either way."""
   # cand_ref [capacity] f32 ; cand_pos_ref [capacity] i32 ; row_ref [n] f32
-  # prefix_ref, count_ref [splits] i32 ; out_ref [k] i32 ; fallback_ref [] i32
-  prefix = prefix_ref[0]
+  # prefix_ref [] i32 ; count_ref [splits] i32 ; out_ref [k] i32 ; fallback_ref [] i32
+  prefix = prefix_ref[...]
   found = jnp.sum(count_ref[...])
   fast = ((found <= capacity) & ((found >= k) | (prefix == 0))).astype(jnp.int32)
   # One of the two sources has entries (integer blends: Triton takes no scalar-predicated select here).
@@ -576,23 +579,33 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   chunk = split_chunk(n, splits, block)
   chunk_spec = pl.BlockSpec((None, chunk), lambda r, s: (r, s))
   row_spec = lambda width: pl.BlockSpec((None, width), lambda r, *_: (r, 0))
-  per_program = pl.BlockSpec((None, None), lambda r, s: (r, s))
-  prefix, counts = pl.pallas_call(
-      functools.partial(_sample_count_kernel, n=n, chunk=chunk, block=block, sample=config.sample,
-                        plan=plan),
+  per_row = pl.BlockSpec((None,), lambda r, *_: (r,))
+  prefix = pl.pallas_call(
+      functools.partial(_sample_threshold_kernel, sample=config.sample, plan=plan,
+                        block=min(block, config.sample)),
+      grid=(rows,),
+      in_specs=[row_spec(n)],
+      out_specs=per_row,
+      out_shape=jax.ShapeDtypeStruct((rows,), jnp.int32),
+      compiler_params=_params(config),
+      interpret=interpret,
+      name="topk_sample_threshold",
+  )(scores)
+  counts = pl.pallas_call(
+      functools.partial(_sample_count_kernel, n=n, chunk=chunk, block=block),
       grid=(rows, splits),
-      in_specs=[row_spec(n), chunk_spec],
-      out_specs=[per_program, per_program],
-      out_shape=[jax.ShapeDtypeStruct((rows, splits), jnp.int32)] * 2,
+      in_specs=[chunk_spec, per_row],
+      out_specs=pl.BlockSpec((None, None), lambda r, s: (r, s)),
+      out_shape=jax.ShapeDtypeStruct((rows, splits), jnp.int32),
       compiler_params=_params(config),
       interpret=interpret,
       name="topk_sample_count",
-  )(scores, scores)
+  )(scores, prefix)
   cand, cand_pos = pl.pallas_call(
       functools.partial(_compact_kernel, n=n, chunk=chunk, block=block, splits=splits,
                         capacity=plan.capacity),
       grid=(rows, splits),
-      in_specs=[chunk_spec, row_spec(splits), row_spec(splits)],
+      in_specs=[chunk_spec, per_row, row_spec(splits)],
       out_specs=[row_spec(plan.capacity)] * 2,
       out_shape=[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.float32),
                  jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32)],
@@ -603,9 +616,9 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   return pl.pallas_call(
       functools.partial(_sampled_select_kernel, k=k, n=n, block=block, capacity=plan.capacity),
       grid=(rows,),
-      in_specs=[row_spec(plan.capacity), row_spec(plan.capacity), row_spec(n), row_spec(splits),
+      in_specs=[row_spec(plan.capacity), row_spec(plan.capacity), row_spec(n), per_row,
                 row_spec(splits)],
-      out_specs=[row_spec(k), pl.BlockSpec((None,), lambda r: (r,))],
+      out_specs=[row_spec(k), per_row],
       out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)],
       compiler_params=_params(config),
       interpret=interpret,
