@@ -1,4 +1,4 @@
-"""Weight-only quantized matmuls on GLM-5 shapes: NVFP4 / block-FP8 Pallas kernels against XLA.
+"""Skinny matmuls on GLM-5 shapes: the NVFP4 / block-FP8 / bf16 Pallas kernels against XLA.
 
 `quant_rows(quick=False)` yields one dict per (case, implementation), each case as it is
 measured; experiments/kernels_bench.py prints them. Every case times, in the same run, XLA's bf16
@@ -10,10 +10,12 @@ weights (+ scales) an implementation must read plus the activations in and out; 
 only the distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX decode
 (`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`).
-`frac_of_copy` is against the H200's 4.22 TB/s copy.
+The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
+pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). `frac_of_copy` is against
+the H200's 4.22 TB/s copy.
 
-Cases: GEMV [M, 8192] x [8192, 28672] at M = 1, 8; one GLM-5 expert's gate/up [2048, 6144] and
-down [6144, 2048] at M = 1, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
+Cases: GEMV [M, 8192] x [8192, 28672]; one GLM-5 expert's gate/up [2048, 6144] and down
+[6144, 2048] (the shapes of a TEP=8 rank's q_a_proj and o_proj too); each at M = 1, 5, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
 (one TEP=8 rank), D = 6144, I = 2048. `quick=True`: tiny shapes for a CPU (interpret) smoke test.
 """
 
@@ -26,6 +28,7 @@ import numpy as np
 
 from glmjax.bench import agreement, bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
+from pallas_kernels.bf16_matmul import bf16_matmul
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.nvfp4_matmul import DECODES, MatmulConfig, default_config, nvfp4_matmul
@@ -60,14 +63,16 @@ def _kernel_entry(fmt: str, kernel: Callable, reference: Callable, args: tuple, 
 
 
 def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float], seed: int = 0):
-  """x bf16 [m, k] @ w[n, k].T: XLA bf16, then per format XLA dequant+matmul and the kernel."""
+  """x bf16 [m, k] @ w[n, k].T: XLA bf16 and the bf16 split-K kernel, then per format XLA
+  dequant+matmul and the kernel."""
   kx, kw = jax.random.split(jax.random.key(seed))
   x = jax.random.normal(kx, (m, k), jnp.bfloat16)
   w = jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02
   act_bytes = (m * k + m * n) * 2
   bf16 = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w))
   xla_dequant = jax.jit(functools.partial(linear, impl="xla"))
-  timed = [("bf16", "xla", timer(bf16, x, w), n * k * 2 + act_bytes)]
+  timed = [("bf16", "xla", timer(bf16, x, w), n * k * 2 + act_bytes),
+           _kernel_entry("bf16", bf16_matmul, bf16, (x, w), n * k * 2 + act_bytes, timer)]
   for fmt, (quantize, kernel) in FORMATS.items():
     q = quantize(w)
     nbytes = _nbytes(q) + act_bytes
@@ -182,6 +187,6 @@ def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
     gemv = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)]
     moe = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
   for name, n, k in gemv:
-    for m in (1, 8):
+    for m in (1, 5, 8):
       yield from gemv_rows(m, n, k, name=name, timer=timer)
   yield from moe_rows(**moe, timer=timer)

@@ -88,11 +88,11 @@ class MLAttention(nn.Module):
                            c.kv_lora_rank, c.v_head_dim)
     with jax.named_scope("mla_proj"):
       q_resid = RMSNorm(1e-6, name="q_a_layernorm", **kw)(
-          Linear(c.q_lora_rank, ("q_lora", "embed"), name="q_a_proj", **kw)(x, matmul=runtime.matmul))
-      q = Linear(h * c.qk_head_dim, ("heads", "q_lora"), name="q_b_proj", **kw)(q_resid, matmul=runtime.matmul)
+          Linear(c.q_lora_rank, ("q_lora", "embed"), name="q_a_proj", **kw)(x, **runtime.linear_impls))
+      q = Linear(h * c.qk_head_dim, ("heads", "q_lora"), name="q_b_proj", **kw)(q_resid, **runtime.linear_impls)
       q = q.reshape(b, t, h, c.qk_head_dim)
       q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos, sin)
-      kv_a = Linear(r + rope, (None, "embed"), name="kv_a_proj_with_mqa", **kw)(x, matmul=runtime.matmul)
+      kv_a = Linear(r + rope, (None, "embed"), name="kv_a_proj_with_mqa", **kw)(x, **runtime.linear_impls)
       latent = RMSNorm(1e-6, name="kv_a_layernorm", **kw)(kv_a[..., :r])  # [b, t, r]
       k_pe = apply_rope(kv_a[..., r:], cos, sin)                            # [b, t, p]
       kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()
@@ -114,7 +114,7 @@ class MLAttention(nn.Module):
       out, topk, new_layer = self._cached(q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
                                           cache, cache_slot, runtime)
     out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype),
-                                                                          matmul=runtime.matmul)
+                                                                          **runtime.linear_impls)
     return out, topk, new_layer
 
   def _reference(self, q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime):

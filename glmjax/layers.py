@@ -27,10 +27,10 @@ class Linear(nn.Module):
   init_std: float = 0.02
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, matmul: str = "xla") -> jax.Array:
+  def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla") -> jax.Array:
     weight = quant.param(self, "weight", nn.with_logical_partitioning(init_normal(self.init_std), self.axes),
                          (self.features, x.shape[-1]), self.param_dtype)
-    return linear(x.astype(self.dtype), weight, impl=matmul)
+    return linear(x.astype(self.dtype), weight, impl=matmul, dense=dense)
 
 
 class RMSNorm(nn.Module):
@@ -98,11 +98,12 @@ class MLP(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, matmul: str = "xla") -> jax.Array:
+  def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla") -> jax.Array:
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    gate = Linear(self.intermediate_size, ("mlp", "embed"), name="gate_proj", **kw)(x, matmul=matmul)
-    up = Linear(self.intermediate_size, ("mlp", "embed"), name="up_proj", **kw)(x, matmul=matmul)
-    return Linear(self.hidden_size, ("embed", "mlp"), name="down_proj", **kw)(nn.silu(gate) * up, matmul=matmul)
+    impls = dict(matmul=matmul, dense=dense)
+    gate = Linear(self.intermediate_size, ("mlp", "embed"), name="gate_proj", **kw)(x, **impls)
+    up = Linear(self.intermediate_size, ("mlp", "embed"), name="up_proj", **kw)(x, **impls)
+    return Linear(self.hidden_size, ("embed", "mlp"), name="down_proj", **kw)(nn.silu(gate) * up, **impls)
 
 
 def split_last(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:

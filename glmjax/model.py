@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
       else:
-        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, matmul=runtime.matmul)
+        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.linear_impls)
     return x + h.astype(x.dtype), topk, layer_cache
 
 
@@ -74,7 +74,7 @@ class MTPBlock(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     joined = jnp.concatenate([RMSNorm(c.rms_norm_eps, name="enorm", **kw)(embedded),
                               RMSNorm(c.rms_norm_eps, name="hnorm", **kw)(hidden)], axis=-1)
-    x = Linear(c.hidden_size, ("embed", None), name="eh_proj", **kw)(joined, matmul=runtime.matmul)
+    x = Linear(c.hidden_size, ("embed", None), name="eh_proj", **kw)(joined, **runtime.linear_impls)
     x, topk, layer_cache = DecoderLayer(c, c.num_hidden_layers, True, True, name="block", **kw)(
         x, cos, sin, prev_topk, positions=positions, runtime=runtime, cache=cache, cache_slot=0)
     return x, RMSNorm(c.rms_norm_eps, name="shared_head_norm", **kw)(x), topk, layer_cache

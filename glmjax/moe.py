@@ -123,14 +123,14 @@ class MoE(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     flat = x.reshape(-1, x.shape[-1])
     ids, weights = Router(c, self.param_dtype, name="gate")(flat)
-    matmul = "xla" if runtime is None else runtime.matmul
+    impls = dict(matmul="xla", dense="xla") if runtime is None else runtime.linear_impls
     tep_mesh = mesh.active_mesh()
     if tep_mesh is not None and not self.is_initializing():
       params = self.variables["params"]
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
-                                matmul=matmul, mesh=tep_mesh, **kw)
+                                mesh=tep_mesh, **impls, **kw)
       return out.reshape(x.shape)
-    routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=matmul)
+    routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"])
     shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, name="shared_experts", **kw)(
-        x, matmul=matmul)
+        x, **impls)
     return routed.reshape(x.shape).astype(self.dtype) + shared

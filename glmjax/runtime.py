@@ -8,7 +8,7 @@ import dataclasses
 from typing import Literal
 
 from glmjax.config import ModelConfig, derive_indexer_types
-from glmjax.quant import IMPLS
+from glmjax.quant import DENSE_IMPLS, IMPLS
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
@@ -22,7 +22,8 @@ class Runtime:
   gather of the selected tokens and lax.top_k), pallas (the kernels in pallas_kernels/).
   indexer_pattern: per decoder layer, whether it runs its own indexer (else it reuses the
   nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas
-  (pallas_ptx: Pallas with the inline-PTX NVFP4 decode).
+  (pallas_ptx: Pallas with the inline-PTX NVFP4 decode). dense_matmul: the model's plain bf16
+  linears at decode, XLA's einsum or the split-K Pallas GEMV (pallas_kernels/bf16_matmul.py).
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
@@ -40,6 +41,7 @@ class Runtime:
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None
   matmul: str = "xla"
+  dense_matmul: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "radix"
   indexer_queries: str = "float32"
@@ -52,12 +54,19 @@ class Runtime:
       raise ValueError(f"topk_ties must be 'index' or 'torch_cpu', got {self.topk_ties!r}")
     if self.matmul not in MATMUL_IMPLS:
       raise ValueError(f"matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
+    if self.dense_matmul not in DENSE_IMPLS:
+      raise ValueError(f"dense_matmul must be one of {DENSE_IMPLS}, got {self.dense_matmul!r}")
     for name in ("indexer_queries", "attention_queries"):
       if getattr(self, name) not in QUERY_DTYPES:
         raise ValueError(f"{name} must be one of {QUERY_DTYPES}, got {getattr(self, name)!r}")
     from pallas_kernels.topk import METHODS  # the kernels import glmjax: imported when needed
     if self.topk_method not in METHODS:
       raise ValueError(f"topk_method must be one of {METHODS}, got {self.topk_method!r}")
+
+  @property
+  def linear_impls(self) -> dict[str, str]:
+    """The keyword arguments of `Linear` / `MLP` calls: quantized and plain-weight matmuls."""
+    return dict(matmul=self.matmul, dense=self.dense_matmul)
 
   def runs_indexer(self, layer_id: int, has_indexer: bool) -> bool:
     """Without a pattern, layers that have indexer weights run them. Layers past the pattern
@@ -68,8 +77,8 @@ class Runtime:
 
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
-                 matmul: str = "xla", topk_method: str = "radix", indexer_queries: str = "float32",
-                 attention_queries: str = "float32") -> Runtime:
+                 matmul: str = "xla", dense_matmul: str = "xla", topk_method: str = "radix",
+                 indexer_queries: str = "float32", attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
   if index_share == "on":
@@ -82,4 +91,4 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
       raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
-                 topk_method=topk_method, indexer_queries=indexer_queries, attention_queries=attention_queries)
+                 dense_matmul=dense_matmul, topk_method=topk_method, indexer_queries=indexer_queries, attention_queries=attention_queries)

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.fp8_block import BLOCK, FP8BlockWeight
-from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, default_config,
-                                         dot_t, load_tile, range_mask, store_tile)
+from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, default_config, dot_t,
+                                         load_tile, range_mask, skinny_call, skinny_rows, split_k_loop,
+                                         store_tile)
 
 
 def check_fp8_config(config: MatmulConfig) -> None:
@@ -52,9 +52,6 @@ def _fp8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, n: int, k: int
   rows_ok = range_mask(0, block_m, m)
   n_block = pl.program_id(0)
   n_ok = range_mask(n_block * bn, bn, n)
-  steps = pl.cdiv(k, bk)
-  per_split = pl.cdiv(steps, config.split_k)
-  first = pl.program_id(1) * per_split
 
   def body(step, acc):
     x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
@@ -62,31 +59,20 @@ def _fp8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, n: int, k: int
                              rows_ok=n_ok)
     return acc + dot_t(x, w) * scale
 
-  acc = lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
-                      jnp.zeros((block_m, bn), jnp.float32))
+  acc = split_k_loop(body, k=k, block_m=block_m, config=config)
   store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)
 
 
 def _fp8_matmul(x: jax.Array, w: FP8BlockWeight, config: MatmulConfig, interpret: bool) -> jax.Array:
   (m, k), n = x.shape, w.shape[0]
-  bn, bk, split = config.block_n, config.block_k, config.split_k
-  block_m = max(16, pl.next_power_of_2(m))
+  bn, bk = config.block_n, config.block_k
+  block_m = skinny_rows(m)
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
-  out = pl.pallas_call(
-      functools.partial(_fp8_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config),
-      out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32 if split > 1 else x.dtype),
-      grid=(pl.cdiv(n, bn), split),
-      in_specs=[
-          pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
-          pl.BlockSpec((bn, kp), lambda j, s: (j, 0)),
-          pl.BlockSpec(w.scale_inv.shape, lambda j, s: (0, 0)),
-      ],
-      out_specs=pl.BlockSpec((None, block_m, bn), lambda j, s: (s, 0, j)),
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="fp8_matmul",
-  )(x, w.weight, w.scale_inv)
-  return out[0] if split == 1 else out.sum(0).astype(x.dtype)
+  kernel = functools.partial(_fp8_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config)
+  specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)), pl.BlockSpec((bn, kp), lambda j, s: (j, 0)),
+           pl.BlockSpec(w.scale_inv.shape, lambda j, s: (0, 0))]
+  return skinny_call(kernel, [x, w.weight, w.scale_inv], specs, m=m, n=n, dtype=x.dtype, config=config,
+                     interpret=interpret, name="fp8_matmul")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))

@@ -139,6 +139,40 @@ def dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
   return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def split_k_loop(body, *, k: int, block_m: int, config: MatmulConfig) -> jax.Array:
+  """fp32 [block_m, block_n] sum of body(step, acc) over this program's share of the K steps
+  (program axis 1 is the split)."""
+  steps = pl.cdiv(k, config.block_k)
+  per_split = pl.cdiv(steps, config.split_k)
+  first = pl.program_id(1) * per_split
+  return lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
+                       jnp.zeros((block_m, config.block_n), jnp.float32))
+
+
+def skinny_rows(m: int) -> int:
+  """Rows of the x tile: M padded to the tensor cores' 16."""
+  return max(16, pl.next_power_of_2(m))
+
+
+def skinny_call(kernel, inputs, in_specs, *, m: int, n: int, dtype, config: MatmulConfig,
+                interpret: bool, name: str) -> jax.Array:
+  """The (N / block_n, split_k) launch of a skinny-matmul kernel -> [M, N] in dtype. The kernel
+  writes its [block_m, block_n] tile of an [split_k, M, N] output (fp32 when split: XLA sums
+  the partials)."""
+  split = config.split_k
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32 if split > 1 else dtype),
+      grid=(pl.cdiv(n, config.block_n), split),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, skinny_rows(m), config.block_n), lambda j, s: (s, 0, j)),
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name=name,
+  )(*inputs)
+  return out[0] if split == 1 else out.sum(0).astype(dtype)
+
+
 def decode_nvfp4(packed: jax.Array, scale: jax.Array) -> jax.Array:
   """uint8 [r, c] (two codes per byte) and e4m3 [r, c/8] -> bf16 [r, 2c] = E2M1 * scale * 2^-14.
 
@@ -248,9 +282,6 @@ def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Ma
   bn, bk = config.block_n, config.block_k
   rows_ok = range_mask(0, block_m, m)
   n_ok = range_mask(pl.program_id(0) * bn, bn, n)
-  steps = pl.cdiv(k, bk)
-  per_split = pl.cdiv(steps, config.split_k)
-  first = pl.program_id(1) * per_split
 
   def body(step, acc):
     if config.decode == "jnp":
@@ -261,38 +292,26 @@ def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Ma
     w = load_nvfp4_halves(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok, ptx=not interpret)
     return acc + dot_halves(x, w)
 
-  acc = lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
-                      jnp.zeros((block_m, bn), jnp.float32))
+  acc = split_k_loop(body, k=k, block_m=block_m, config=config)
   out = acc * (global_ref[0] * DECODE_SCALE)
   store_tile(o_ref, out.astype(o_ref.dtype), rows_ok, n_ok)
 
 
 def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret: bool) -> jax.Array:
   (m, k), n = x.shape, w.shape[0]
-  bn, bk, split = config.block_n, config.block_k, config.split_k
-  block_m = max(16, pl.next_power_of_2(m))
+  bn, bk = config.block_n, config.block_k
+  block_m = skinny_rows(m)
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
   xs, x_specs = [x], [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0))]
   if config.decode == "ptx":
     xs = column_halves(x)
     x_specs = [pl.BlockSpec((block_m, kp // 2), lambda j, s: (0, 0))] * 2
-  out = pl.pallas_call(
-      functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config,
-                        interpret=interpret),
-      out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32 if split > 1 else x.dtype),
-      grid=(pl.cdiv(n, bn), split),
-      in_specs=[
-          *x_specs,
-          pl.BlockSpec((bn, kp // 2), lambda j, s: (j, 0)),
-          pl.BlockSpec((bn, kp // BLOCK), lambda j, s: (j, 0)),
-          pl.BlockSpec((1,), lambda j, s: (0,)),
-      ],
-      out_specs=pl.BlockSpec((None, block_m, bn), lambda j, s: (s, 0, j)),
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="nvfp4_matmul",
-  )(*xs, w.packed, w.block_scale, w.global_scale.reshape(1))
-  return out[0] if split == 1 else out.sum(0).astype(x.dtype)
+  kernel = functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config,
+                             interpret=interpret)
+  specs = [*x_specs, pl.BlockSpec((bn, kp // 2), lambda j, s: (j, 0)),
+           pl.BlockSpec((bn, kp // BLOCK), lambda j, s: (j, 0)), pl.BlockSpec((1,), lambda j, s: (0,))]
+  return skinny_call(kernel, [*xs, w.packed, w.block_scale, w.global_scale.reshape(1)], specs, m=m, n=n,
+                     dtype=x.dtype, config=config, interpret=interpret, name="nvfp4_matmul")
 
 
 def check_skinny_input(x: jax.Array, shape: tuple[int, ...], name: str) -> None:

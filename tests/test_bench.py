@@ -73,6 +73,25 @@ def test_quant_sweep_covers_both_decodes():
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
 
 
+def test_gemv_rows_time_every_impl_against_xla_bf16():
+  """A GEMV case's rows: XLA bf16 first (the speedup reference), the bf16 split-K kernel and
+  each format's kernels checked against XLA on the timed inputs, bytes by format."""
+  from experiments.bench_quant import gemv_rows
+  seconds = {"bf16": 4e-6, "nvfp4": 1e-6, "fp8": 2e-6}
+  timer = lambda fn, *args: seconds["fp8" if "FP8" in type(args[-1]).__name__ else
+                                    "nvfp4" if "NVFP4" in type(args[-1]).__name__ else "bf16"]
+  rows = gemv_rows(3, 96, 160, name="t", timer=timer)
+  impls = [(r["format"], r["impl"]) for r in rows]
+  assert impls[:2] == [("bf16", "xla"), ("bf16", "pallas")] and ("nvfp4", "pallas_ptx") in impls
+  checked = [r for r in rows if r["impl"].startswith("pallas")]
+  assert len(checked) == 4 and all(r["max_rel_err"] <= 1e-2 for r in checked)
+  by = {(r["format"], r["impl"]): r for r in rows}
+  acts = (3 * 160 + 3 * 96) * 2
+  assert by["bf16", "pallas"]["bytes"] == 96 * 160 * 2 + acts
+  assert by["nvfp4", "pallas"]["bytes"] == 96 * 80 + 96 * 10 + 8 + acts  # codes, e4m3 scales, 2 f32
+  assert by["nvfp4", "pallas"]["speedup_vs_bf16"] == pytest.approx(4.0)
+
+
 def test_layer_kernels_from_two_programs():
   """One layer's kernels: families match across programs despite XLA's numbering, per-step counts
   divide by the loop's steps, and what both programs launch alike cancels."""

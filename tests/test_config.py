@@ -213,9 +213,9 @@ def test_tep8_shard_preset():
                              vocab_size=154880, rank_local_experts=0) == full
 
 
-@pytest.mark.parametrize("field,value", [("attention", "flash"), ("matmul", "cublas"), ("topk_ties", "random"),
-                                         ("topk_method", "sort"), ("indexer_queries", "float16"),
-                                         ("attention_queries", "int8")])
+@pytest.mark.parametrize("field,value", [("attention", "flash"), ("matmul", "cublas"), ("dense_matmul", "cublas"),
+                                         ("topk_ties", "random"), ("topk_method", "sort"),
+                                         ("indexer_queries", "float16"), ("attention_queries", "int8")])
 def test_runtime_rejects_unknown_switches(field, value):
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match=field):

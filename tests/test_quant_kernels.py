@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
+from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_reference
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
 from pallas_kernels.nvfp4_matmul import MatmulConfig, nvfp4_matmul, nvfp4_matmul_reference
@@ -44,9 +45,14 @@ SKINNY_CASES = [(1, 272, 200, None), (3, 272, 200, None), (16, 272, 200, None),
 FP8_CASES = [(1, 300, 200, None), (3, 300, 130, None), (16, 272, 200, None),
              (5, 512, 256, MatmulConfig(block_n=64, block_k=64, split_k=2))]
 
-# (format tag, quantize, kernel, reference): each weight-only kernel against its reference.
+# The bf16 split-K GEMV: ragged tiles, and (5, 2048, 200) where the default config splits K 8 ways.
+BF16_CASES = [(1, 300, 200, None), (3, 272, 130, None), (16, 272, 200, None), (5, 2048, 200, None),
+              (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3))]
+
+# (format tag, quantize, kernel, reference, cases): each skinny kernel against its reference.
 WEIGHT_ONLY = {"nvfp4": (1, quantize_nvfp4, nvfp4_matmul, nvfp4_matmul_reference, SKINNY_CASES),
-           "fp8": (2, quantize_fp8_block, fp8_matmul, fp8_matmul_reference, FP8_CASES)}
+               "fp8": (2, quantize_fp8_block, fp8_matmul, fp8_matmul_reference, FP8_CASES),
+               "bf16": (7, lambda w: w.astype(jnp.bfloat16), bf16_matmul, bf16_matmul_reference, BF16_CASES)}
 
 
 @pytest.mark.parametrize("fmt,m,k,n,config", [(f, *case) for f, v in WEIGHT_ONLY.items() for case in v[-1]])
@@ -163,6 +169,10 @@ def test_bad_inputs_raise():
     fp8_matmul(x[:, :48], q8)
   with pytest.raises(ValueError, match="NVFP4Weight"):
     nvfp4_matmul(x, q8)
+  with pytest.raises(ValueError, match="bf16 weight"):
+    bf16_matmul(x, jnp.asarray(w))
+  with pytest.raises(ValueError, match="M must be"):
+    bf16_matmul(jnp.zeros((17, 64), jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))
   with pytest.raises(ValueError, match="<= 128"):
     fp8_matmul(x, q8, config=MatmulConfig(block_k=256))
   with pytest.raises(ValueError, match="power of two"):
@@ -188,7 +198,8 @@ def test_kernels_lower_to_triton_for_h200():
   cases = [(nvfp4_matmul, (x, shape(quantize_nvfp4, (200, 272)))),
            (functools.partial(nvfp4_matmul, config=MatmulConfig(decode="ptx")),
             (x, shape(quantize_nvfp4, (200, 272)))),
-           (fp8_matmul, (x, shape(quantize_fp8_block, (200, 272))))]
+           (fp8_matmul, (x, shape(quantize_fp8_block, (200, 272)))),
+           (bf16_matmul, (x, jax.ShapeDtypeStruct((200, 272), jnp.bfloat16)))]
   for fmt in FORMATS.values():
     cases.append((moe_grouped_matmul, (*moe[:3], *(jax.eval_shape(fmt, w) for w in moe[3:]))))
   cases.append((functools.partial(moe_grouped_matmul, config=MoEConfig(decode="ptx")),

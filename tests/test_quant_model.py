@@ -121,6 +121,16 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
     assert rel_err(ptx, pallas) <= 2e-3
 
 
+def test_dense_pallas_matmul_matches_xla(params_bf16):
+  """bf16 weights, 8 rows, dense_matmul="pallas": the split-K GEMV replaces exactly the plain bf16
+  linears (4 attention projections a layer, the dense MLP's 3 and the shared expert's 3; not the
+  fp32 indexer's, the lm_head or the routed experts), close to XLA's einsum."""
+  ids = tokens(9, 1, 8)
+  run = lambda p, dense: glmjax.forward(CONFIG, p, ids, runtime=Runtime(dense_matmul=dense))
+  assert kernel_launches(jax.make_jaxpr(lambda p: run(p, "pallas"))(params_bf16).jaxpr) == 4 * 2 + 3 + 3
+  assert rel_err(run(params_bf16, "pallas"), run(params_bf16, "xla")) <= 2e-2
+
+
 @pytest.mark.parametrize("quantize", [quantize_nvfp4, quantize_fp8_block])
 def test_linear_checks_a_quantized_weights_logical_shape(quantize):
   x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 32)), jnp.float32)

@@ -15,7 +15,9 @@ nvfp4_matmul.MAX_ROWS rows), else the XLA path: more rows are compute-bound, and
 bf16 only (not the fp32 indexer or fp32 models). impl="pallas_ptx" is "pallas" with the NVFP4
 tiles decoded by inline PTX (MatmulConfig / MoEConfig decode="ptx"; on the H200 the GEMV
 [1, 8192] x [8192, 28672] takes 97 us against 124 us, BENCHMARKS.md run 10). Plain arrays always
-take the plain einsum: it is the reference model path and XLA's bf16 GEMV is already at copy speed.
+take the plain einsum, unless dense="pallas": then decode-sized bf16 x against a bf16 weight runs
+the split-K GEMV of pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for
+wide outputs: 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10).
 """
 
 import math
@@ -29,16 +31,19 @@ from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
 from glmjax.quant.policy import POLICIES, quantize_leaf, quantize_params, quantizes
 
 IMPLS = ("xla", "pallas", "pallas_ptx")
+DENSE_IMPLS = ("xla", "pallas")  # plain bf16 weights: XLA's einsum or the split-K Pallas GEMV
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
-__all__ = ["FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight",
+__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight",
            "linear", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
            "quantize_params", "quantizes"]
 
 
-def _check_impl(impl: str) -> None:
+def _check_impl(impl: str, dense: str = "xla") -> None:
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if dense not in DENSE_IMPLS:
+    raise ValueError(f"dense must be one of {DENSE_IMPLS}, got {dense!r}")
 
 
 def _decode(impl: str) -> str:
@@ -68,19 +73,23 @@ def param(module: nn.Module, name: str, init_fn, shape: tuple[int, ...], dtype):
   return module.param(name, init_fn, shape, dtype)
 
 
-def linear(x: jax.Array, w, *, impl: str = "xla") -> jax.Array:
+def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla") -> jax.Array:
   """x [..., in] @ w.T for w of logical shape [out, in] -> [..., out] in x.dtype.
 
-  Plain array: `jnp.einsum('...k,nk->...n', x, w)`, untouched. Quantized, impl="xla": dequantize
-  to x.dtype, einsum with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny kernel for
-  decode-sized bf16 x, else the XLA path (see the module docstring).
+  Plain array: `jnp.einsum('...k,nk->...n', x, w)`, untouched, unless dense="pallas" (the split-K
+  bf16 GEMV for decode-sized bf16 x and w). Quantized, impl="xla": dequantize to x.dtype, einsum
+  with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny kernel for decode-sized bf16 x,
+  else the XLA path (see the module docstring).
   """
-  _check_impl(impl)
+  _check_impl(impl, dense)
+  rows = math.prod(x.shape[:-1])
   if not isinstance(w, QuantizedWeight):
-    return jnp.einsum("...k,nk->...n", x, w)
+    if dense == "xla" or w.dtype != jnp.bfloat16 or not _kernel_sized(x, rows):
+      return jnp.einsum("...k,nk->...n", x, w)
+    from pallas_kernels.bf16_matmul import bf16_matmul
+    return bf16_matmul(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
   if w.ndim != 2 or w.shape[1] != x.shape[-1]:
     raise ValueError(f"linear: weight must be [out, in={x.shape[-1]}], got logical shape {w.shape}")
-  rows = math.prod(x.shape[:-1])
   if impl != "xla" and _kernel_sized(x, rows):
     from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
     x2 = x.reshape(rows, x.shape[-1])

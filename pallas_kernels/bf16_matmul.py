@@ -1,0 +1,76 @@
+"""Split-K bf16 matmul for decode: y [M, N] = x [M, K] @ w [N, K].T, M <= 16, plain bf16 weights.
+
+Why, when XLA's bf16 GEMV already runs at copy speed: it does so only for wide outputs. On the
+H200 the [1, 8192] x [8192, 28672] GEMV moves its 470 MB at 4.2 TB/s, but the 25 MB projections
+of a GLM-5 TEP=8 rank's decode step, [1-5, 6144] -> 2048 (q_a_proj, the shared expert's gate and
+up) and [1-5, 2048] -> 6144 (o_proj, the shared expert's down), take 18-27 us in XLA, 0.9-1.4
+TB/s (docs/BENCHMARKS.md runs 5 and 10): too few row tiles of N to occupy 132 SMs. Five of them
+run in every decoder layer, about 0.1 ms of the rank's 0.5 ms a layer, where the bytes ask for
+about 30 us at copy speed. Here K is split too (`default_config`: >= 2 programs per SM), and
+XLA sums the fp32 partials (a few KB).
+
+The kernel is the weight-only matmuls' (nvfp4_matmul.py, fp8_matmul.py) with nothing to decode:
+grid (N / block_n, split_k), a K loop of contiguous [block_n, block_k] weight tiles, the tensor
+cores on x padded to 16 rows, fp32 accumulation; Triton lowering for the same reasons as theirs.
+Switch: `Runtime.dense_matmul` ("xla" | "pallas"; --dense_matmul on the experiments). Not yet
+timed on the GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, default_config, dot_t,
+                                         load_tile, range_mask, skinny_call, skinny_rows, split_k_loop,
+                                         store_tile)
+
+
+def _bf16_matmul_kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, block_m: int, config: MatmulConfig):
+  # x_ref: bf16 [block_m, Kp] of [M, K]; w_ref: bf16 [bn, Kp]; o_ref: [block_m, bn] of the
+  # [split_k, M, N] output (fp32 or bf16).
+  bn, bk = config.block_n, config.block_k
+  rows_ok = range_mask(0, block_m, m)
+  n_ok = range_mask(pl.program_id(0) * bn, bn, n)
+
+  def body(step, acc):
+    cols_ok = range_mask(step * bk, bk, k)
+    x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, cols_ok)
+    w = load_tile(w_ref.at[:, pl.ds(step * bk, bk)], n_ok, cols_ok)
+    return acc + dot_t(x, w)
+
+  acc = split_k_loop(body, k=k, block_m=block_m, config=config)
+  store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def bf16_matmul(x: jax.Array, w: jax.Array, *, config: MatmulConfig | None = None,
+                interpret: bool | None = None) -> jax.Array:
+  """x @ w.T for decode-sized x, fp32 accumulation.
+
+  Args:
+    x: bf16 [M, K], 1 <= M <= 16.
+    w: bf16 [N, K] (any N, K).
+    config: tiling; default `default_config(M, N, K)`.
+    interpret: run the Pallas interpreter; default: on the CPU backend.
+  Returns:
+    bf16 [M, N].
+  """
+  if not isinstance(w, jax.Array) or w.dtype != jnp.bfloat16:
+    raise ValueError(f"bf16_matmul needs a bf16 weight array, got {getattr(w, 'dtype', type(w).__name__)}")
+  check_skinny_input(x, w.shape, "bf16_matmul")
+  (m, k), n = x.shape, w.shape[0]
+  config = default_config(m, n, k) if config is None else config
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
+  kernel = functools.partial(_bf16_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config)
+  specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)), pl.BlockSpec((config.block_n, kp), lambda j, s: (j, 0))]
+  return skinny_call(kernel, [x, w], specs, m=m, n=n, dtype=x.dtype, config=config, interpret=interpret,
+                     name="bf16_matmul")
+
+
+def bf16_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+  """fp32 reference: matmul in fp32, cast to x.dtype."""
+  return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
