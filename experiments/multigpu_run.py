@@ -50,9 +50,9 @@ COLLECTIVE_NAMES = ("nccl", "all-reduce", "all_reduce", "allreduce", "all-gather
                     "reduce-scatter", "all-to-all", "alltoall", "collective-permute")
 
 
-def collective_us(times: dict[str, tuple[int, float]]) -> float:
+def collective_us(times: dict[str, tuple[int, float, float]]) -> float:
   """Device microseconds of the collective kernels among `times` (glmjax.bench.device_kernel_times)."""
-  return sum(us for name, (_, us) in times.items() if any(c in name.lower() for c in COLLECTIVE_NAMES))
+  return sum(us for name, (_, us, _) in times.items() if any(c in name.lower() for c in COLLECTIVE_NAMES))
 
 
 def main(argv: list[str]) -> None:
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
       # The trace holds one call of the longer loop.
       collective_s_per_step=collective_us(times) * 1e-6 / timed.long_loop_steps if times else None,
       predicted_comm_s_per_step=predicted["comm_ms"] * 1e-3, predicted_collectives=predicted["collectives"],
-      kernel_times_us={name: us for name, (_, us) in sorted(times.items(), key=lambda kv: -kv[1][1])[:40]})
+      kernel_times_us={name: us for name, (_, us, _) in sorted(times.items(), key=lambda kv: -kv[1][1])[:40]})
   print(f"{config.num_hidden_layers}/{full.num_hidden_layers} layers of {_CONFIG.value}, TEP={tep} "
         f"({report['devices'][0]}), {_CONTEXT.value} context, k={_DRAFT.value}: step {step_s * 1e3:.3f} ms, "
         f"{report['tokens_per_s']:.1f} tok/s at acceptance {_ACCEPT.value}; collectives "

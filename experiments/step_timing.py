@@ -4,7 +4,8 @@ context, two loop lengths of the engine's decode program (plain, or speculative 
 the difference of their times over the difference of their steps. Used by
 experiments.tep_project (one TEP rank) and experiments.multigpu_run (TEP over N GPUs).
 `measure_rank_step(kernels=True)` also profiles both layer counts and differences their device
-kernels into what one decoder layer launches (`layer_kernels`).
+kernels into what one decoder layer launches (`layer_kernels`: launches, own time and the idle
+time before them, so kernels and launch gaps are told apart).
 """
 
 import collections
@@ -157,31 +158,33 @@ def kernel_family(name: str) -> str:
   return re.sub(r"([._]\d+)+$", "", name)
 
 
-def step_kernels(times: dict[str, tuple[int, float]], steps: int) -> dict[str, tuple[float, float]]:
-  """{kernel family: (launches, us)} per loop step, from one traced call of `steps` steps
-  (glmjax.bench.device_kernel_times)."""
-  out = collections.defaultdict(lambda: [0.0, 0.0])
-  for name, (launches, us) in times.items():
+# A kernel family's (launches, own us, idle us before its launches): glmjax.bench.device_kernel_times.
+Kernels = dict[str, tuple[float, float, float]]
+
+
+def step_kernels(times: Kernels, steps: int) -> Kernels:
+  """{kernel family: (launches, us, idle us)} per loop step, from one traced call of `steps`
+  steps (glmjax.bench.device_kernel_times)."""
+  out = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+  for name, values in times.items():
     family = out[kernel_family(name)]
-    family[0] += launches / steps
-    family[1] += us / steps
-  return {name: (n, us) for name, (n, us) in out.items()}
+    for i, value in enumerate(values):
+      family[i] += value / steps
+  return {name: tuple(values) for name, values in out.items()}
 
 
-def layer_difference(fewer: dict[str, tuple[float, float]], more: dict[str, tuple[float, float]],
-                     layers: int) -> list[tuple[str, float, float]]:
-  """Per decoder layer: (family, launches, us) of `more`'s per-step kernels less `fewer`'s, over
-  the `layers` they differ by, slowest first (what the two programs share cancels)."""
-  rows = {}
-  for name in set(fewer) | set(more):
-    (n0, us0), (n1, us1) = fewer.get(name, (0.0, 0.0)), more.get(name, (0.0, 0.0))
-    rows[name] = ((n1 - n0) / layers, (us1 - us0) / layers)
-  return slowest_first(rows)
+def layer_difference(fewer: Kernels, more: Kernels, layers: int) -> list[tuple[str, float, float, float]]:
+  """Per decoder layer: (family, launches, us, idle us) of `more`'s per-step kernels less
+  `fewer`'s, over the `layers` they differ by, slowest first (what both programs share cancels)."""
+  none = (0.0, 0.0, 0.0)
+  return slowest_first({name: tuple((b - a) / layers for a, b in zip(fewer.get(name, none), more.get(name, none)))
+                        for name in set(fewer) | set(more)})
 
 
-def slowest_first(kernels: dict[str, tuple[float, float]]) -> list[tuple[str, float, float]]:
-  """{family: (launches, us)} as (family, launches, us) rows, most device time first."""
-  return sorted(((name, n, us) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
+def slowest_first(kernels: Kernels) -> list[tuple[str, float, float, float]]:
+  """{family: (launches, us, idle us)} as (family, launches, us, idle us) rows, most device time
+  (own plus idle before) first."""
+  return sorted(((name, *values) for name, values in kernels.items()), key=lambda r: -(r[2] + r[3]))
 
 
 def _timed_with_kernels(config: ModelConfig, kernels: bool, **kw) -> tuple[float, dict]:
@@ -198,7 +201,7 @@ def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels
   """Time the rank's decode step, whole or extended linearly from two layer counts (the MTP
   layer, with draft steps, is in both counts' programs, hence in the base). kernels: also
   profile each program once after its timing; with two layer counts, `layer_kernels` lists one
-  decoder layer's (family, launches, us) from their difference, else `step_kernels` the step's."""
+  decoder layer's (family, launches, us, idle us) from their difference, else `step_kernels` the step's."""
   if not measure_layers:
     seconds, per_step = _timed_with_kernels(config, kernels, **kw)
     out = dict(rank_step_s=seconds, measured_layers=[config.num_hidden_layers])

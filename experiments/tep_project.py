@@ -97,10 +97,10 @@ def format_report(report: dict[str, Any]) -> str:
             for c in rows[0]["detail"]]
   kernels = report["measured"].get("layer_kernels")
   if kernels:
-    launches, total = sum(n for _, n, _ in kernels), sum(us for *_, us in kernels)
-    lines += ["", f"one decoder layer's kernels (profile): {launches:.1f} launches, {total:.1f} us of "
-                  f"device time; the {min(len(kernels), 25)} slowest:"]
-    lines += [f"  {us:9.2f} us {n:6.2f} x  {name}" for name, n, us in kernels[:25]]
+    launches, own, idle = (sum(row[i] for row in kernels) for i in (1, 2, 3))
+    lines += ["", f"one decoder layer's kernels (profile): {launches:.1f} launches, {own:.1f} us of kernel "
+                  f"time, {idle:.1f} us idle before them; the {min(len(kernels), 25)} costliest (own + idle):"]
+    lines += [f"  {us:9.2f} us {gap:9.2f} us idle {n:6.2f} x  {name}" for name, n, us, gap in kernels[:25]]
   return "\n".join(lines)
 
 

@@ -86,18 +86,35 @@ def maybe_profile(log_dir: str) -> Iterator[None]:
     yield
 
 
-def device_kernel_times(trace_dir: str) -> dict[str, tuple[int, float]]:
-  """{kernel: (launches, total us)} of the device events in the newest perfetto trace under
-  trace_dir (glmjax.hlo_stats.perfetto_events). Device events are those of processes named
-  "/device:..."; the CPU backend has none, so this is {} there."""
+def device_kernel_times(trace_dir: str) -> dict[str, tuple[int, float, float]]:
+  """{kernel: (launches, total us, idle us before)} of the device events in the newest perfetto
+  trace under trace_dir (glmjax.hlo_stats.perfetto_events). Device events are those of
+  processes named "/device:..."; the CPU backend has none, so this is {} there.
+
+  Idle: on each device line (its "Stream ..." lines where the trace names them), the time from
+  the end of the event before to the start of this one, charged to this kernel: the device
+  waiting for its launch (or its inputs' transfer), which a kernel's own duration leaves out."""
   events = hlo_stats.perfetto_events(trace_dir)
   devices = hlo_stats.device_pids(events)
-  times: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+  named = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in devices}
+  lines: dict[tuple, list[dict]] = collections.defaultdict(list)
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in devices:
-      times[e["name"]][0] += 1
-      times[e["name"]][1] += float(e.get("dur", 0.0))
-  return {name: (n, us) for name, (n, us) in times.items()}
+      lines[(e["pid"], e.get("tid"))].append(e)
+  times: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+  for line, line_events in lines.items():
+    timed_line = named.get(line, "Stream").startswith("Stream")
+    end = None
+    for e in sorted(line_events, key=lambda e: float(e.get("ts", 0.0))):
+      start, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
+      entry = times[e["name"]]
+      entry[0] += 1
+      entry[1] += dur
+      if timed_line and end is not None:
+        entry[2] += max(0.0, start - end)
+      end = start + dur if end is None else max(end, start + dur)
+  return {name: (n, us, idle) for name, (n, us, idle) in times.items()}
 
 
 def kernel_breakdown(fn: Callable[..., Any], *args: Any, iters: int = 20) -> list[tuple[str, float, float]]:
@@ -110,4 +127,4 @@ def kernel_breakdown(fn: Callable[..., Any], *args: Any, iters: int = 20) -> lis
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       jax.block_until_ready(program(args))
     times = device_kernel_times(trace_dir)
-  return sorted(((name, n / iters, us / iters) for name, (n, us) in times.items()), key=lambda r: -r[2])
+  return sorted(((name, n / iters, us / iters) for name, (n, us, _) in times.items()), key=lambda r: -r[2])

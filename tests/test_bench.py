@@ -19,15 +19,21 @@ def _write_trace(directory, events):
 
 
 def test_device_kernel_times_counts_only_device_events(tmp_path):
+  """Launches and own time per kernel on device lines; the idle time before each launch on its
+  stream line (event order by start time, not file order), none on a named non-stream line."""
   meta = lambda pid, name: {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
-  kernel = lambda pid, name, dur: {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": 0, "dur": dur}
+  kernel = lambda pid, name, ts, dur, tid=1: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
   _write_trace(str(tmp_path), [
       meta(1, "/host:CPU"), meta(7, "/device:GPU:0"), meta(8, "/device:GPU:0 Stream #2"),
-      kernel(1, "PjitFunction(f)", 50.0),          # host event: not a kernel
-      kernel(7, "topk_digit0", 6.5), kernel(7, "topk_digit0", 7.5), kernel(8, "loop_add_fusion", 1.25),
-      {"ph": "i", "pid": 7, "name": "marker"},     # not a duration event
+      {"ph": "M", "pid": 7, "tid": 2, "name": "thread_name", "args": {"name": "XLA Modules"}},
+      kernel(1, "PjitFunction(f)", 0, 50.0),          # host event: not a kernel
+      kernel(7, "topk_digit0", 10.0, 7.5), kernel(7, "topk_digit0", 0.0, 6.5),  # idle 3.5 before the second
+      kernel(7, "jit_step", 0.0, 4.0, tid=2), kernel(7, "jit_step", 30.0, 4.0, tid=2),  # no idle: not a stream
+      kernel(8, "loop_add_fusion", 5.0, 1.25),        # first on its line: no idle
+      {"ph": "i", "pid": 7, "name": "marker"},        # not a duration event
   ])
-  assert device_kernel_times(str(tmp_path)) == {"topk_digit0": (2, 14.0), "loop_add_fusion": (1, 1.25)}
+  assert device_kernel_times(str(tmp_path)) == {"topk_digit0": (2, 14.0, 3.5), "jit_step": (2, 8.0, 0.0),
+                                                "loop_add_fusion": (1, 1.25, 0.0)}
 
 
 def test_device_kernel_times_without_trace_is_an_error(tmp_path):
@@ -98,12 +104,13 @@ def test_layer_kernels_from_two_programs():
   from experiments.step_timing import kernel_family, layer_difference, step_kernels
   assert kernel_family("loop_add_fusion_12") == "loop_add_fusion"
   assert kernel_family("fusion.3") == "fusion" and kernel_family("sparse_mla_decode") == "sparse_mla_decode"
-  three = step_kernels({"sparse_mla_decode": (12, 60.0), "loop_add_fusion_1": (4, 8.0),
-                        "loop_add_fusion_7": (2, 4.0), "embed_fusion": (2, 10.0)}, steps=2)
-  assert three["loop_add_fusion"] == (3.0, 6.0) and three["sparse_mla_decode"] == (6.0, 30.0)
-  five = step_kernels({"sparse_mla_decode": (20, 100.0), "loop_add_fusion_9": (10, 20.0),
-                       "embed_fusion": (2, 10.0), "moe_down": (4, 16.0)}, steps=2)
-  rows = {name: (n, us) for name, n, us in layer_difference(three, five, layers=2)}
-  assert rows == {"sparse_mla_decode": (2.0, 10.0), "loop_add_fusion": (1.0, 2.0),
-                  "embed_fusion": (0.0, 0.0), "moe_down": (1.0, 4.0)}
-  assert [r[0] for r in layer_difference(three, five, layers=2)][:2] == ["sparse_mla_decode", "moe_down"]
+  three = step_kernels({"sparse_mla_decode": (12, 60.0, 12.0), "loop_add_fusion_1": (4, 8.0, 8.0),
+                        "loop_add_fusion_7": (2, 4.0, 4.0), "embed_fusion": (2, 10.0, 0.0)}, steps=2)
+  assert three["loop_add_fusion"] == (3.0, 6.0, 6.0) and three["sparse_mla_decode"] == (6.0, 30.0, 6.0)
+  five = step_kernels({"sparse_mla_decode": (20, 100.0, 20.0), "loop_add_fusion_9": (10, 20.0, 40.0),
+                       "embed_fusion": (2, 10.0, 0.0), "moe_down": (4, 16.0, 2.0)}, steps=2)
+  rows = {name: rest for name, *rest in layer_difference(three, five, layers=2)}
+  assert rows == {"sparse_mla_decode": [2.0, 10.0, 2.0], "loop_add_fusion": [1.0, 2.0, 7.0],
+                  "embed_fusion": [0.0, 0.0, 0.0], "moe_down": [1.0, 4.0, 0.5]}
+  # Ordered by own plus idle time: the fusions' launch gaps put them first.
+  assert [r[0] for r in layer_difference(three, five, layers=2)][:3] == ["sparse_mla_decode", "loop_add_fusion", "moe_down"]
