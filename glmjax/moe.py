@@ -23,11 +23,12 @@ def route(logits: jax.Array, bias: jax.Array, config: ModelConfig) -> tuple[jax.
   scores = jax.nn.sigmoid(logits)
   choice = scores + bias.astype(jnp.float32)
   n, e = choice.shape
-  grouped = choice.reshape(n, c.n_group, e // c.n_group)
-  group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)                 # [n, G]
-  _, groups = jax.lax.top_k(group_scores, c.topk_group)
-  group_mask = jnp.any(groups[..., None] == jnp.arange(c.n_group), axis=-2)      # [n, G]
-  choice = jnp.where(jnp.repeat(group_mask, e // c.n_group, axis=-1), choice, -jnp.inf)
+  if c.topk_group < c.n_group:  # else every group is kept (GLM-5: one group): no masking kernels
+    grouped = choice.reshape(n, c.n_group, e // c.n_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)               # [n, G]
+    _, groups = jax.lax.top_k(group_scores, c.topk_group)
+    group_mask = jnp.any(groups[..., None] == jnp.arange(c.n_group), axis=-2)    # [n, G]
+    choice = jnp.where(jnp.repeat(group_mask, e // c.n_group, axis=-1), choice, -jnp.inf)
   _, ids = jax.lax.top_k(choice, c.num_experts_per_tok)
   weights = jnp.take_along_axis(scores, ids, axis=-1)
   if c.norm_topk_prob:
