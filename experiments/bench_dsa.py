@@ -4,7 +4,9 @@
 
 Shapes: one TEP=8 rank at batch 1: MLA 8 heads (kv_lora_rank 512, rope 64), indexer 32 x 128,
 top-k 2048, page size 64; contexts 8K/32K/80K/128K, 1 and 5 query tokens, bf16 and FP8 caches;
-plus top-k alone over 1 and 64 rows of 131,072. Queries are fp32, as the engine passes them
+plus top-k alone over 1 and 64 rows of 131,072, and the decode step's cache write (T new tokens
+into one layer's latent, rope and indexer pages: XLA's scatters against the one-launch kernel,
+timed in a loop that carries the pages, at the largest context). Queries are fp32, as the engine passes them
 (the kernels split them into bf16 MMA terms for fp32-faithful results: see sparse_mla.py).
 `bytes` is what a kernel must move through HBM at least (its bandwidth floor at 4.22 TB/s):
 cache rows read once, outputs written once; the scores between scoring and top-k, and the
@@ -18,12 +20,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from glmjax.bench import agreement, bandwidth_tbs, kernel_breakdown, time_device
+from glmjax.bench import agreement, bandwidth_tbs, kernel_breakdown, time_device, time_device_carry
+from glmjax.cache import paged
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from glmjax.footprint import H200_BANDWIDTH
 from pallas_kernels.indexer_scores import IndexerScoresConfig, indexer_scores, indexer_scores_reference
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
+from pallas_kernels.paged_write import paged_write
 from pallas_kernels.sparse_mla import SparseMLAConfig, sparse_mla_decode, sparse_mla_decode_reference
 from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
 
@@ -62,6 +67,30 @@ def _page_table(key: jax.Array, context: int, page: int) -> jax.Array:
   """One sequence whose pages are a shuffled set of physical pages (page 0 stays null)."""
   pages = context // page
   return (jax.random.permutation(key, pages) + 1).astype(jnp.int32)[None]
+
+
+def _cache_write_row(s: dict, context: int, t: int, fp8: bool, key: jax.Array, timing: dict[str, int]):
+  """One layer's cache write of t new tokens: paged.write_layer (XLA) against paged_write, on
+  the same pages; `exact`: every page array equal byte for byte after one call of each."""
+  k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+  pages, page = context // s["page"] + 1, s["page"]
+  latent, latent_scale = _cache(k1, (pages, page, s["rank"]), fp8)
+  index_k, index_scale = _cache(k2, (pages, page, s["index_dim"]), fp8)
+  layer = paged.LayerCache(latent, latent_scale, jax.random.normal(k3, (pages, page, s["rope"]), jnp.bfloat16),
+                           index_k, index_scale)
+  rows = [jax.random.normal(k, (1, t, d), jnp.bfloat16)
+          for k, d in zip(jax.random.split(k4, 3), (s["rank"], s["rope"], s["index_dim"]))]
+  args = (_page_table(k5, context, page), jnp.arange(context - t, context, dtype=jnp.int32)[None], *rows)
+  seconds = time_device_carry(paged_write, layer, *args, **timing)
+  xla_seconds = time_device_carry(jax.jit(paged.write_layer), layer, *args, **timing)
+  same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+             for a, b in zip(jax.tree.leaves(paged_write(layer, *args)), jax.tree.leaves(paged.write_layer(layer, *args))))
+  scales = t * (s["rank"] // fp8_block_size(s["rank"]) + 1) * 4 if fp8 else 0
+  row_bytes = (sum(r.size * 2 for r in rows) + t * (s["rank"] + s["index_dim"]) * (1 if fp8 else 2) + scales
+               + t * s["rope"] * 2)  # the new rows in, their pages' rows out
+  return dict(kernel="cache_write", case=f"ctx={context} T={t} {'fp8' if fp8 else 'bf16'}", us=seconds * 1e6,
+              xla_us=xla_seconds * 1e6, speedup=xla_seconds / seconds, bytes=row_bytes,
+              floor_us=row_bytes / H200_BANDWIDTH * 1e6, tbs=bandwidth_tbs(row_bytes, seconds), exact=same)
 
 
 def _indexer_cases(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
@@ -144,6 +173,10 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
                                          config=SparseMLAConfig(combine=combine)),
                        functools.partial(sparse_mla_decode_reference, softmax_scale=SOFTMAX_SCALE),
                        args, mla_bytes + q_bytes, timing, breakdown)
+  for t in s["query_tokens"]:
+    for fp8 in (False, True):
+      key, sub = jax.random.split(key)
+      yield _cache_write_row(s, max(s["contexts"]), t, fp8, sub, timing)
   n, k = s["topk_n"], s["k"]
   for num_rows in s["topk_rows"]:
     key, sub = jax.random.split(key)

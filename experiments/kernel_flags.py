@@ -1,14 +1,14 @@
 """Kernel switches as absl flags, shared by the experiments that build a Runtime (replay,
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
-default), and --dense_matmul with the DSA kernels' --topk_method, --indexer_queries,
---attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
+default), and --dense_matmul, --cache_write with the DSA kernels' --topk_method,
+--indexer_queries, --attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 
 from absl import flags
 
 from glmjax.quant import DENSE_IMPLS
-from glmjax.runtime import MATMUL_IMPLS, QUERY_DTYPES
+from glmjax.runtime import CACHE_WRITES, MATMUL_IMPLS, QUERY_DTYPES
 from pallas_kernels.topk import METHODS
 
 
@@ -24,9 +24,11 @@ def define() -> Callable[[], dict[str, str]]:
   """Defines the flags; returns a function reading them as `make_runtime` keyword arguments."""
   dense = flags.DEFINE_enum("dense_matmul", "xla", list(DENSE_IMPLS),
                             "plain bf16 linears at decode: xla (einsum) or pallas (the split-K GEMV)")
+  write = flags.DEFINE_enum("cache_write", "xla", list(CACHE_WRITES),
+                            "the decode step's cache write: xla (scatters) or pallas (one launch a layer)")
   topk = flags.DEFINE_enum("topk_method", "radix", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
   indexer = flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES), "precision of the indexer's queries")
   attention = flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
                                 "precision of the decode attention's queries (bfloat16: FlashMLA's numerics)")
-  return lambda: dict(dense_matmul=dense.value, topk_method=topk.value, indexer_queries=indexer.value,
-                      attention_queries=attention.value)
+  return lambda: dict(dense_matmul=dense.value, cache_write=write.value, topk_method=topk.value,
+                      indexer_queries=indexer.value, attention_queries=attention.value)

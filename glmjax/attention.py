@@ -141,8 +141,12 @@ class MLAttention(nn.Module):
     c = self.config
     h, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
     layer = cache.layers[cache_slot]
-    layer = paged.write_layer(layer, cache.page_table, positions, latent, k_pe,
-                              None if idx is None or layer.index_k is None else idx[2])
+    if runtime.cache_write == "pallas":
+      from pallas_kernels.paged_write import paged_write as write  # the kernels import the cache
+    else:
+      write = paged.write_layer
+    layer = write(layer, cache.page_table, positions, latent, k_pe,
+                  None if idx is None or layer.index_k is None else idx[2])
     kv_b = kv_b.reshape(h, nope + c.v_head_dim, r)
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
     q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))

@@ -14,6 +14,7 @@ Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
 MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
+CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_layer or its one-launch kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,8 @@ class Runtime:
   nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas
   (pallas_ptx: Pallas with the inline-PTX NVFP4 decode). dense_matmul: the model's plain bf16
   linears at decode, XLA's einsum or the split-K Pallas GEMV (pallas_kernels/bf16_matmul.py).
+  cache_write: the new tokens' write into a layer's pages, XLA's scatters (paged.write_layer,
+  about eight kernels) or one Pallas launch (pallas_kernels/paged_write.py; same pages).
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
@@ -42,6 +45,7 @@ class Runtime:
   indexer_pattern: tuple[bool, ...] | None = None
   matmul: str = "xla"
   dense_matmul: str = "xla"
+  cache_write: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "radix"
   indexer_queries: str = "float32"
@@ -56,6 +60,8 @@ class Runtime:
       raise ValueError(f"matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
     if self.dense_matmul not in DENSE_IMPLS:
       raise ValueError(f"dense_matmul must be one of {DENSE_IMPLS}, got {self.dense_matmul!r}")
+    if self.cache_write not in CACHE_WRITES:
+      raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {self.cache_write!r}")
     for name in ("indexer_queries", "attention_queries"):
       if getattr(self, name) not in QUERY_DTYPES:
         raise ValueError(f"{name} must be one of {QUERY_DTYPES}, got {getattr(self, name)!r}")
@@ -77,8 +83,9 @@ class Runtime:
 
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
-                 matmul: str = "xla", dense_matmul: str = "xla", topk_method: str = "radix",
-                 indexer_queries: str = "float32", attention_queries: str = "float32") -> Runtime:
+                 matmul: str = "xla", dense_matmul: str = "xla", cache_write: str = "xla",
+                 topk_method: str = "radix", indexer_queries: str = "float32",
+                 attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
   if index_share == "on":
@@ -91,4 +98,4 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
       raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
-                 dense_matmul=dense_matmul, topk_method=topk_method, indexer_queries=indexer_queries, attention_queries=attention_queries)
+                 dense_matmul=dense_matmul, cache_write=cache_write, topk_method=topk_method, indexer_queries=indexer_queries, attention_queries=attention_queries)

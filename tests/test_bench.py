@@ -98,6 +98,16 @@ def test_gemv_rows_time_every_impl_against_xla_bf16():
   assert by["nvfp4", "pallas"]["speedup_vs_bf16"] == pytest.approx(4.0)
 
 
+def test_cache_write_row_times_both_writes_and_checks_the_pages():
+  """bench_dsa's cache-write row: both writes timed in a loop that carries the pages (time_device_carry),
+  the kernel's pages equal to write_layer's."""
+  from experiments.bench_dsa import QUICK, _cache_write_row
+  import jax
+  row = _cache_write_row(QUICK, 256, 2, False, jax.random.key(0), dict(iters=2, repeats=1, warmup=1))
+  assert row["kernel"] == "cache_write" and row["exact"] is True
+  assert row["us"] > 0 and row["xla_us"] > 0 and row["bytes"] == 2 * (2 * (64 + 16 + 32) + (64 + 32) * 2 + 16 * 2)
+
+
 def test_layer_kernels_from_two_programs():
   """One layer's kernels: families match across programs despite XLA's numbering, per-step counts
   divide by the loop's steps, and what both programs launch alike cancels."""
