@@ -9,7 +9,8 @@ Timing: `glmjax.bench.time_device` (many calls in one on-device loop, median). B
 weights (+ scales) an implementation must read plus the activations in and out; for the MoE,
 only the distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX decode
-(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`).
+(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`;
+for the MoE also `pallas_ptx_scan`, with the kernels scanning the ids: MoEConfig.routing).
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
 pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). `frac_of_copy` is against
 the H200's 4.22 TB/s copy.
@@ -118,9 +119,11 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
     nbytes = _moe_bytes(q, chosen, x, routing[0])
     timed.append((fmt, "xla_dequant", timer(xla, x, *routing, *q), nbytes))
     timed.append(_kernel_entry(fmt, moe_grouped_matmul, xla, (x, *routing, *q), nbytes, timer))
-    if fmt == "nvfp4":
-      ptx = jax.jit(functools.partial(moe_grouped_matmul, config=default_moe_config(q, decode="ptx")))
-      timed.append(_kernel_entry(fmt, ptx, xla, (x, *routing, *q), nbytes, timer, impl="pallas_ptx"))
+    if fmt == "nvfp4":  # the PTX decode, with XLA's routing table and with the kernels' scan
+      for routing_impl, impl in (("table", "pallas_ptx"), ("scan", "pallas_ptx_scan")):
+        config = default_moe_config(q, decode="ptx", routing=routing_impl)
+        ptx = jax.jit(functools.partial(moe_grouped_matmul, config=config))
+        timed.append(_kernel_entry(fmt, ptx, xla, (x, *routing, *q), nbytes, timer, impl=impl))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)
 

@@ -1,6 +1,6 @@
 """Kernel switches as absl flags, shared by the experiments that build a Runtime (replay,
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
-default), and --dense_matmul, --cache_write with the DSA kernels' --topk_method,
+default), and --dense_matmul, --cache_write, --moe_routing with the DSA kernels' --topk_method,
 --indexer_queries, --attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
@@ -8,7 +8,7 @@ from typing import Callable
 from absl import flags
 
 from glmjax.quant import DENSE_IMPLS
-from glmjax.runtime import CACHE_WRITES, MATMUL_IMPLS, QUERY_DTYPES
+from glmjax.runtime import CACHE_WRITES, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES
 from pallas_kernels.topk import METHODS
 
 
@@ -26,9 +26,12 @@ def define() -> Callable[[], dict[str, str]]:
                             "plain bf16 linears at decode: xla (einsum) or pallas (the split-K GEMV)")
   write = flags.DEFINE_enum("cache_write", "xla", list(CACHE_WRITES),
                             "the decode step's cache write: xla (scatters) or pallas (one launch a layer)")
+  routing = flags.DEFINE_enum("moe_routing", "table", list(MOE_ROUTINGS),
+                              "the grouped MoE kernels' expert lookup: table (XLA) or scan (in-kernel)")
   topk = flags.DEFINE_enum("topk_method", "radix", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
   indexer = flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES), "precision of the indexer's queries")
   attention = flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
                                 "precision of the decode attention's queries (bfloat16: FlashMLA's numerics)")
-  return lambda: dict(dense_matmul=dense.value, cache_write=write.value, topk_method=topk.value,
-                      indexer_queries=indexer.value, attention_queries=attention.value)
+  return lambda: dict(dense_matmul=dense.value, cache_write=write.value, moe_routing=routing.value,
+                      topk_method=topk.value, indexer_queries=indexer.value,
+                      attention_queries=attention.value)

@@ -90,7 +90,8 @@ class Experts(nn.Module):
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, *, matmul: str = "xla") -> jax.Array:
+  def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, *, matmul: str = "xla",
+               routing: str = "table") -> jax.Array:
     c = self.config
     e, i, d = c.num_local_experts, c.moe_intermediate_size, c.hidden_size
     make = lambda name, shape, axes: quant.param(
@@ -100,7 +101,7 @@ class Experts(nn.Module):
     down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
     x = x.astype(self.dtype)
     if matmul != "xla":
-      return quant.moe_experts(x, ids, weights, gate, up, down, impl=matmul)
+      return quant.moe_experts(x, ids, weights, gate, up, down, impl=matmul, routing=routing)
     return experts_reference(x, ids, weights, gate, up, down)
 
 
@@ -125,13 +126,14 @@ class MoE(nn.Module):
     flat = x.reshape(-1, x.shape[-1])
     ids, weights = Router(c, self.param_dtype, name="gate")(flat)
     impls = dict(matmul="xla", dense="xla") if runtime is None else runtime.linear_impls
+    routing = "table" if runtime is None else runtime.moe_routing
     tep_mesh = mesh.active_mesh()
     if tep_mesh is not None and not self.is_initializing():
       params = self.variables["params"]
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
-                                mesh=tep_mesh, **impls, **kw)
+                                mesh=tep_mesh, routing=routing, **impls, **kw)
       return out.reshape(x.shape)
-    routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"])
+    routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing)
     shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, name="shared_experts", **kw)(
         x, **impls)
     return routed.reshape(x.shape).astype(self.dtype) + shared

@@ -15,6 +15,7 @@ ATTENTION_IMPLS = ("dense", "sparse", "pallas")
 MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_layer or its one-launch kernel
+MOE_ROUTINGS = ("table", "scan")  # how the grouped MoE kernels find the chosen experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Runtime:
   linears at decode, XLA's einsum or the split-K Pallas GEMV (pallas_kernels/bf16_matmul.py).
   cache_write: the new tokens' write into a layer's pages, XLA's scatters (paged.write_layer,
   about eight kernels) or one Pallas launch (pallas_kernels/paged_write.py; same pages).
+  moe_routing: under a Pallas matmul, how the grouped MoE kernels find the chosen experts:
+  "table" (built by XLA) or "scan" (each program scans the step's ids; no XLA kernels).
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
@@ -46,6 +49,7 @@ class Runtime:
   matmul: str = "xla"
   dense_matmul: str = "xla"
   cache_write: str = "xla"
+  moe_routing: str = "table"
   topk_ties: str = "index"
   topk_method: str = "radix"
   indexer_queries: str = "float32"
@@ -62,6 +66,8 @@ class Runtime:
       raise ValueError(f"dense_matmul must be one of {DENSE_IMPLS}, got {self.dense_matmul!r}")
     if self.cache_write not in CACHE_WRITES:
       raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {self.cache_write!r}")
+    if self.moe_routing not in MOE_ROUTINGS:
+      raise ValueError(f"moe_routing must be one of {MOE_ROUTINGS}, got {self.moe_routing!r}")
     for name in ("indexer_queries", "attention_queries"):
       if getattr(self, name) not in QUERY_DTYPES:
         raise ValueError(f"{name} must be one of {QUERY_DTYPES}, got {getattr(self, name)!r}")
@@ -84,7 +90,7 @@ class Runtime:
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
                  matmul: str = "xla", dense_matmul: str = "xla", cache_write: str = "xla",
-                 topk_method: str = "radix", indexer_queries: str = "float32",
+                 moe_routing: str = "table", topk_method: str = "radix", indexer_queries: str = "float32",
                  attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
@@ -98,4 +104,5 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
       raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
-                 dense_matmul=dense_matmul, cache_write=cache_write, topk_method=topk_method, indexer_queries=indexer_queries, attention_queries=attention_queries)
+                 dense_matmul=dense_matmul, cache_write=cache_write, moe_routing=moe_routing,
+                 topk_method=topk_method, indexer_queries=indexer_queries, attention_queries=attention_queries)

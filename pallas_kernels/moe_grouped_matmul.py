@@ -23,6 +23,12 @@ the expert id: a program only ever touches its expert's rows.
   down:    grid (D / block_n, down_split). Program (j, s) loops over slots u = s, s + S, ... <
            count, computes h[u] @ down_e[rows j].T and accumulates route[u, t] * that in fp32;
            XLA sums the S partials [S, Tp, D] (fp32, ~0.5 MB at GLM-5 size) over s.
+routing="scan" (MoEConfig) builds no table: the gate_up grid runs over all E local experts, and
+each program scans the step's T*k ids (a few hundred bytes, read whole) for its own, returning at
+once if no token chose it; each down program walks the experts of its interleave, scanning the
+same way, and forms route[:, e] from the ids and weights itself. That removes the table's XLA
+kernels (about five launches a MoE layer and step) for a scan of T*k ids per program; not yet
+timed on the GPU.
 Both K loops, tile decoders and numerics are those of nvfp4_matmul.py / fp8_matmul.py, including
 its inline-PTX NVFP4 decode (MoEConfig.decode="ptx"): 350 us against 431 us for the jnp decode at
 the GLM-5 rank shape above, 5 tokens, 24 experts (BENCHMARKS.md run 10).
@@ -47,19 +53,25 @@ from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, column_halves, d
                                          load_tile, range_mask, store_tile)
 
 
+ROUTINGS = ("table", "scan")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   """block_n: weight rows per program; block_k: inputs per K step (<= 128 with FP8 weights);
   down_split: programs sharing one down row block (slots interleaved); num_warps, num_stages:
   Triton's warps per program and K-loop pipeline depth; decode: how NVFP4 tiles decode, as
   nvfp4_matmul.MatmulConfig.decode ("ptx": into even/odd column halves by inline PTX, against
-  the activations' even and odd columns, which XLA splits before each launch)."""
+  the activations' even and odd columns, which XLA splits before each launch); routing:
+  "table" (XLA's routing table of the chosen experts) or "scan" (none: the programs scan the
+  ids; module docstring)."""
   block_n: int = 64
   block_k: int = 128
   down_split: int = 4
   num_warps: int = 4
   num_stages: int = 3
   decode: str = "jnp"
+  routing: str = "table"
 
   def __post_init__(self):
     check_tile("MoEConfig", "block_n", self.block_n)
@@ -67,15 +79,16 @@ class MoEConfig:
     check_at_least("MoEConfig", "down_split", self.down_split)
     check_launch("MoEConfig", self.num_warps, self.num_stages)
     check_choice("MoEConfig", "decode", self.decode, DECODES)
+    check_choice("MoEConfig", "routing", self.routing, ROUTINGS)
 
 
-def default_moe_config(weights, *, decode: str = "jnp") -> MoEConfig:
+def default_moe_config(weights, *, decode: str = "jnp", routing: str = "table") -> MoEConfig:
   """The H200 tiles for these (gate, up, down) weights: MoEConfig's, except NVFP4-only weights
   under decode="ptx", which take block_k=256 (GLM-5 rank shape, 5 tokens: 362 us against 448 us
   at block_k=128; the jnp decode gains less, 413 us against 434; BENCHMARKS.md run 10)."""
   if decode == "ptx" and all(_kind(w) == "nvfp4" for w in weights):
-    return MoEConfig(block_k=256, decode=decode)
-  return MoEConfig(decode=decode)
+    return MoEConfig(block_k=256, decode=decode, routing=routing)
+  return MoEConfig(decode=decode, routing=routing)
 
 
 # Per-format plumbing: the kernel operands of a stacked weight, their BlockSpecs, a tile.
@@ -179,17 +192,38 @@ def _expert_matmul(x_tile, weights, e, n_block, *, n: int, k: int, block_m: int,
           for (kind, refs), acc in zip(weights, accs)]
 
 
-def _gate_up_kernel(experts_ref, *refs, kinds: tuple[str, str], num_x_refs: int, num_gate_refs: int,
-                    t: int, d: int, i: int, block_m: int, config: MoEConfig, interpret: bool):
-  # experts_ref: i32 [U]; x refs: bf16 [block_m, Dp or Dp/2] of x [T, D] (_activations); then
-  # gate's and up's operands as [E, bn, Dp/...] row blocks (see _specs); h_ref: bf16
-  # [block_m, bn] of [U, block_m, I].
+def _step_ids(ids_ref, weights_ref, rows: int, cols: int) -> tuple[jax.Array, jax.Array | None]:
+  """The step's routing, read whole: ids i32 and (weights_ref given) weights f32 of the [T, k]
+  choice as [block_m, kw] tiles of ids_ref / weights_ref (masked: id -1, weight 0 outside)."""
+  ok = (jnp.arange(ids_ref.shape[0])[:, None] < rows) & (jnp.arange(ids_ref.shape[1])[None, :] < cols)
+  ids = pltriton.load(ids_ref, mask=ok, other=-1)
+  return ids, None if weights_ref is None else pltriton.load(weights_ref, mask=ok, other=0.0)
+
+
+def _is_chosen(ids: jax.Array, e) -> jax.Array:
+  """Whether any token chose expert e (scalar bool). One axis per reduction: Pallas-Triton's
+  lowering of a reduction over both axes of a tile raises a sharding error under an abstract
+  mesh (jax 0.11.2)."""
+  return jnp.sum(jnp.sum((ids == e).astype(jnp.int32), axis=1)) > 0
+
+
+def _gate_up_kernel(route_ref, *refs, kinds: tuple[str, str], num_x_refs: int, num_gate_refs: int,
+                    t: int, k: int, d: int, i: int, block_m: int, config: MoEConfig, interpret: bool):
+  # route_ref: i32 [U] experts (routing "table"), or the ids [block_m, kw] of [T, k] ("scan");
+  # x refs: bf16 [block_m, Dp or Dp/2] of x [T, D] (_activations); then gate's and up's operands
+  # as [E, bn, Dp/...] row blocks (see _specs); h_ref: bf16 [block_m, bn] of [U, block_m, I]
+  # (U = E under "scan").
   x_refs, (*w_refs, h_ref) = refs[:num_x_refs], refs[num_x_refs:]
   gate_refs, up_refs = w_refs[:num_gate_refs], w_refs[num_gate_refs:]
-  e = experts_ref[pl.program_id(0)]
+  if config.routing == "scan":
+    e = pl.program_id(0)
+    chosen = _is_chosen(_step_ids(route_ref, None, t, k)[0], e)
+  else:
+    e = route_ref[pl.program_id(0)]
+    chosen = e >= 0
   n_block = pl.program_id(1)
 
-  @pl.when(e >= 0)
+  @pl.when(chosen)
   def _():
     x_tile = _activation_loader(x_refs, kinds, (), range_mask(0, block_m, t), k=d, config=config)
     g, u = _expert_matmul(x_tile, [(kinds[0], gate_refs), (kinds[1], up_refs)], e, n_block, n=i, k=d,
@@ -198,24 +232,45 @@ def _gate_up_kernel(experts_ref, *refs, kinds: tuple[str, str], num_x_refs: int,
                range_mask(n_block * config.block_n, config.block_n, i))
 
 
-def _down_kernel(experts_ref, count_ref, route_ref, *refs, kind: str, num_h_refs: int, d: int,
-                 i: int, block_m: int, config: MoEConfig, interpret: bool):
-  # experts_ref: i32 [U]; count_ref: i32 [1]; route_ref: f32 [U, block_m]; h refs: bf16
-  # [U, block_m, Ip or Ip/2] of h [U, block_m, I] (_activations); then down's operands as
+def _down_kernel(*refs, kind: str, num_h_refs: int, t: int, k: int, d: int, i: int, block_m: int,
+                 config: MoEConfig, interpret: bool):
+  # Routing "table": experts_ref i32 [U], count_ref i32 [1], route_ref f32 [U, block_m]; "scan":
+  # ids_ref i32 and weights_ref f32 [block_m, kw] of the [T, k] choice. Then h refs: bf16
+  # [U, block_m, Ip or Ip/2] of h [U, block_m, I] (_activations); down's operands as
   # [E, bn, Ip/...] row blocks; o_ref: f32 [block_m, bn] of the [down_split, block_m, D] partials.
-  h_refs, (*w_refs, o_ref) = refs[:num_h_refs], refs[num_h_refs:]
+  scan = config.routing == "scan"
+  first_h = 2 if scan else 3
+  routing, h_refs = refs[:first_h], refs[first_h:first_h + num_h_refs]
+  *w_refs, o_ref = refs[first_h + num_h_refs:]
   splits = config.down_split
   n_block, split = pl.program_id(0), pl.program_id(1)
+  zeros = jnp.zeros((block_m, config.block_n), jnp.float32)
 
-  def per_slot(it, total):
-    u = split + it * splits
+  def expert_out(u, e, weight):
     x_tile = _activation_loader(h_refs, (kind,), (u,), None, k=i, config=config)
-    (y,) = _expert_matmul(x_tile, [(kind, w_refs)], experts_ref[u], n_block, n=d, k=i,
-                          block_m=block_m, config=config, interpret=interpret)
-    return total + route_ref[u, :][:, None] * y
+    (y,) = _expert_matmul(x_tile, [(kind, w_refs)], e, n_block, n=d, k=i, block_m=block_m, config=config,
+                          interpret=interpret)
+    return weight[:, None] * y
 
-  trips = (jnp.maximum(count_ref[0] - split, 0) + splits - 1) // splits
-  total = lax.fori_loop(0, trips, per_slot, jnp.zeros((block_m, config.block_n), jnp.float32))
+  if scan:
+    ids, weights = _step_ids(*routing, t, k)
+    num_experts = w_refs[0].shape[0]
+
+    def per_expert(it, total):
+      e = split + it * splits
+      route = jnp.sum(jnp.where(ids == e, weights, 0.0), axis=1)  # [block_m]
+      return lax.cond(_is_chosen(ids, e), lambda: total + expert_out(e, e, route), lambda: total)
+
+    total = lax.fori_loop(0, (num_experts - split + splits - 1) // splits, per_expert, zeros)
+  else:
+    experts_ref, count_ref, route_ref = routing
+
+    def per_slot(it, total):
+      u = split + it * splits
+      return total + expert_out(u, experts_ref[u], route_ref[u, :])
+
+    trips = (jnp.maximum(count_ref[0] - split, 0) + splits - 1) // splits
+    total = lax.fori_loop(0, trips, per_slot, zeros)
   store_tile(o_ref, total, None, range_mask(n_block * config.block_n, config.block_n, d))
 
 
@@ -280,37 +335,44 @@ def moe_grouped_matmul(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
   bn, bk, splits = config.block_n, config.block_k, config.down_split
   block_m = max(16, pl.next_power_of_2(t))
   dp, ip = pl.cdiv(d, bk) * bk, pl.cdiv(i, bk) * bk  # blocks may overhang: the overhang is masked
-  experts, count, route = routing_table(topk_ids, topk_weights, e, block_m)
-  slots = experts.shape[0]
+  if config.routing == "scan":  # the kernels read the choice itself (module docstring)
+    slots = e
+    ids_spec = pl.BlockSpec((block_m, pl.next_power_of_2(topk_ids.shape[1])), lambda *grid: (0, 0))
+    up_routing, up_specs = (topk_ids,), [ids_spec]
+    down_routing, down_specs = (topk_ids, topk_weights.astype(jnp.float32)), [ids_spec, ids_spec]
+  else:
+    experts, count, route = routing_table(topk_ids, topk_weights, e, block_m)
+    slots = experts.shape[0]
+    up_routing, up_specs = (experts,), [_whole(experts)]
+    down_routing, down_specs = (experts, count, route), [_whole(experts), _whole(count), _whole(route)]
   params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+  sizes = dict(t=t, k=topk_ids.shape[1], d=d, i=i, block_m=block_m, config=config, interpret=interpret)
 
   kinds = (_kind(gate_proj), _kind(up_proj))
   xs = _activations(x, kinds, config)
   h = pl.pallas_call(
       functools.partial(_gate_up_kernel, kinds=kinds, num_x_refs=len(xs),
-                        num_gate_refs=len(_operands(gate_proj)), t=t, d=d, i=i, block_m=block_m,
-                        config=config, interpret=interpret),
+                        num_gate_refs=len(_operands(gate_proj)), **sizes),
       out_shape=jax.ShapeDtypeStruct((slots, block_m, i), x.dtype),
       grid=(slots, pl.cdiv(i, bn)),
-      in_specs=[_whole(experts),
+      in_specs=[*up_specs,
                 *(pl.BlockSpec((block_m, dp * a.shape[-1] // d), lambda u, j: (0, 0)) for a in xs),
                 *_specs(gate_proj, bn, dp, lambda u, j: j), *_specs(up_proj, bn, dp, lambda u, j: j)],
       out_specs=pl.BlockSpec((None, block_m, bn), lambda u, j: (u, 0, j)),
       compiler_params=params, interpret=interpret, name="moe_gate_up",
-  )(experts, *xs, *_operands(gate_proj), *_operands(up_proj))
+  )(*up_routing, *xs, *_operands(gate_proj), *_operands(up_proj))
 
   hs = _activations(h, (_kind(down_proj),), config)
   partials = pl.pallas_call(
-      functools.partial(_down_kernel, kind=_kind(down_proj), num_h_refs=len(hs), d=d, i=i,
-                        block_m=block_m, config=config, interpret=interpret),
+      functools.partial(_down_kernel, kind=_kind(down_proj), num_h_refs=len(hs), **sizes),
       out_shape=jax.ShapeDtypeStruct((splits, block_m, d), jnp.float32),
       grid=(pl.cdiv(d, bn), splits),
-      in_specs=[_whole(experts), _whole(count), _whole(route),
+      in_specs=[*down_specs,
                 *(pl.BlockSpec((slots, block_m, ip * a.shape[-1] // i), lambda j, s: (0, 0, 0)) for a in hs),
                 *_specs(down_proj, bn, ip, lambda j, s: j)],
       out_specs=pl.BlockSpec((None, block_m, bn), lambda j, s: (s, 0, j)),
       compiler_params=params, interpret=interpret, name="moe_down",
-  )(experts, count, route, *hs, *_operands(down_proj))
+  )(*down_routing, *hs, *_operands(down_proj))
   return partials.sum(0)[:t].astype(x.dtype)
 
 

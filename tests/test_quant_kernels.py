@@ -129,10 +129,14 @@ def moe_inputs(seed, quantize):
 FORMATS = {"bf16": lambda w: w.astype(jnp.bfloat16), "nvfp4": quantize_nvfp4, "fp8": quantize_fp8_block}
 
 
-@pytest.mark.parametrize("fmt,decode", [("nvfp4", "jnp"), ("nvfp4", "ptx"), ("fp8", "jnp")])
-def test_moe_grouped_matmul(fmt, decode):
+@pytest.mark.parametrize("fmt,decode,routing", [("nvfp4", "jnp", "table"), ("nvfp4", "ptx", "table"),
+                                                ("fp8", "jnp", "table"), ("nvfp4", "ptx", "scan"),
+                                                ("fp8", "jnp", "scan"), ("bf16", "jnp", "scan")])
+def test_moe_grouped_matmul(fmt, decode, routing):
+  """Both routings (XLA's table of the chosen experts, or the kernels' own scan of the ids)."""
   args = moe_inputs(len(fmt), FORMATS[fmt])
-  out = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, down_split=2, decode=decode))
+  config = MoEConfig(block_n=16, block_k=32, down_split=2, decode=decode, routing=routing)
+  out = moe_grouped_matmul(*args, config=config)
   ref = moe_grouped_matmul_reference(*args)
   assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
   assert rel_err(out, ref) <= TOL
@@ -181,6 +185,8 @@ def test_bad_inputs_raise():
     MoEConfig(down_split=0)
   with pytest.raises(ValueError, match="decode"):
     MoEConfig(decode="asm")
+  with pytest.raises(ValueError, match="routing"):
+    MoEConfig(routing="sort")
   args = moe_inputs(5, FORMATS["nvfp4"])
   with pytest.raises(ValueError, match="down_proj"):
     moe_grouped_matmul(*args[:5], args[3])
@@ -202,8 +208,9 @@ def test_kernels_lower_to_triton_for_h200():
            (bf16_matmul, (x, jax.ShapeDtypeStruct((200, 272), jnp.bfloat16)))]
   for fmt in FORMATS.values():
     cases.append((moe_grouped_matmul, (*moe[:3], *(jax.eval_shape(fmt, w) for w in moe[3:]))))
-  cases.append((functools.partial(moe_grouped_matmul, config=MoEConfig(decode="ptx")),
-                (*moe[:3], *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
+  for routing in ("table", "scan"):
+    cases.append((functools.partial(moe_grouped_matmul, config=MoEConfig(decode="ptx", routing=routing)),
+                  (*moe[:3], *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
   with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     for op, args in cases:

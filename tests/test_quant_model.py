@@ -119,6 +119,10 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
   if case == "nvfp4":  # the PTX decode's path (its jnp twin here) through every linear and the MoE
     ptx = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_ptx"))
     assert rel_err(ptx, pallas) <= 2e-3
+    # The MoE kernels' own scan of the ids: the same experts and weights, partial sums grouped
+    # in another order.
+    scan = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas", moe_routing="scan"))
+    assert rel_err(scan, pallas) <= 2e-3
 
 
 def test_dense_pallas_matmul_matches_xla(params_bf16):

@@ -37,12 +37,13 @@ SHARED_SPECS = {"gate_proj": {"weight": P(TEP)}, "up_proj": {"weight": P(TEP)},
 
 def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared: dict, *,
         config: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, matmul: str, dense: str,
-        mesh: jax.sharding.AbstractMesh) -> jax.Array:
+        routing: str, mesh: jax.sharding.AbstractMesh) -> jax.Array:
   """Routed plus shared experts of tokens x [n, d] -> [n, d] in dtype, replicated.
 
   ids, weights [n, k]: the router's choice over all E experts (replicated). experts: the
   `Experts` params (gate/up [E, i, d], down [E, d, i]); shared: the shared expert's `MLP` params.
-  matmul, dense: the quantized and plain-weight matmul impls (glmjax.quant.linear).
+  matmul, dense: the quantized and plain-weight matmul impls (glmjax.quant.linear); routing:
+  the grouped MoE kernels' (glmjax.quant.moe_experts).
   """
   check_config(config, mesh)
   degree = mesh.shape[TEP]
@@ -54,7 +55,7 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
     x = x.astype(dtype)
     offset = jax.lax.axis_index(TEP) * local_experts
     routed = quant.moe_experts(x, ids - offset, weights, experts["gate_proj"], experts["up_proj"],
-                               experts["down_proj"], impl=matmul)
+                               experts["down_proj"], impl=matmul, routing=routing)
     partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense)
     return jax.lax.psum(partial, TEP)
 
