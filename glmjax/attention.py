@@ -35,21 +35,22 @@ class Indexer(nn.Module):
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array):
-    """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped)."""
+  def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, dense: str = "xla"):
+    """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped).
+    dense: the projections' plain-weight matmul (glmjax.quant.linear)."""
     c = self.config
     kw = dict(dtype=jnp.float32, param_dtype=self.param_dtype)
     b, t, _ = x.shape
     rope = c.qk_rope_head_dim
-    q = Linear(c.index_n_heads * c.index_head_dim, ("index_heads", "q_lora"), name="wq_b", **kw)(q_resid)
+    q = Linear(c.index_n_heads * c.index_head_dim, ("index_heads", "q_lora"), name="wq_b", **kw)(q_resid, dense=dense)
     q = q.reshape(b, t, c.index_n_heads, c.index_head_dim)
     # In the indexer the RoPE part comes first in each head ([rope | nope]).
     q = jnp.concatenate([apply_rope(q[..., :rope], cos, sin), q[..., rope:]], axis=-1)
-    k = Linear(c.index_head_dim, (None, "embed"), name="wk", **kw)(x)
+    k = Linear(c.index_head_dim, (None, "embed"), name="wk", **kw)(x, dense=dense)
     k = LayerNorm(eps=1e-6, name="k_norm", **kw)(k)
     k = jnp.concatenate([apply_rope(k[..., :rope], cos, sin), k[..., rope:]], axis=-1)
     # Kept in fp32: bf16 rounding of the head weights flips near-tied selections.
-    weights = Linear(c.index_n_heads, ("index_heads", "embed"), name="weights_proj", **kw)(x)
+    weights = Linear(c.index_n_heads, ("index_heads", "embed"), name="weights_proj", **kw)(x, dense=dense)
     weights = weights * c.index_n_heads ** -0.5
     return q, weights, k
 
@@ -103,7 +104,8 @@ class MLAttention(nn.Module):
       raise ValueError(f"layer {layer_id} must run its indexer but has no indexer weights "
                        "(a 'shared' layer in the checkpoint): choose an IndexShare pattern whose "
                        "full layers have indexers")
-    idx = Indexer(c, name="indexer", **kw)(x, q_resid, cos, sin) if (self.has_indexer and run_indexer) else None
+    idx = (Indexer(c, name="indexer", **kw)(x, q_resid, cos, sin, dense=runtime.dense_matmul)
+           if (self.has_indexer and run_indexer) else None)
     if idx is not None and runtime.indexer_queries != "float32":  # one bf16 MMA term in the kernel, not three
       idx = (idx[0].astype(runtime.indexer_queries), *idx[1:])
 

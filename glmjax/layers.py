@@ -30,7 +30,7 @@ class Linear(nn.Module):
   def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla") -> jax.Array:
     weight = quant.param(self, "weight", nn.with_logical_partitioning(init_normal(self.init_std), self.axes),
                          (self.features, x.shape[-1]), self.param_dtype)
-    return linear(x.astype(self.dtype), weight, impl=matmul, dense=dense)
+    return linear(x, weight, impl=matmul, dense=dense, dtype=self.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -73,13 +73,13 @@ class Router(nn.Module):
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def __call__(self, x: jax.Array, *, dense: str = "xla") -> tuple[jax.Array, jax.Array]:
     c = self.config
     weight = self.param("weight", nn.with_logical_partitioning(init_normal(0.02), (None, "embed")),
                         (c.n_routed_experts, c.hidden_size), self.param_dtype)
     bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                       (c.n_routed_experts,), jnp.float32)
-    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), weight.astype(jnp.float32))
+    logits = quant.linear(x, weight, dense=dense, dtype=jnp.float32)
     return route(logits, bias, c)
 
 
@@ -124,8 +124,8 @@ class MoE(nn.Module):
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     flat = x.reshape(-1, x.shape[-1])
-    ids, weights = Router(c, self.param_dtype, name="gate")(flat)
     impls = dict(matmul="xla", dense="xla") if runtime is None else runtime.linear_impls
+    ids, weights = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"])
     routing = "table" if runtime is None else runtime.moe_routing
     tep_mesh = mesh.active_mesh()
     if tep_mesh is not None and not self.is_initializing():

@@ -45,32 +45,36 @@ def _bf16_matmul_kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, block_m:
   store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def bf16_matmul(x: jax.Array, w: jax.Array, *, config: MatmulConfig | None = None,
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def bf16_matmul(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16, config: MatmulConfig | None = None,
                 interpret: bool | None = None) -> jax.Array:
   """x @ w.T for decode-sized x, fp32 accumulation.
 
   Args:
     x: bf16 [M, K], 1 <= M <= 16.
     w: bf16 [N, K] (any N, K).
+    out_dtype: bf16, or fp32 (the fp32 computations of bf16 operands: the indexer's
+      projections, the router).
     config: tiling; default `default_config(M, N, K)`.
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
-    bf16 [M, N].
+    [M, N] in out_dtype.
   """
   if not isinstance(w, jax.Array) or w.dtype != jnp.bfloat16:
     raise ValueError(f"bf16_matmul needs a bf16 weight array, got {getattr(w, 'dtype', type(w).__name__)}")
   check_skinny_input(x, w.shape, "bf16_matmul")
+  if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"bf16_matmul: out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype)}")
   (m, k), n = x.shape, w.shape[0]
   config = default_config(m, n, k) if config is None else config
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
   block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
   kernel = functools.partial(_bf16_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config)
   specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)), pl.BlockSpec((config.block_n, kp), lambda j, s: (j, 0))]
-  return skinny_call(kernel, [x, w], specs, m=m, n=n, dtype=x.dtype, config=config, interpret=interpret,
-                     name="bf16_matmul")
+  return skinny_call(kernel, [x, w], specs, m=m, n=n, dtype=jnp.dtype(out_dtype), config=config,
+                     interpret=interpret, name="bf16_matmul")
 
 
-def bf16_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
-  """fp32 reference: matmul in fp32, cast to x.dtype."""
-  return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
+def bf16_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16) -> jax.Array:
+  """fp32 reference: matmul in fp32, cast to out_dtype."""
+  return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST).astype(out_dtype)

@@ -106,6 +106,17 @@ def test_ptx_decode_equals_the_jnp_decode():
     np.testing.assert_array_equal(got, np.asarray(want).view(np.uint16))
 
 
+def test_bf16_matmul_fp32_result():
+  """out_dtype=f32 (the fp32 computations of bf16 operands): XLA's fp32 matmul of the same values
+  up to summation order, split K included."""
+  x, w = inputs(11, 5, 130, 2048)
+  w = jnp.asarray(w, jnp.bfloat16)
+  out = bf16_matmul(x, w, out_dtype=jnp.float32)
+  assert out.dtype == jnp.float32 and rel_err(out, bf16_matmul_reference(x, w, out_dtype=jnp.float32)) <= 1e-6
+  with pytest.raises(ValueError, match="out_dtype"):
+    bf16_matmul(x, w, out_dtype=jnp.float16)
+
+
 def test_linear_pallas_matches_xla():
   x, w = inputs(3, 4, 48, 80)
   q = quantize_nvfp4(jnp.asarray(w))

@@ -127,11 +127,12 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
 
 def test_dense_pallas_matmul_matches_xla(params_bf16):
   """bf16 weights, 8 rows, dense_matmul="pallas": the split-K GEMV replaces exactly the plain bf16
-  linears (4 attention projections a layer, the dense MLP's 3 and the shared expert's 3; not the
-  fp32 indexer's, the lm_head or the routed experts), close to XLA's einsum."""
+  linears: 4 attention projections a layer, the indexer's 3 (fp32 results; layer 0 runs the
+  only indexer), the dense MLP's 3, the shared expert's 3 and the router (fp32); not the
+  lm_head or the routed experts. Close to XLA's einsum."""
   ids = tokens(9, 1, 8)
   run = lambda p, dense: glmjax.forward(CONFIG, p, ids, runtime=Runtime(dense_matmul=dense))
-  assert kernel_launches(jax.make_jaxpr(lambda p: run(p, "pallas"))(params_bf16).jaxpr) == 4 * 2 + 3 + 3
+  assert kernel_launches(jax.make_jaxpr(lambda p: run(p, "pallas"))(params_bf16).jaxpr) == 4 * 2 + 3 + 3 + 3 + 1
   assert rel_err(run(params_bf16, "pallas"), run(params_bf16, "xla")) <= 2e-2
 
 

@@ -73,21 +73,28 @@ def param(module: nn.Module, name: str, init_fn, shape: tuple[int, ...], dtype):
   return module.param(name, init_fn, shape, dtype)
 
 
-def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla") -> jax.Array:
-  """x [..., in] @ w.T for w of logical shape [out, in] -> [..., out] in x.dtype.
+def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None) -> jax.Array:
+  """x [..., in] @ w.T for w of logical shape [out, in] -> [..., out], computed in `dtype`
+  (default x.dtype; x is cast to it).
 
-  Plain array: `jnp.einsum('...k,nk->...n', x, w)`, untouched, unless dense="pallas" (the split-K
-  bf16 GEMV for decode-sized bf16 x and w). Quantized, impl="xla": dequantize to x.dtype, einsum
-  with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny kernel for decode-sized bf16 x,
-  else the XLA path (see the module docstring).
+  Plain array: `jnp.einsum('...k,nk->...n', x, w)`, untouched, unless dense="pallas": the split-K
+  bf16 GEMV for decode-sized bf16 x and w, with a bf16 result, or with an fp32 one under an
+  fp32 `dtype` (the indexer's projections, the router): the same products as casting first, a
+  bf16 product being exact in fp32, and no fp32 copy of the weight. Quantized, impl="xla":
+  dequantize to `dtype`, einsum with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny
+  kernel for decode-sized bf16 x, else the XLA path (see the module docstring).
   """
   _check_impl(impl, dense)
+  dtype = x.dtype if dtype is None else jnp.dtype(dtype)
   rows = math.prod(x.shape[:-1])
   if not isinstance(w, QuantizedWeight):
-    if dense == "xla" or w.dtype != jnp.bfloat16 or not _kernel_sized(x, rows):
-      return jnp.einsum("...k,nk->...n", x, w)
+    if (dense == "xla" or w.dtype != jnp.bfloat16 or dtype not in (jnp.bfloat16, jnp.float32)
+        or not _kernel_sized(x, rows)):
+      return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
     from pallas_kernels.bf16_matmul import bf16_matmul
-    return bf16_matmul(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    out = bf16_matmul(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+  x = x.astype(dtype)
   if w.ndim != 2 or w.shape[1] != x.shape[-1]:
     raise ValueError(f"linear: weight must be [out, in={x.shape[-1]}], got logical shape {w.shape}")
   if impl != "xla" and _kernel_sized(x, rows):
