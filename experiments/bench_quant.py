@@ -36,6 +36,7 @@ from pallas_kernels.nvfp4_matmul import DECODES, MatmulConfig, default_config, n
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
+SWEPT = FORMATS | {"bf16": (lambda w: w, bf16_matmul)}  # config_sweep_rows' kernels
 
 
 def _nbytes(tree) -> int:
@@ -134,7 +135,7 @@ def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConf
   configs = configs or [MatmulConfig(block_n=bn, block_k=bk, split_k=s, num_warps=w)
                         for bn, bk in ((32, 128), (64, 128), (64, 256), (128, 128))
                         for s in (1, 4) for w in (4, 8) if fmt != "fp8" or bk <= 128]
-  quantize, kernel = FORMATS[fmt]
+  quantize, kernel = SWEPT[fmt]
   kx, kw = jax.random.split(jax.random.key(seed))
   x = jax.random.normal(kx, (m, k), jnp.bfloat16)
   q = quantize(jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02)
@@ -161,10 +162,17 @@ def moe_sweep_rows(fmt: str, configs: list[MoEConfig], *, timer: Callable[..., f
 
 
 def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
-  """Tile and decode sweeps of the NVFP4 kernels (kernels_bench --sweep): the GEMV [1, 8192] x
-  [8192, 28672] and the routed-expert MLP of moe_rows, each over both decodes."""
+  """Tile sweeps (kernels_bench --sweep): the NVFP4 GEMV [1, 8192] x [8192, 28672] and the
+  routed-expert MLP of moe_rows, each over both decodes; the FP8 GEMV at the same shape over
+  row tiles and K splits (its default grid fills half a wave of the H200: ncu, run 10); the
+  bf16 split-K GEMV at a rank's 25 MB [5, 6144] -> 2048 over K splits."""
   timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_device
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
+  dense = (5, 96, 128) if quick else (5, 2048, 6144)
+  fp8_configs = [MatmulConfig(block_n=bn, block_k=128, split_k=s)
+                 for bn, s in ((64, 1), (64, 2), (64, 4), (32, 1), (32, 2))]
+  bf16_configs = [MatmulConfig(block_n=bn, block_k=bk, split_k=s)
+                  for bn, bk, s in ((64, 256, 8), (64, 256, 4), (64, 256, 16), (32, 256, 8), (128, 128, 4))]
   moe = (dict(tokens=5, top_k=2, experts=4, d=64, i=32) if quick
          else dict(tokens=5, top_k=8, experts=32, d=6144, i=2048))
   tiles = ((64, 256, 1), (32, 512, 1), (64, 512, 1), (32, 512, 2))
@@ -173,9 +181,11 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                  for bn, bk, w in ((64, 128, 4), (64, 256, 4), (32, 512, 4), (64, 512, 4), (32, 256, 4))
                  for d in DECODES]
   if quick:
-    gemv_configs, moe_configs = gemv_configs[:2], moe_configs[:2]
-  for row in config_sweep_rows("nvfp4", *gemv, gemv_configs, timer=timer):
-    yield dict(row, config=str(row["config"]))
+    gemv_configs, moe_configs, fp8_configs, bf16_configs = (c[:2] for c in (gemv_configs, moe_configs, fp8_configs,
+                                                                             bf16_configs))
+  for fmt, shape, configs in (("nvfp4", gemv, gemv_configs), ("fp8", gemv, fp8_configs), ("bf16", dense, bf16_configs)):
+    for row in config_sweep_rows(fmt, *shape, configs, timer=timer):
+      yield dict(row, config=str(row["config"]))
   yield from moe_sweep_rows("nvfp4", moe_configs, timer=timer, **moe)
 
 

@@ -69,13 +69,17 @@ def test_agreement_compares_index_sets_and_float_errors():
 
 
 def test_quant_sweep_covers_both_decodes():
-  """kernels_bench --sweep's quant rows: the GEMV and the MoE, each under both NVFP4 decodes,
-  every one timed (interpret mode: the PTX decode runs its jnp twin)."""
+  """kernels_bench --sweep's quant rows: the NVFP4 GEMV and MoE, each under both decodes, the
+  FP8 and bf16 GEMVs under two configs each, every one timed (interpret mode: the PTX decode
+  runs its jnp twin)."""
   from experiments.bench_quant import quant_sweep_rows
   rows = list(quant_sweep_rows(quick=True))
   assert {r["name"] for r in rows} == {"sweep", "moe_sweep"}
+  nvfp4 = [r for r in rows if r["name"] == "moe_sweep" or r["format"] == "nvfp4"]
   for name in ("sweep", "moe_sweep"):
-    assert {"decode='jnp'" in r["config"] for r in rows if r["name"] == name} == {True, False}
+    assert {"decode='jnp'" in r["config"] for r in nvfp4 if r["name"] == name} == {True, False}
+  for fmt in ("fp8", "bf16"):
+    assert len({r["config"] for r in rows if r["name"] == "sweep" and r["format"] == fmt}) == 2
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
 
 
