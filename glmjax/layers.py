@@ -19,7 +19,8 @@ init_normal = nn.initializers.normal
 
 class Linear(nn.Module):
   """y = x @ weight.T with weight [out, in] (HF layout); no bias (GLM-5 has none). The weight may
-  be a quantized leaf (NVFP4 / block FP8), applied through the `matmul` impl of the call."""
+  be a quantized leaf (NVFP4 / block FP8), applied through the `matmul` impl of the call; a
+  plain one through its `dense` impl (glmjax.quant.linear)."""
   features: int
   axes: tuple[str | None, str | None] = (None, None)  # logical axes of (out, in)
   dtype: jnp.dtype = jnp.float32

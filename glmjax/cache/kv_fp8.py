@@ -27,8 +27,8 @@ def fp8_scale(amax: jnp.ndarray) -> jnp.ndarray:
 
   e comes from the bits of r = amax / 448: its exponent, plus one unless r is a power of two.
   Integer work only, so the Pallas cache writer (pallas_kernels/paged_write.py) computes the
-  same scales bit for bit; a float log2 is approximate on the GPU and misplaces e near powers
-  of two."""
+  same scales bit for bit: a kernel's float log2 may be the approximate instruction, whose
+  error moves ceil(log2 r) by one near powers of two."""
   r = jnp.maximum(amax.astype(jnp.float32), 1e-30) / E4M3_MAX  # a normal float
   bits = lax.bitcast_convert_type(r, jnp.int32)
   exponent = (bits >> 23) + jnp.minimum(bits & 0x7FFFFF, 1)  # biased e: +1 unless r is 2^k
