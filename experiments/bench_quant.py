@@ -16,8 +16,10 @@ pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). `frac_of_c
 the H200's 4.22 TB/s copy.
 
 Cases: GEMV [M, 8192] x [8192, 28672]; one GLM-5 expert's gate/up [2048, 6144] and down
-[6144, 2048] (the shapes of a TEP=8 rank's q_a_proj and o_proj too); each at M = 1, 5, 8; the routed-expert MLP of 5 tokens, top-8 of 32 local experts
-(one TEP=8 rank), D = 6144, I = 2048. `quick=True`: tiny shapes for a CPU (interpret) smoke test.
+[6144, 2048] (the shapes of a TEP=8 rank's q_a_proj and o_proj too); each at M = 1, 5, 8; the
+routed-expert MLP twice: ids among the 32 local experts (about 24 chosen), and, as one TEP=8
+rank sees them, among all 256 (about 5 local ones chosen); 5 tokens, top-8, D = 6144, I = 2048.
+`quick=True`: tiny shapes for a CPU (interpret) smoke test.
 """
 
 import functools
@@ -86,17 +88,19 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
-def _moe_case(tokens: int, top_k: int, experts: int, d: int, i: int, seed: int = 0):
-  """(x, (ids, routing weights), bf16 (gate, up, down), number of distinct experts chosen)."""
+def _moe_case(tokens: int, top_k: int, experts: int, d: int, i: int, seed: int = 0, routed: int = 0):
+  """(x, (ids, routing weights), bf16 (gate, up, down), number of distinct local experts chosen).
+  routed: the experts the ids choose among (0: the `experts` local ones); more (one TEP rank's
+  view: 256 routed experts, 32 of them local) puts most ids on other ranks (outside [0, experts))."""
   keys = jax.random.split(jax.random.key(seed), 4)
   x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
   stacked = lambda key, shape: jax.random.normal(key, shape, jnp.bfloat16) * 0.02
   weights = (stacked(keys[1], (experts, i, d)), stacked(keys[2], (experts, i, d)),
              stacked(keys[3], (experts, d, i)))
   rng = np.random.default_rng(seed)
-  ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+  ids = np.stack([rng.choice(routed or experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
   routing = (jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1, (tokens, top_k)), jnp.float32))
-  return x, routing, weights, len(np.unique(ids))
+  return x, routing, weights, len(np.unique(ids[ids < experts]))
 
 
 def _moe_bytes(weights, chosen: float, x: jax.Array, ids: jax.Array) -> int:
@@ -106,10 +110,10 @@ def _moe_bytes(weights, chosen: float, x: jax.Array, ids: jax.Array) -> int:
 
 
 def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Callable[..., float],
-             seed: int = 0):
+             seed: int = 0, routed: int = 0):
   """Routed-expert MLP: XLA bf16 (the model's reference path), then per format (and bf16) the
   grouped kernel, plus XLA dequant for the quantized formats."""
-  x, routing, weights, chosen_experts = _moe_case(tokens, top_k, experts, d, i, seed)
+  x, routing, weights, chosen_experts = _moe_case(tokens, top_k, experts, d, i, seed, routed)
   chosen = chosen_experts / experts  # fraction of the stacked weights the step must read
   xla = jax.jit(functools.partial(moe_experts, impl="xla"))
   bf16_bytes = _moe_bytes(weights, chosen, x, routing[0])
@@ -125,7 +129,7 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
         config = default_moe_config(q, decode="ptx", routing=routing_impl)
         ptx = jax.jit(functools.partial(moe_grouped_matmul, config=config))
         timed.append(_kernel_entry(fmt, ptx, xla, (x, *routing, *q), nbytes, timer, impl=impl))
-  return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, top_k=top_k,
+  return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, routed=routed or experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)
 
 
@@ -157,7 +161,8 @@ def moe_sweep_rows(fmt: str, configs: list[MoEConfig], *, timer: Callable[..., f
   rows = []
   for config in configs:
     seconds = timer(jax.jit(functools.partial(moe_grouped_matmul, config=config)), x, *routing, *q)
-    rows.append(dict(name="moe_sweep", format=fmt, config=str(config), **_rate(seconds, nbytes)))
+    rows.append(dict(name="moe_sweep", format=fmt, config=str(config), routed=case.get("routed") or case["experts"],
+                     chosen_experts=chosen_experts, **_rate(seconds, nbytes)))
   return rows
 
 
@@ -187,6 +192,12 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
     for row in config_sweep_rows(fmt, *shape, configs, timer=timer):
       yield dict(row, config=str(row["config"]))
   yield from moe_sweep_rows("nvfp4", moe_configs, timer=timer, **moe)
+  # One TEP rank's step: ids over all routed experts, so only about 5 of the 32 local ones are
+  # chosen and the gate/up grid has few working programs: narrower row blocks give more.
+  rank_configs = [MoEConfig(block_n=bn, block_k=256, decode="ptx", routing=r)
+                  for bn in (64, 32, 16) for r in ("table", "scan")]
+  yield from moe_sweep_rows("nvfp4", rank_configs[:2] if quick else rank_configs, timer=timer,
+                            routed=4 * moe["experts"] if quick else 256, **moe)
 
 
 def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
@@ -203,3 +214,4 @@ def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
     for m in (1, 5, 8):
       yield from gemv_rows(m, n, k, name=name, timer=timer)
   yield from moe_rows(**moe, timer=timer)
+  yield from moe_rows(**moe, timer=timer, routed=4 * moe["experts"] if quick else 256)  # one TEP=8 rank's view
