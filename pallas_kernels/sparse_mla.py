@@ -98,10 +98,11 @@ def _first_rows(x: jax.Array, rows: int) -> jax.Array:
 
 
 def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, chunk: int,
-                       block_n: int, page_size: int, softmax_scale: float, fp8: bool,
+                       block_n: int, page_size: int, softmax_scale: float, fp8: bool, heads: int,
                        heads_out: int):
   """Partial attention of one query token over one split of its selected tokens."""
-  # ql_ref [Hp, R] bf16|f32 ; qr_ref [Hp, dr] bf16|f32
+  # ql_ref [Hp, R] bf16|f32 ; qr_ref [Hp, dr] bf16|f32: blocks of [H, ...] queries, rows past
+  # H masked to zero (no padded copy of the queries in HBM)
   # pt_ref [max_pages] i32 ; idx_ref [k] i32
   # lat_ref [P, page_size, R] bf16|e4m3 ; scale_ref [P, page_size, R // blk] f32 (FP8 only)
   # rope_ref [P, page_size, dr] bf16 ; acc_ref [Hs, R] f32 ; m_ref, l_ref [Hs] f32
@@ -118,8 +119,10 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
   # no [bn, G] -> [bn, R] broadcast is needed; bf16: one group), each with its own dots.
   groups = scale_ref.shape[-1] if fp8 else 1
   width = rank // groups
-  ql = [bf16_parts(ql_ref[:, pl.ds(g * width, width)]) for g in range(groups)]
-  qr = bf16_parts(qr_ref[...])
+  heads_ok = (jnp.arange(hp) < heads)[:, None]
+  load_q = lambda view: view[...] if heads == hp else pltriton.load(view, mask=heads_ok, other=0.0)
+  ql = [bf16_parts(load_q(ql_ref.at[:, pl.ds(g * width, width)])) for g in range(groups)]
+  qr = bf16_parts(load_q(qr_ref))
   cols = jnp.arange(width, dtype=jnp.int32)
   rope_cols = jnp.arange(rope_dim, dtype=jnp.int32)
   contract_last = (((1,), (1,)), ((), ()))
@@ -225,11 +228,6 @@ def check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_t
                      f"{indices.dtype}{list(indices.shape)}")
 
 
-def _pad_heads(x: jax.Array, heads: int) -> jax.Array:
-  h = x.shape[2]
-  return x if h == heads else jnp.pad(x, ((0, 0), (0, 0), (0, heads - h), (0, 0)))
-
-
 def _num_splits(queries: int, k: int, block_n: int) -> int:
   """Splits per query token: about _TARGET_PROGRAMS programs, >= block_n tokens each."""
   return max(1, min(_TARGET_PROGRAMS // queries, pl.cdiv(k, block_n)))
@@ -268,9 +266,7 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
     if dim < _MIN_MMA or not is_pow2(dim):
       raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
   heads_out = pl.next_power_of_2(h)
-  hp = max(_MIN_MMA, heads_out)  # MMA rows; padded heads have zero queries
-  ql = _pad_heads(q_latent, hp)
-  qr = _pad_heads(q_rope, hp)
+  hp = max(_MIN_MMA, heads_out)  # MMA rows; the kernel reads heads past H as zero queries
   splits = config.num_splits or _num_splits(b * t, k, config.block_n)
   chunk = pl.cdiv(k, splits * config.block_n) * config.block_n
   splits = pl.cdiv(k, chunk)  # no empty splits
@@ -280,7 +276,7 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
   part_spec = pl.BlockSpec((None, None, None, heads_out), lambda i, s, j: (j, i, s, 0))
   acc, m, l = pl.pallas_call(
       functools.partial(_sparse_mla_kernel, k=k, chunk=chunk, block_n=config.block_n,
-                        page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8,
+                        page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8, heads=h,
                         heads_out=heads_out),
       grid=(t, splits, b),  # query token fastest: its programs share the selected rows
       in_specs=[pl.BlockSpec((None, None, hp, rank), lambda i, s, j: (j, i, 0, 0)),
@@ -297,7 +293,7 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="sparse_mla_decode",
-  )(ql, qr, page_table, indices, *caches)
+  )(q_latent, q_rope, page_table, indices, *caches)
   return _combine(acc, m, l, config, interpret)[:, :, :h]
 
 
