@@ -62,10 +62,11 @@ class IndexerScoresConfig:
     check_launch("IndexerScoresConfig", self.num_warps, self.num_stages)
 
 
-def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, n: int, chunk: int,
+def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, heads: int, n: int, chunk: int,
                    block_k: int, page_size: int, fp8: bool, histogram: bool):
   """Scores of one sequence's key chunk for a group of Tg query tokens (+ digit-0 histograms)."""
-  # q_ref [Tg, Hp, Di] bf16|f32 ; w_ref [Tg, Hp] f32 ; pos_ref [Tg] i32 ; pt_ref [max_pages] i32
+  # q_ref [Tg, Hp, Di] bf16|f32 ; w_ref [Tg, Hp] f32: blocks of H heads, those past H read as 0
+  # pos_ref [Tg] i32 ; pt_ref [max_pages] i32
   # k_ref [P, page_size, Di] bf16|e4m3 ; scale_ref [P, page_size, 1] f32 (FP8 only)
   # o_ref [Tg, chunk] f32 ; ge_ref [Tg, 256] f32 ; tot_ref [2, Tg, 256] f32 (histogram only; its
   # input twin is the same buffer and goes unread)
@@ -77,8 +78,11 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, n: i
   max_pages = pt_ref.shape[0]
   head_dim = k_ref.shape[-1]
   start = pl.program_id(2) * chunk
-  queries = [bf16_parts(q_ref[t]) for t in range(num_t)]
-  weights = [w_ref[t] for t in range(num_t)]
+  hp = q_ref.shape[1]
+  heads_ok = jnp.arange(hp) < heads
+  masked = lambda view, ok: view[...] if heads == hp else pltriton.load(view, mask=ok, other=0.0)
+  queries = [bf16_parts(masked(q_ref.at[jnp.int32(t)], heads_ok[:, None])) for t in range(num_t)]
+  weights = [masked(w_ref.at[jnp.int32(t)], heads_ok) for t in range(num_t)]
   positions = [pos_ref[t] for t in range(num_t)]
   dims = jnp.arange(head_dim, dtype=jnp.int32)
 
@@ -129,14 +133,14 @@ def check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions
 
 
 def pad_queries(q: jax.Array, weights: jax.Array, q_positions: jax.Array):
-  """Pads heads to a power of two >= 16 (the MMA's M; zero weight, no contribution) and query
-  tokens to whole groups of QUERY_GROUP (position -1: scores -inf). Returns (q, w, pos)."""
-  _, t, h, _ = q.shape
-  hp = max(_MIN_MMA, pl.next_power_of_2(h))
+  """Pads query tokens to whole groups of QUERY_GROUP (position -1: scores -inf); a decode
+  step's few tokens form one group and need none. Returns (q, w, pos). (Heads need no padding
+  to the MMA's 16 rows: the kernel reads heads past H as zero queries of zero weight.)"""
+  t = q.shape[1]
   tp = t if t <= QUERY_GROUP else pl.cdiv(t, QUERY_GROUP) * QUERY_GROUP
-  if hp != h or tp != t:
-    q = jnp.pad(q, ((0, 0), (0, tp - t), (0, hp - h), (0, 0)))
-    weights = jnp.pad(weights, ((0, 0), (0, tp - t), (0, hp - h)))
+  if tp != t:
+    q = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    weights = jnp.pad(weights, ((0, 0), (0, tp - t), (0, 0)))
     q_positions = jnp.pad(q_positions, ((0, 0), (0, tp - t)), constant_values=-1)
   return q, weights, q_positions
 
@@ -148,7 +152,8 @@ def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, nu
 
   Returns scores [B, Tp, N] f32, or (scores, ge0 [B, Tp, splits, 256], tot) when `tot` is given.
   """
-  b, tp, hp, di = q.shape
+  b, tp, h, di = q.shape
+  hp = max(_MIN_MMA, pl.next_power_of_2(h))  # the MMA's rows: heads past h are masked reads
   if di < _MIN_MMA or not is_pow2(di):
     raise ValueError(f"the kernel needs a power-of-two head dim >= 16, got {di}")
   tg = min(tp, QUERY_GROUP)
@@ -175,7 +180,7 @@ def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, nu
                   tot_spec]
     out_shape += [jax.ShapeDtypeStruct((b, tp, splits, topk.BINS), jnp.float32),
                   jax.ShapeDtypeStruct(tot.shape, jnp.float32)]
-  kernel = functools.partial(_scores_kernel, num_t=tg, n=num_keys, chunk=chunk, block_k=block_k,
+  kernel = functools.partial(_scores_kernel, num_t=tg, heads=h, n=num_keys, chunk=chunk, block_k=block_k,
                              page_size=index_k.shape[1], fp8=fp8, histogram=tot is not None)
   out = pl.pallas_call(
       kernel,

@@ -376,6 +376,9 @@ def test_lowers_for_h200():
       (lambda x: topk_indices(x, 2048, config=TopKConfig(method="sampled"), interpret=False),
        (s((64, 131072), f32),)),
       (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False), idx_args),
+      # A TEP=8 rank's 4 indexer heads: the kernel masks the MMA rows past them.
+      (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False),
+       (s((1, 5, 4, 128), bf16), s((1, 5, 4), f32), *idx_args[2:])),
       (lambda *a: indexer_topk(*a, num_keys=num_keys, k=2048, interpret=False), idx_args),
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, interpret=False), mla_args),
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, config=SparseMLAConfig(combine="pallas"),
