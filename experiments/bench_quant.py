@@ -9,8 +9,10 @@ Timing: `glmjax.bench.time_device` (many calls in one on-device loop, median). B
 weights (+ scales) an implementation must read plus the activations in and out; for the MoE,
 only the distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX decode
-(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`;
-for the MoE also `pallas_ptx_scan`, with the kernels scanning the ids: MoEConfig.routing).
+(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`),
+the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where its TMA shapes
+allow: N a multiple of 8, K of 256; not at the quick shapes), and for the MoE
+`pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing).
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
 pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). `frac_of_copy` is against
 the H200's 4.22 TB/s copy.
@@ -35,6 +37,7 @@ from pallas_kernels.bf16_matmul import bf16_matmul
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.nvfp4_matmul import DECODES, MatmulConfig, default_config, nvfp4_matmul
+from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
@@ -85,6 +88,8 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     if fmt == "nvfp4":  # the inline-PTX decode (MatmulConfig.decode) with its default tiles
       ptx = jax.jit(functools.partial(kernel, config=default_config(m, n, k, decode="ptx")))
       timed.append(_kernel_entry(fmt, ptx, xla_dequant, (x, q), nbytes, timer, impl="pallas_ptx"))
+      if n % TMA_ROW_TILE == 0 and k % K_MULTIPLE == 0:  # the Mosaic GPU kernel's TMA shapes
+        timed.append(_kernel_entry(fmt, nvfp4_matmul_mgpu, xla_dequant, (x, q), nbytes, timer, impl="pallas_mgpu"))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
