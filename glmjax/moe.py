@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from glmjax import quant
 from glmjax.config import ModelConfig
+from glmjax.footprint import expected_distinct_experts
 from glmjax.layers import MLP, init_normal
 
 
@@ -67,6 +68,14 @@ def experts_reference(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: ja
   return jnp.einsum("ned,ne->nd", y.astype(jnp.float32), combine).astype(x.dtype)
 
 
+def expected_local_experts(config: ModelConfig, tokens: int) -> float:
+  """Distinct local experts `tokens` tokens are expected to choose under uniform routing: a TEP
+  rank's share of those touched among all routed experts (about 5 of 32 at 5 tokens, GLM-5)."""
+  c = config
+  touched = expected_distinct_experts(tokens, c.num_experts_per_tok, c.n_routed_experts)
+  return touched * c.num_local_experts / c.n_routed_experts
+
+
 class Router(nn.Module):
   """Router weight [E, D] and the choice-only correction bias [E], kept in fp32."""
   config: ModelConfig
@@ -101,7 +110,8 @@ class Experts(nn.Module):
     down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
     x = x.astype(self.dtype)
     if matmul != "xla":
-      return quant.moe_experts(x, ids, weights, gate, up, down, impl=matmul, routing=routing)
+      return quant.moe_experts(x, ids, weights, gate, up, down, impl=matmul, routing=routing,
+                               chosen=expected_local_experts(c, ids.shape[0]))
     return experts_reference(x, ids, weights, gate, up, down)
 
 

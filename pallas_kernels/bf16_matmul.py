@@ -6,14 +6,19 @@ of a GLM-5 TEP=8 rank's decode step, [1-5, 6144] -> 2048 (q_a_proj, the shared e
 up) and [1-5, 2048] -> 6144 (o_proj, the shared expert's down), take 18-27 us in XLA, 0.9-1.4
 TB/s (docs/BENCHMARKS.md runs 5 and 10): too few row tiles of N to occupy 132 SMs. Five of them
 run in every decoder layer, about 0.1 ms of the rank's 0.5 ms a layer, where the bytes ask for
-about 30 us at copy speed. Here K is split too (`default_config`: >= 2 programs per SM), and
-XLA sums the fp32 partials (a few KB).
+about 30 us at copy speed. Here K is split too (`default_bf16_config`), and XLA sums the fp32
+partials (a few KB).
 
 The kernel is the weight-only matmuls' (nvfp4_matmul.py, fp8_matmul.py) with nothing to decode:
 grid (N / block_n, split_k), a K loop of contiguous [block_n, block_k] weight tiles, the tensor
 cores on x padded to 16 rows, fp32 accumulation; Triton lowering for the same reasons as theirs.
-Switch: `Runtime.dense_matmul` ("xla" | "pallas"; --dense_matmul on the experiments). Not yet
-timed on the GPU.
+Switch: `Runtime.dense_matmul` ("xla" | "pallas"; --dense_matmul on the experiments).
+
+Measured (H200, BENCHMARKS.md run 11, loop-timed with its launch gaps): at 5 rows, [6144] -> 2048
+14.3 us with the default tiles against XLA's 20.1; [2048] -> 6144 14.8 against 18.9; the wide
+[1, 8192] x [8192, 28672] 121 us, XLA's speed. In one TEP=8 rank's decode layer (profile, run
+11) the dense projections' kernels take about as long as XLA's (68 us in 11 launches against
+72 in 11): the 25 MB GEMVs are slower loop-timed than inside the step.
 """
 
 import functools
@@ -23,9 +28,23 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, default_config, dot_t,
-                                         load_tile, range_mask, skinny_call, skinny_rows, split_k_loop,
-                                         store_tile)
+from pallas_kernels.nvfp4_matmul import (NUM_SMS, MatmulConfig, check_skinny_input, dot_t, load_tile,
+                                         range_mask, skinny_call, skinny_rows, split_k_loop, store_tile)
+
+MAX_SPLIT = 8
+
+
+def default_bf16_config(n: int, k: int) -> MatmulConfig:
+  """64 x 128 weight tiles, K split (up to 8 ways, >= 2 steps a program) until about four
+  programs per SM: the best or within 6% of the best of six tilings at both of a rank's 25 MB
+  shapes (run 11: 14.3 us at [5, 6144] -> 2048, 14.8 at [5, 2048] -> 6144, where the weight-only
+  kernels' rule, 128 x 128 tiles split to two programs per SM, took 17.5 and 19.7)."""
+  block_n, block_k = 64, 128
+  blocks, steps = pl.cdiv(n, block_n), pl.cdiv(k, block_k)
+  split = 1
+  while split < MAX_SPLIT and blocks * split < 4 * NUM_SMS and steps >= 4 * split:
+    split *= 2
+  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
 def _bf16_matmul_kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, block_m: int, config: MatmulConfig):
@@ -55,7 +74,7 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16, config: M
     w: bf16 [N, K] (any N, K).
     out_dtype: bf16, or fp32 (the fp32 computations of bf16 operands: the indexer's
       projections, the router).
-    config: tiling; default `default_config(M, N, K)`.
+    config: tiling; default `default_bf16_config(N, K)`.
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
     [M, N] in out_dtype.
@@ -66,7 +85,7 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16, config: M
   if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float32):
     raise ValueError(f"bf16_matmul: out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype)}")
   (m, k), n = x.shape, w.shape[0]
-  config = default_config(m, n, k) if config is None else config
+  config = default_bf16_config(n, k) if config is None else config
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
   block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
   kernel = functools.partial(_bf16_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config)

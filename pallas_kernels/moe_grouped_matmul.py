@@ -48,8 +48,8 @@ from glmjax.quant.fp8_block import BLOCK as FP8_BLOCK, FP8BlockWeight
 from glmjax.quant.nvfp4 import BLOCK as NVFP4_BLOCK, NVFP4Weight
 from pallas_kernels.fp8_matmul import load_fp8_tile
 from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile
-from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, column_halves, dot_halves, dot_t,
-                                         load_column_halves, load_nvfp4_halves, load_nvfp4_tile,
+from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, NUM_SMS, column_halves, dot_halves,
+                                         dot_t, load_column_halves, load_nvfp4_halves, load_nvfp4_tile,
                                          load_tile, range_mask, store_tile)
 
 
@@ -82,11 +82,18 @@ class MoEConfig:
     check_choice("MoEConfig", "routing", self.routing, ROUTINGS)
 
 
-def default_moe_config(weights, *, decode: str = "jnp", routing: str = "table") -> MoEConfig:
+def default_moe_config(weights, *, decode: str = "jnp", routing: str = "table",
+                       chosen: float | None = None) -> MoEConfig:
   """The H200 tiles for these (gate, up, down) weights: MoEConfig's, except NVFP4-only weights
-  under decode="ptx", which take block_k=256 (GLM-5 rank shape, 5 tokens: 362 us against 448 us
-  at block_k=128; the jnp decode gains less, 413 us against 434; BENCHMARKS.md run 10)."""
+  under decode="ptx". Those take block_k=256 (GLM-5 rank shape, 5 tokens, 24 of 32 experts
+  chosen: 362 us against 448 us at block_k=128; BENCHMARKS.md run 10), or, where the step is
+  expected to choose so few experts (`chosen`, e.g. one TEP rank's share of the routed ones)
+  that 64-row blocks would give the gate/up launch under two working programs per SM,
+  32 x 512 tiles: twice the programs (about 5 of 32 chosen: 107 us against 146 us, run 11)."""
   if decode == "ptx" and all(_kind(w) == "nvfp4" for w in weights):
+    rows = weights[0].shape[1]  # gate's I
+    if chosen is not None and chosen * pl.cdiv(rows, 64) < 2 * NUM_SMS:
+      return MoEConfig(block_n=32, block_k=512, decode=decode, routing=routing)
     return MoEConfig(block_k=256, decode=decode, routing=routing)
   return MoEConfig(decode=decode, routing=routing)
 

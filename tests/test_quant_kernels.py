@@ -244,3 +244,22 @@ def test_ptx_default_tiles():
   assert default_moe_config(q4, decode="ptx") == MoEConfig(block_k=256, decode="ptx")
   assert default_moe_config([*q4[:2], q8], decode="ptx").block_k == 128
   assert default_moe_config(q4) == MoEConfig()
+
+
+def test_rank_step_default_tiles():
+  """One TEP=8 rank at 5 tokens: about 4.7 of its 32 experts chosen, which takes the MoE's
+  32 x 512 tiles (GLM-5's I = 2048: 4.7 x 32 row blocks of 64 is under 2 per SM); a step that
+  chooses 24 keeps 64 x 256. The bf16 GEMV splits K 8 ways at the 25 MB projections."""
+  from configs import get_model_config
+  from glmjax.moe import expected_local_experts
+  from pallas_kernels.bf16_matmul import default_bf16_config
+  from pallas_kernels.moe_grouped_matmul import default_moe_config
+  chosen = expected_local_experts(get_model_config("tep8_shard"), 5)
+  assert 4.6 < chosen < 4.8
+  q4 = [jax.eval_shape(quantize_nvfp4, jax.ShapeDtypeStruct(s, jnp.float32))
+        for s in ((32, 2048, 6144), (32, 2048, 6144), (32, 6144, 2048))]
+  assert default_moe_config(q4, decode="ptx", chosen=chosen) == MoEConfig(block_n=32, block_k=512, decode="ptx")
+  assert default_moe_config(q4, decode="ptx", chosen=24) == MoEConfig(block_k=256, decode="ptx")
+  for n, k in ((2048, 6144), (6144, 2048)):
+    assert default_bf16_config(n, k) == MatmulConfig(block_n=64, block_k=128, split_k=8)
+  assert default_bf16_config(28672, 8192).split_k == 2  # wide outputs fill the GPU with fewer splits

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from glmjax import quant
 from glmjax.config import ModelConfig
 from glmjax.layers import MLP
+from glmjax.moe import expected_local_experts
 from glmjax.parallel.mesh import TEP
 from glmjax.parallel.rules import check_config
 
@@ -55,7 +56,8 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
     x = x.astype(dtype)
     offset = jax.lax.axis_index(TEP) * local_experts
     routed = quant.moe_experts(x, ids - offset, weights, experts["gate_proj"], experts["up_proj"],
-                               experts["down_proj"], impl=matmul, routing=routing)
+                               experts["down_proj"], impl=matmul, routing=routing,
+                               chosen=expected_local_experts(config, x.shape[0]) / degree)
     partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense)
     return jax.lax.psum(partial, TEP)
 

@@ -111,7 +111,7 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
 
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
-                down_proj, *, impl: str = "xla", routing: str = "table") -> jax.Array:
+                down_proj, *, impl: str = "xla", routing: str = "table", chosen: float | None = None) -> jax.Array:
   """Routed-expert MLP of a few tokens: x [T, D], topk_ids int32 [T, k], topk_weights fp32 [T, k];
   gate_proj / up_proj [E, I, D], down_proj [E, D, I] (plain, NVFP4 or FP8 stacked weights).
   Ids outside [0, E) (experts of other ranks) add nothing. Returns [T, D] in x.dtype.
@@ -119,12 +119,15 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   impl="xla": the model's jnp reference (glmjax.moe.experts_reference). impl="pallas": the
   grouped kernels, one launch per projection that reads only the chosen experts' weights, for
   decode-sized bf16 x (else the reference, as in `linear`); `routing`: how the kernels find the
-  chosen experts (MoEConfig.routing: "table" from XLA, or "scan" in-kernel).
+  chosen experts (MoEConfig.routing: "table" from XLA, or "scan" in-kernel); `chosen`: the
+  distinct local experts a step is expected to read, which picks the kernels' tiles
+  (default_moe_config; None: all of them).
   """
   _check_impl(impl)
   if impl != "xla" and _kernel_sized(x, x.shape[0]):
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
-    config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing)
+    config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
+                                chosen=chosen)
     return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, config=config)
   from glmjax.moe import experts_reference
   return experts_reference(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
