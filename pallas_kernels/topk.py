@@ -91,6 +91,7 @@ TARGET_PROGRAMS = 2 * 132
 MAX_SPLITS = 128
 METHODS = ("radix", "sampled")
 SAMPLE = 4096  # scores per row in the sampled method's sample
+_NO_KEY = 0xFFFFFFFF  # above every key (order_key(+inf) is 0xFF800000): the minimum of no candidates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,11 +256,13 @@ def _exclusive_cumsum(x: jax.Array) -> jax.Array:
   return jnp.cumsum(x) - x
 
 
-def _gather_kernel(scores_ref, tot_ref, ge0_ref, ge1_ref, out_ref, cand_ref, cand_pos_ref, *,
-                   k: int, n: int, chunk: int, block: int, splits: int):
-  """Keys above the row's prefix P -> their output slots; keys sharing P -> the candidates."""
+def _gather_kernel(scores_ref, tot_ref, ge0_ref, ge1_ref, out_ref, cand_ref, cand_pos_ref, lo_ref,
+                   hi_ref, *, k: int, n: int, chunk: int, block: int, splits: int):
+  """Keys above the row's prefix P -> their output slots; keys sharing P -> the candidates, and
+  the smallest and largest of this chunk's (the select skips its digit passes when they agree)."""
   # scores_ref [chunk] f32 ; tot_ref [2, 256] f32 ; ge*_ref [splits, 256] f32 (every split's
   # suffix counts of digits 0 and 1) ; out_ref [k] i32 ; cand_ref [n] f32 ; cand_pos_ref [n] i32
+  # lo_ref, hi_ref [] u32 (this program's; no candidate: 2^32 - 1 and 0)
   s = pl.program_id(1)
   prefix, _ = _row_prefix(tot_ref, k)
   top = (prefix >> DIGIT_BITS).astype(jnp.int32)
@@ -272,9 +275,10 @@ def _gather_kernel(scores_ref, tot_ref, ge0_ref, ge1_ref, out_ref, cand_ref, can
   start = s * chunk
 
   def body(i, carry):
-    rank, cand = carry
+    rank, cand, lo, hi = carry
     pos, inside, score = _chunk_scores(scores_ref, i, start=start, n=n, block=block)
-    key_prefix = order_key(score) >> _PREFIX_SHIFT
+    key = order_key(score)
+    key_prefix = key >> _PREFIX_SHIFT
     take = inside & (key_prefix > prefix)
     keep = inside & (key_prefix == prefix) & (prefix > 0)
     take_i, keep_i = take.astype(jnp.int32), keep.astype(jnp.int32)
@@ -283,21 +287,29 @@ def _gather_kernel(scores_ref, tot_ref, ge0_ref, ge1_ref, out_ref, cand_ref, can
     slot = jnp.where(keep, cand + _exclusive_cumsum(keep_i), n)
     pltriton.store(cand_ref.at[slot], score, mask=keep)
     pltriton.store(cand_pos_ref.at[slot], pos, mask=keep)
-    return rank + jnp.sum(take_i), cand + jnp.sum(keep_i)
+    lo = jnp.minimum(lo, jnp.min(jnp.where(keep, key, jnp.uint32(_NO_KEY))))
+    hi = jnp.maximum(hi, jnp.max(jnp.where(keep, key, jnp.uint32(0))))
+    return rank + jnp.sum(take_i), cand + jnp.sum(keep_i), lo, hi
 
-  lax.fori_loop(0, chunk // block, body,
-                (jnp.sum(jnp.where(mine, _exclusive_cumsum(above), 0)),
-                 jnp.sum(jnp.where(mine, _exclusive_cumsum(on_prefix), 0))))
+  first_rank = jnp.sum(jnp.where(mine, _exclusive_cumsum(above), 0))
+  first_cand = jnp.sum(jnp.where(mine, _exclusive_cumsum(on_prefix), 0))
+  _, _, lo, hi = lax.fori_loop(0, chunk // block, body,
+                               (first_rank, first_cand, jnp.uint32(_NO_KEY), jnp.uint32(0)))
+  lo_ref[...] = lo
+  hi_ref[...] = hi
 
 
 def _select_into(out_ref, keys, positions, count, prefix, k_rem, *, first_digit: int, filled,
-                 k: int, block: int) -> None:
+                 k: int, block: int, one_key=None) -> None:
   """The k_rem largest of `count` candidates -> out_ref[filled:], then -1 up to slot k.
 
   keys(i) -> (uint32 keys, valid mask) and positions(i) -> int32 of the candidates' block i, in
   index order (ties go to the first); every candidate's key starts with `prefix`, its top
-  `first_digit` digits. The remaining digits are resolved from histograms of the candidates.
-  Fewer valid candidates than k_rem: all of them are taken.
+  `first_digit` digits. The remaining digits are resolved from histograms of the candidates,
+  unless `one_key` = (flag, key) says every candidate is that key (a row whose k-th score is
+  tied many times over, such as the exact zeros of ReLU-summed indexer scores): then the first
+  k_rem of them by index are the answer, with no histogram pass. Fewer valid candidates than
+  k_rem: all of them are taken.
   """
   steps = (count + block - 1) // block
 
@@ -312,13 +324,20 @@ def _select_into(out_ref, keys, positions, count, prefix, k_rem, *, first_digit:
     hist = lax.fori_loop(0, steps, body, empty_histogram())
     return (*_choose_digit(prefix, k_rem, _suffix_counts(hist)), jnp.sum(hist.reshape(BINS)))
 
-  tau, ties = prefix, k_rem  # the k-th largest key; its ties to take
-  enough = None
-  for digit in range(first_digit, 2 * PREFIX_DIGITS):
-    tau, ties, counted = resolve(digit, tau, ties)
-    enough = counted >= k_rem if enough is None else enough
-  tau = jnp.where(enough, tau, jnp.uint32(0))  # too few: every valid key (> 0) is taken
-  ties = jnp.where(enough, ties, 0)
+  def resolved():
+    tau, ties = prefix, k_rem  # the k-th largest key; its ties to take
+    enough = None
+    for digit in range(first_digit, 2 * PREFIX_DIGITS):
+      tau, ties, counted = resolve(digit, tau, ties)
+      enough = counted >= k_rem if enough is None else enough
+    # too few: every valid key (> 0) is taken
+    return jnp.where(enough, tau, jnp.uint32(0)), jnp.where(enough, ties, 0)
+
+  if one_key is None:
+    tau, ties = resolved()
+  else:
+    same, key = one_key
+    tau, ties = lax.cond(same, lambda: (key, jnp.minimum(k_rem, count)), resolved)
 
   def pick(i, carry):
     rank, tie_rank = carry
@@ -361,17 +380,20 @@ def _block_loader(score_ref, pos_ref, count, block: int):
   return keys, positions
 
 
-def _select_kernel(cand_ref, cand_pos_ref, tot_ref, _, out_ref, *, k: int, block: int):
-  """Digits 2 and 3 over the row's candidates, then the chosen ones and the -1 padding."""
-  # cand_ref [n] f32 ; cand_pos_ref [n] i32 ; tot_ref [2, 256] f32
-  # out_ref [k] i32 (aliases the unused input; the gather pass filled the keys above P)
+def _select_kernel(cand_ref, cand_pos_ref, tot_ref, lo_ref, hi_ref, _, out_ref, *, k: int, block: int):
+  """Digits 2 and 3 over the row's candidates (none when they are all one key), then the chosen
+  ones and the -1 padding."""
+  # cand_ref [n] f32 ; cand_pos_ref [n] i32 ; tot_ref [2, 256] f32 ; lo_ref, hi_ref [splits] u32
+  # (each chunk's smallest and largest candidate key) ; out_ref [k] i32 (aliases the unused
+  # input; the gather pass filled the keys above P)
   prefix, k_rem = _row_prefix(tot_ref, k)
   low = (prefix & (BINS - 1)).astype(jnp.int32)
   ge1 = tot_ref[1].astype(jnp.int32)
   count = jnp.where(prefix > 0, _count_at(ge1, low) - _count_at(ge1, low + 1), 0)
+  lo, hi = jnp.min(lo_ref[...]), jnp.max(hi_ref[...])
   keys, positions = _block_loader(cand_ref, cand_pos_ref, count, block)
   _select_into(out_ref, keys, positions, count, prefix, k_rem, first_digit=PREFIX_DIGITS,
-               filled=k - k_rem, k=k, block=block)
+               filled=k - k_rem, k=k, block=block, one_key=((count > 0) & (lo == hi), lo))
 
 
 def _params(config: TopKConfig):
@@ -420,14 +442,16 @@ def select_from_first_pass(scores: jax.Array, ge0: jax.Array, tot: jax.Array, *,
       splits=splits, chunk=chunk, config=config, interpret=interpret, name="topk_digit1")
   all_ge_spec = pl.BlockSpec((None, splits, BINS), lambda r, s: (r, 0, 0))
   row_spec = lambda width: pl.BlockSpec((None, width), lambda r, s: (r, 0))
-  out, cand, cand_pos = pl.pallas_call(
+  per_program = pl.BlockSpec((None, None), lambda r, s: (r, s))
+  out, cand, cand_pos, lo, hi = pl.pallas_call(
       functools.partial(_gather_kernel, k=k, n=n, chunk=chunk, block=block, splits=splits),
       grid=(rows, splits),
       in_specs=[score_spec, _TOT_SPEC, all_ge_spec, all_ge_spec],
-      out_specs=[row_spec(k), row_spec(n), row_spec(n)],
+      out_specs=[row_spec(k), row_spec(n), row_spec(n), per_program, per_program],
       out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32),
                  jax.ShapeDtypeStruct((rows, n), jnp.float32),
-                 jax.ShapeDtypeStruct((rows, n), jnp.int32)],
+                 jax.ShapeDtypeStruct((rows, n), jnp.int32),
+                 *[jax.ShapeDtypeStruct((rows, splits), jnp.uint32)] * 2],
       compiler_params=_params(config),
       interpret=interpret,
       name="topk_gather",
@@ -437,14 +461,14 @@ def select_from_first_pass(scores: jax.Array, ge0: jax.Array, tot: jax.Array, *,
       functools.partial(_select_kernel, k=k, block=block),
       grid=(rows,),
       in_specs=[row(n), row(n), pl.BlockSpec((PREFIX_DIGITS, None, BINS), lambda r: (0, r, 0)),
-                row(k)],
+                row(splits), row(splits), row(k)],
       out_specs=row(k),
       out_shape=jax.ShapeDtypeStruct((rows, k), jnp.int32),
-      input_output_aliases={3: 0},
+      input_output_aliases={5: 0},
       compiler_params=_params(config),
       interpret=interpret,
       name="topk_select",
-  )(cand, cand_pos, tot, out)
+  )(cand, cand_pos, tot, lo, hi, out)
 
 
 # --- method="sampled" ---------------------------------------------------------------------

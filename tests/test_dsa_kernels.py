@@ -110,6 +110,21 @@ def test_topk_matches_reference(kind, seed):
   _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 64)))
 
 
+def test_topk_k_th_score_tied_many_times():
+  """ReLU-summed indexer scores: fewer positive scores than k, the rest of the top-k from a mass
+  of exact zeros (the select's one-key path: every candidate is +0.0, the first by index win),
+  beside a row of distinct scores (its digit passes)."""
+  rng = _rng(5)
+  relu = np.zeros(300, np.float32)
+  relu[rng.permutation(300)[:40]] = rng.uniform(0.1, 2.0, 40)
+  relu[rng.permutation(300)[:50]] = -rng.uniform(0.1, 2.0, 50)
+  scores = jnp.asarray(np.stack([relu, rng.standard_normal(300).astype(np.float32)]))
+  got = np.asarray(topk_indices(scores, 64, config=TopKConfig(block=64, num_splits=4)))
+  _assert_same_sets(got, np.asarray(topk_indices_reference(scores, 64)))
+  zeros = np.flatnonzero(relu == 0)
+  assert set(got[0]) == set(np.flatnonzero(relu > 0)) | set(zeros[:64 - (relu > 0).sum()])
+
+
 def test_topk_batched_default_config():
   scores = _score_rows(_rng(2), (257, 100, 17, 3, 0, 250), 257, "ties").reshape(2, 3, 257)
   got = topk_indices(scores, 17)
