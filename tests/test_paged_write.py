@@ -1,6 +1,6 @@
 """The one-launch cache write (pallas_kernels/paged_write.py, interpret mode) against
-paged.write_layer: the same pages bit for bit, padding written nowhere, the same tokens through
-the model, and a lowering to Triton for an H200."""
+paged.write_layer: the same pages bit for bit, padding written nowhere, the model's cached
+forward writing through it when asked, and a lowering to Triton for an H200."""
 
 import warnings
 
@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import glmjax
 from configs import get_model_config
 from glmjax.cache import paged
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
 from pallas_kernels.paged_write import paged_write
+from tests.test_quant_model import kernel_launches
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 
@@ -79,15 +79,20 @@ def test_paged_write_refuses_mismatched_rows():
     paged_write(layer, page_table, positions, jnp.zeros((1, 2, 256)), jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 32)))
 
 
-def test_model_generates_the_same_tokens_with_the_kernel_write():
-  """FP8 pages (the quantising path; bf16 rows are covered page by page above)."""
-  kv_dtype = "fp8"
+def test_model_writes_through_the_kernel_only_when_asked():
+  """Runtime.cache_write="pallas": the cached forward's page writes are paged_write launches (one
+  per layer), and none under "xla". (The pages it writes equal write_layer's, above.)"""
+  from glmjax.cache.paged import init_cache
+  from glmjax.model import CausalLM
   config = get_model_config("tiny")
-  params = init_params(config, jax.random.key(0))
-  prompt = np.random.default_rng(0).integers(2, config.vocab_size, (2, 20)).astype(np.int32)
-  run = lambda write: glmjax.generate(config, params, prompt, 6, ignore_eos=True, kv_dtype=kv_dtype, page_size=8,
-                                      runtime=Runtime(attention="sparse", cache_write=write))
-  np.testing.assert_array_equal(run("pallas"), run("xla"))
+  params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  cache = jax.eval_shape(lambda: init_cache(config, num_pages=9, page_size=8, batch=1, max_pages=8, kv_dtype="fp8"))
+  tokens, positions = jnp.zeros((1, 3), jnp.int32), jnp.arange(3, dtype=jnp.int32)[None]
+  def writes(write: str) -> int:  # the only Pallas kernels of this runtime
+    run = lambda p, c: CausalLM(config).apply({"params": p}, tokens, positions, cache=c,
+                                              runtime=Runtime(attention="sparse", cache_write=write))
+    return kernel_launches(jax.make_jaxpr(run)(params, cache).jaxpr)
+  assert writes("pallas") == config.num_hidden_layers and writes("xla") == 0
 
 
 def test_paged_write_lowers_to_triton_for_h200():

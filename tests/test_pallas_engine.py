@@ -72,7 +72,7 @@ def _record_pallas_calls(monkeypatch) -> list[tuple]:
   return calls
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["fp8"])  # bf16 pages: test_replay_pallas_equals_sparse
 def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
   assert tiny[0].index_topk < PROMPT, "the contexts must exceed index_topk for selection to matter"
   sparse = _generate(tiny, "sparse", kv_dtype)
