@@ -11,6 +11,7 @@ from glmjax import quant
 from glmjax.config import ModelConfig
 from glmjax.footprint import expected_distinct_experts
 from glmjax.layers import MLP, init_normal
+from glmjax.runtime import Runtime
 
 
 def route(logits: jax.Array, bias: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -134,9 +135,9 @@ class MoE(nn.Module):
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     flat = x.reshape(-1, x.shape[-1])
-    impls = dict(matmul="xla", dense="xla") if runtime is None else runtime.linear_impls
+    runtime = runtime or Runtime()
+    impls, routing = runtime.linear_impls, runtime.moe_routing
     ids, weights = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"])
-    routing = "table" if runtime is None else runtime.moe_routing
     tep_mesh = mesh.active_mesh()
     if tep_mesh is not None and not self.is_initializing():
       params = self.variables["params"]
