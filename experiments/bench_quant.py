@@ -12,7 +12,9 @@ same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX de
 (`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`),
 the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where its TMA shapes
 allow: N a multiple of 8, K of 256; not at the quick shapes), and for the MoE
-`pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing).
+`pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing). The
+`*_f16` rows run fp16 tensor-core operands (MatmulConfig / MoEConfig operands="float16"): NVFP4
+with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
 pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). `frac_of_copy` is against
 the H200's 4.22 TB/s copy.
@@ -85,9 +87,14 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     nbytes = _nbytes(q) + act_bytes
     timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
     timed.append(_kernel_entry(fmt, kernel, xla_dequant, (x, q), nbytes, timer))
-    if fmt == "nvfp4":  # the inline-PTX decode (MatmulConfig.decode) with its default tiles
-      ptx = jax.jit(functools.partial(kernel, config=default_config(m, n, k, decode="ptx")))
-      timed.append(_kernel_entry(fmt, ptx, xla_dequant, (x, q), nbytes, timer, impl="pallas_ptx"))
+    # The inline-PTX NVFP4 decode (MatmulConfig.decode) and fp16 operands (.operands), default tiles.
+    variants = ({"pallas_ptx": ("ptx", "bfloat16"), "pallas_ptx_f16": ("ptx", "float16")} if fmt == "nvfp4"
+                else {"pallas_f16": ("jnp", "float16")})
+    for impl, (decode, operands) in variants.items():
+      config = default_config(m, n, k, max_block_k=256 if fmt == "nvfp4" else 128, decode=decode, operands=operands)
+      variant = jax.jit(functools.partial(kernel, config=config))
+      timed.append(_kernel_entry(fmt, variant, xla_dequant, (x, q), nbytes, timer, impl=impl))
+    if fmt == "nvfp4":
       if n % TMA_ROW_TILE == 0 and k % K_MULTIPLE == 0:  # the Mosaic GPU kernel's TMA shapes
         timed.append(_kernel_entry(fmt, nvfp4_matmul_mgpu, xla_dequant, (x, q), nbytes, timer, impl="pallas_mgpu"))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
@@ -129,11 +136,15 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
     nbytes = _moe_bytes(q, chosen, x, routing[0])
     timed.append((fmt, "xla_dequant", timer(xla, x, *routing, *q), nbytes))
     timed.append(_kernel_entry(fmt, moe_grouped_matmul, xla, (x, *routing, *q), nbytes, timer))
-    if fmt == "nvfp4":  # the PTX decode, with XLA's routing table and with the kernels' scan
-      for routing_impl, impl in (("table", "pallas_ptx"), ("scan", "pallas_ptx_scan")):
-        config = default_moe_config(q, decode="ptx", routing=routing_impl)
-        ptx = jax.jit(functools.partial(moe_grouped_matmul, config=config))
-        timed.append(_kernel_entry(fmt, ptx, xla, (x, *routing, *q), nbytes, timer, impl=impl))
+    # The PTX decode, with XLA's routing table and with the kernels' scan, and with fp16 operands.
+    variants = ({"pallas_ptx": ("ptx", "table", "bfloat16"), "pallas_ptx_scan": ("ptx", "scan", "bfloat16"),
+                 "pallas_ptx_f16": ("ptx", "table", "float16")} if fmt == "nvfp4"
+                else {"pallas_f16": ("jnp", "table", "float16")})
+    for impl, (decode, routing_impl, operands) in variants.items():
+      config = default_moe_config(q, decode=decode, routing=routing_impl, operands=operands,
+                                  chosen=chosen_experts)
+      variant = jax.jit(functools.partial(moe_grouped_matmul, config=config))
+      timed.append(_kernel_entry(fmt, variant, xla, (x, *routing, *q), nbytes, timer, impl=impl))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, routed=routed or experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)
 

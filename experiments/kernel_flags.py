@@ -17,7 +17,8 @@ def define_matmul(default: str) -> flags.FlagHolder[str]:
   return flags.DEFINE_enum("matmul", default, list(MATMUL_IMPLS),
                            "quantized matmuls: xla (dequantize, einsum), pallas (the weight-only kernels; "
                            "the grouped MoE reads only the chosen experts), pallas_ptx (pallas with the "
-                           "inline-PTX NVFP4 decode)")
+                           "inline-PTX NVFP4 decode), pallas_ptx_f16 (pallas_ptx with fp16 tensor-core "
+                           "operands: no bf16 conversion of the decoded weights)")
 
 
 def define() -> Callable[[], dict[str, str]]:

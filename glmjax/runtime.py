@@ -12,7 +12,7 @@ from glmjax.quant import DENSE_IMPLS, IMPLS
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
-MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx (glmjax.quant)
+MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16 (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_layer or its one-launch kernel
 MOE_ROUTINGS = ("table", "scan")  # how the grouped MoE kernels find the chosen experts
@@ -24,7 +24,8 @@ class Runtime:
   gather of the selected tokens and lax.top_k), pallas (the kernels in pallas_kernels/).
   indexer_pattern: per decoder layer, whether it runs its own indexer (else it reuses the
   nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas
-  (pallas_ptx: Pallas with the inline-PTX NVFP4 decode). dense_matmul: the model's plain bf16
+  (pallas_ptx: Pallas with the inline-PTX NVFP4 decode; pallas_ptx_f16: that with fp16
+  tensor-core operands). dense_matmul: the model's plain bf16
   linears at decode, XLA's einsum or the split-K Pallas GEMV (pallas_kernels/bf16_matmul.py).
   cache_write: the new tokens' write into a layer's pages, XLA's scatters (paged.write_layer,
   about eight kernels) or one Pallas launch (pallas_kernels/paged_write.py; same pages).

@@ -8,7 +8,9 @@ accumulation. FP8 moves 8 bits per weight, so the ceiling is 2x XLA's bf16 GEMV 
 Scales: tiles are at most 128 x 128 and aligned, so each lies inside one 128x128 scale block and
 its scale is one scalar: the e4m3 tile converts to bf16 exactly, the dot accumulates in fp32 and
 the scalar multiplies the [M, block_n] partial product, not the weights. Per weight that leaves
-one e4m3 -> bf16 conversion (packed cvt on sm_90), well inside the ALU budget at 1 byte/weight.
+one conversion: e4m3 -> bf16, or with MatmulConfig.operands="float16" e4m3 -> fp16, sm_90's packed
+cvt (bf16 takes more instructions), against activations in fp16
+(nvfp4_matmul.f16_rows).
 """
 
 import functools
@@ -20,8 +22,8 @@ from jax.experimental import pallas as pl
 
 from glmjax.quant.fp8_block import BLOCK, FP8BlockWeight
 from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, default_config, dot_t,
-                                         load_tile, range_mask, skinny_call, skinny_rows, split_k_loop,
-                                         store_tile)
+                                         load_tile, operand_refs, operand_rows, range_mask, scale_rows,
+                                         skinny_call, skinny_rows, split_k_loop, store_tile)
 
 
 def check_fp8_config(config: MatmulConfig) -> None:
@@ -32,8 +34,9 @@ def check_fp8_config(config: MatmulConfig) -> None:
 
 
 def load_fp8_tile(w_ref, scale_ref, lead: tuple, n_block, step, *, block_n: int, block_k: int,
-                  k: int, rows_ok: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """(bf16 [bn, block_k] tile of K step `step`, its fp32 block scale).
+                  k: int, rows_ok: jax.Array | None, dtype) -> tuple[jax.Array, jax.Array]:
+  """([bn, block_k] tile of K step `step` in `dtype` (bf16 or fp16: exact either way), its fp32
+  block scale).
 
   w_ref: e4m3 [..., bn, Kp] (the program's row block); scale_ref: f32 [..., N/128, K/128] (whole);
   `lead` indexes the leading dims (an expert id); n_block is the program's row-block index.
@@ -41,13 +44,15 @@ def load_fp8_tile(w_ref, scale_ref, lead: tuple, n_block, step, *, block_n: int,
   w = load_tile(w_ref.at[(*lead, slice(None), pl.ds(step * block_k, block_k))], rows_ok,
                 range_mask(step * block_k, block_k, k))
   scale = scale_ref[(*lead, n_block * block_n // BLOCK, step * block_k // BLOCK)]
-  return w.astype(jnp.bfloat16), scale
+  return w.astype(dtype), scale
 
 
-def _fp8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, n: int, k: int, block_m: int,
-                       config: MatmulConfig):
-  # x_ref: bf16 [block_m, Kp] of [M, K]; w_ref: e4m3 [bn, Kp]; scale_ref: f32 [N/128, K/128];
-  # o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
+def _fp8_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: MatmulConfig):
+  # x_ref: [block_m, Kp] of [M, K], bf16 or (operands="float16") f16_rows' fp16, then its row
+  # scales f32 [block_m]; w_ref: e4m3 [bn, Kp]; scale_ref: f32 [N/128, K/128]; o_ref:
+  # [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
+  *x_refs, w_ref, scale_ref, o_ref = refs
+  (x_ref,), row_scale = operand_refs(x_refs, config)
   bn, bk = config.block_n, config.block_k
   rows_ok = range_mask(0, block_m, m)
   n_block = pl.program_id(0)
@@ -56,11 +61,11 @@ def _fp8_matmul_kernel(x_ref, w_ref, scale_ref, o_ref, *, m: int, n: int, k: int
   def body(step, acc):
     x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
     w, scale = load_fp8_tile(w_ref, scale_ref, (), n_block, step, block_n=bn, block_k=bk, k=k,
-                             rows_ok=n_ok)
+                             rows_ok=n_ok, dtype=x_ref.dtype)
     return acc + dot_t(x, w) * scale
 
   acc = split_k_loop(body, k=k, block_m=block_m, config=config)
-  store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)
+  store_tile(o_ref, scale_rows(acc, row_scale).astype(o_ref.dtype), rows_ok, n_ok)
 
 
 def _fp8_matmul(x: jax.Array, w: FP8BlockWeight, config: MatmulConfig, interpret: bool) -> jax.Array:
@@ -68,10 +73,12 @@ def _fp8_matmul(x: jax.Array, w: FP8BlockWeight, config: MatmulConfig, interpret
   bn, bk = config.block_n, config.block_k
   block_m = skinny_rows(m)
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
+  xs = operand_rows(x, config, block_m)
   kernel = functools.partial(_fp8_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config)
-  specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)), pl.BlockSpec((bn, kp), lambda j, s: (j, 0)),
-           pl.BlockSpec(w.scale_inv.shape, lambda j, s: (0, 0))]
-  return skinny_call(kernel, [x, w.weight, w.scale_inv], specs, m=m, n=n, dtype=x.dtype, config=config,
+  specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
+           *[pl.BlockSpec((block_m,), lambda j, s: (0,))] * (len(xs) - 1),
+           pl.BlockSpec((bn, kp), lambda j, s: (j, 0)), pl.BlockSpec(w.scale_inv.shape, lambda j, s: (0, 0))]
+  return skinny_call(kernel, [*xs, w.weight, w.scale_inv], specs, m=m, n=n, dtype=x.dtype, config=config,
                      interpret=interpret, name="fp8_matmul")
 
 

@@ -48,9 +48,9 @@ from glmjax.quant.fp8_block import BLOCK as FP8_BLOCK, FP8BlockWeight
 from glmjax.quant.nvfp4 import BLOCK as NVFP4_BLOCK, NVFP4Weight
 from pallas_kernels.fp8_matmul import load_fp8_tile
 from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile
-from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, NUM_SMS, column_halves, dot_halves,
-                                         dot_t, load_column_halves, load_nvfp4_halves, load_nvfp4_tile,
-                                         load_tile, range_mask, store_tile)
+from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, NUM_SMS, OPERANDS, column_halves, dot_halves,
+                                         dot_t, f16_rows, load_column_halves, load_nvfp4_halves,
+                                         load_nvfp4_tile, load_tile, range_mask, scale_rows, store_tile)
 
 
 ROUTINGS = ("table", "scan")
@@ -64,7 +64,9 @@ class MoEConfig:
   nvfp4_matmul.MatmulConfig.decode ("ptx": into even/odd column halves by inline PTX, against
   the activations' even and odd columns, which XLA splits before each launch); routing:
   "table" (XLA's routing table of the chosen experts) or "scan" (none: the programs scan the
-  ids; module docstring)."""
+  ids; module docstring); operands: the tensor cores' operand dtype, as
+  nvfp4_matmul.MatmulConfig.operands, for launches whose weights are all quantized (a plain bf16
+  projection keeps bf16)."""
   block_n: int = 64
   block_k: int = 128
   down_split: int = 4
@@ -72,6 +74,7 @@ class MoEConfig:
   num_stages: int = 3
   decode: str = "jnp"
   routing: str = "table"
+  operands: str = "bfloat16"
 
   def __post_init__(self):
     check_tile("MoEConfig", "block_n", self.block_n)
@@ -80,10 +83,11 @@ class MoEConfig:
     check_launch("MoEConfig", self.num_warps, self.num_stages)
     check_choice("MoEConfig", "decode", self.decode, DECODES)
     check_choice("MoEConfig", "routing", self.routing, ROUTINGS)
+    check_choice("MoEConfig", "operands", self.operands, OPERANDS)
 
 
 def default_moe_config(weights, *, decode: str = "jnp", routing: str = "table",
-                       chosen: float | None = None) -> MoEConfig:
+                       chosen: float | None = None, operands: str = "bfloat16") -> MoEConfig:
   """The H200 tiles for these (gate, up, down) weights: MoEConfig's, except NVFP4-only weights
   under decode="ptx". Those take block_k=256 (GLM-5 rank shape, 5 tokens, 24 of 32 experts
   chosen: 362 us against 448 us at block_k=128; BENCHMARKS.md run 10), or, where the step is
@@ -93,9 +97,9 @@ def default_moe_config(weights, *, decode: str = "jnp", routing: str = "table",
   if decode == "ptx" and all(_kind(w) == "nvfp4" for w in weights):
     rows = weights[0].shape[1]  # gate's I
     if chosen is not None and chosen * pl.cdiv(rows, 64) < 2 * NUM_SMS:
-      return MoEConfig(block_n=32, block_k=512, decode=decode, routing=routing)
-    return MoEConfig(block_k=256, decode=decode, routing=routing)
-  return MoEConfig(decode=decode, routing=routing)
+      return MoEConfig(block_n=32, block_k=512, decode=decode, routing=routing, operands=operands)
+    return MoEConfig(block_k=256, decode=decode, routing=routing, operands=operands)
+  return MoEConfig(decode=decode, routing=routing, operands=operands)
 
 
 # Per-format plumbing: the kernel operands of a stacked weight, their BlockSpecs, a tile.
@@ -143,11 +147,23 @@ def _activation_forms(kinds, config: MoEConfig) -> tuple[bool, bool]:
   return not all(halves), any(halves)
 
 
-def _activations(a: jax.Array, kinds, config: MoEConfig) -> list[jax.Array]:
+def _f16(kinds, config: MoEConfig) -> bool:
+  """Whether a launch over weights of these kinds takes fp16 operands (all quantized)."""
+  return config.operands == "float16" and "bf16" not in kinds
+
+
+def _activations(a: jax.Array, kinds, config: MoEConfig, rows: int) -> list[jax.Array]:
   """The activation arrays a launch reads: `a` [..., K] for weights decoded whole, its even and
-  odd columns for weights decoded into halves."""
+  odd columns for weights decoded into halves; under fp16 operands (`_f16`) those of f16_rows'
+  fp16 `a`, then its row scales [..., rows]."""
   whole, halves = _activation_forms(kinds, config)
-  return ([a] if whole else []) + (column_halves(a) if halves else [])
+  a, *row_scale = f16_rows(a, rows) if _f16(kinds, config) else (a,)
+  return ([a] if whole else []) + (column_halves(a) if halves else []) + row_scale
+
+
+def _split_row_scale(refs, kinds, config: MoEConfig) -> tuple[tuple, object]:
+  """A launch's activation refs (`_activations`' arrays) and its row-scale ref (or None)."""
+  return (refs[:-1], refs[-1]) if _f16(kinds, config) else (refs, None)
 
 
 def _activation_loader(refs, kinds, lead: tuple, rows_ok, *, k: int, config: MoEConfig):
@@ -164,31 +180,33 @@ def _activation_loader(refs, kinds, lead: tuple, rows_ok, *, k: int, config: MoE
   return load
 
 
-def _tile(kind: str, refs, e, n_block, step, *, n: int, k: int, config: MoEConfig, interpret: bool):
-  """(bf16 [block_n, block_k] weight tile of expert e, or its even/odd column halves; scale for
-  its dot or None)."""
+def _tile(kind: str, refs, e, n_block, step, *, n: int, k: int, config: MoEConfig, interpret: bool,
+          dtype):
+  """([block_n, block_k] weight tile of expert e in `dtype` (the activations': bf16 or fp16), or
+  its even/odd column halves; scale for its dot or None)."""
   bn, bk = config.block_n, config.block_k
   rows_ok = range_mask(n_block * bn, bn, n)
   if _halves(kind, config):  # the interpreter runs the PTX's jnp twin
     return load_nvfp4_halves(refs[0], refs[1], (e,), step, block_k=bk, k=k, rows_ok=rows_ok,
-                             ptx=not interpret), None
+                             ptx=not interpret, dtype=dtype), None
   if kind == "nvfp4":
-    return load_nvfp4_tile(refs[0], refs[1], (e,), step, block_k=bk, k=k, rows_ok=rows_ok), None
+    return load_nvfp4_tile(refs[0], refs[1], (e,), step, block_k=bk, k=k, rows_ok=rows_ok, dtype=dtype), None
   if kind == "fp8":
     return load_fp8_tile(refs[0], refs[1], (e,), n_block, step, block_n=bn, block_k=bk, k=k,
-                         rows_ok=rows_ok)
+                         rows_ok=rows_ok, dtype=dtype)
   return load_tile(refs[0].at[e, :, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k)), None
 
 
 def _expert_matmul(x_tile, weights, e, n_block, *, n: int, k: int, block_m: int,
-                   config: MoEConfig, interpret: bool) -> list[jax.Array]:
+                   config: MoEConfig, interpret: bool, dtype) -> list[jax.Array]:
   """fp32 [block_m, bn] = x @ W_e[rows of n_block].T for each (kind, refs) in `weights`, one K
-  loop sharing the x tiles `x_tile(step)` (see _activation_loader)."""
+  loop sharing the x tiles `x_tile(step)` (see _activation_loader; `dtype`: theirs)."""
   def body(step, accs):
     x, x_halves = x_tile(step)
     out = []
     for (kind, refs), acc in zip(weights, accs):
-      w, scale = _tile(kind, refs, e, n_block, step, n=n, k=k, config=config, interpret=interpret)
+      w, scale = _tile(kind, refs, e, n_block, step, n=n, k=k, config=config, interpret=interpret,
+                       dtype=dtype)
       part = dot_halves(x_halves, w) if isinstance(w, tuple) else dot_t(x, w)
       out.append(acc + (part if scale is None else part * scale))
     return tuple(out)
@@ -217,10 +235,11 @@ def _is_chosen(ids: jax.Array, e) -> jax.Array:
 def _gate_up_kernel(route_ref, *refs, kinds: tuple[str, str], num_x_refs: int, num_gate_refs: int,
                     t: int, k: int, d: int, i: int, block_m: int, config: MoEConfig, interpret: bool):
   # route_ref: i32 [U] experts (routing "table"), or the ids [block_m, kw] of [T, k] ("scan");
-  # x refs: bf16 [block_m, Dp or Dp/2] of x [T, D] (_activations); then gate's and up's operands
-  # as [E, bn, Dp/...] row blocks (see _specs); h_ref: bf16 [block_m, bn] of [U, block_m, I]
-  # (U = E under "scan").
+  # x refs: [block_m, Dp or Dp/2] of x [T, D], bf16 or fp16, and the row scales [block_m] of
+  # fp16 x (_activations); then gate's and up's operands as [E, bn, Dp/...] row blocks (see
+  # _specs); h_ref: bf16 [block_m, bn] of [U, block_m, I] (U = E under "scan").
   x_refs, (*w_refs, h_ref) = refs[:num_x_refs], refs[num_x_refs:]
+  x_refs, row_scale = _split_row_scale(x_refs, kinds, config)
   gate_refs, up_refs = w_refs[:num_gate_refs], w_refs[num_gate_refs:]
   if config.routing == "scan":
     e = pl.program_id(0)
@@ -233,8 +252,9 @@ def _gate_up_kernel(route_ref, *refs, kinds: tuple[str, str], num_x_refs: int, n
   @pl.when(chosen)
   def _():
     x_tile = _activation_loader(x_refs, kinds, (), range_mask(0, block_m, t), k=d, config=config)
-    g, u = _expert_matmul(x_tile, [(kinds[0], gate_refs), (kinds[1], up_refs)], e, n_block, n=i, k=d,
-                          block_m=block_m, config=config, interpret=interpret)
+    g, u = (scale_rows(acc, row_scale) for acc in _expert_matmul(
+        x_tile, [(kinds[0], gate_refs), (kinds[1], up_refs)], e, n_block, n=i, k=d, block_m=block_m,
+        config=config, interpret=interpret, dtype=x_refs[0].dtype))
     store_tile(h_ref, (jax.nn.silu(g) * u).astype(h_ref.dtype), None,
                range_mask(n_block * config.block_n, config.block_n, i))
 
@@ -242,12 +262,14 @@ def _gate_up_kernel(route_ref, *refs, kinds: tuple[str, str], num_x_refs: int, n
 def _down_kernel(*refs, kind: str, num_h_refs: int, t: int, k: int, d: int, i: int, block_m: int,
                  config: MoEConfig, interpret: bool):
   # Routing "table": experts_ref i32 [U], count_ref i32 [1], route_ref f32 [U, block_m]; "scan":
-  # ids_ref i32 and weights_ref f32 [block_m, kw] of the [T, k] choice. Then h refs: bf16
-  # [U, block_m, Ip or Ip/2] of h [U, block_m, I] (_activations); down's operands as
-  # [E, bn, Ip/...] row blocks; o_ref: f32 [block_m, bn] of the [down_split, block_m, D] partials.
+  # ids_ref i32 and weights_ref f32 [block_m, kw] of the [T, k] choice. Then h refs:
+  # [U, block_m, Ip or Ip/2] of h [U, block_m, I], bf16 or fp16 with its row scales [U, block_m]
+  # (_activations); down's operands as [E, bn, Ip/...] row blocks; o_ref: f32 [block_m, bn] of
+  # the [down_split, block_m, D] partials.
   scan = config.routing == "scan"
   first_h = 2 if scan else 3
   routing, h_refs = refs[:first_h], refs[first_h:first_h + num_h_refs]
+  h_refs, row_scale = _split_row_scale(h_refs, (kind,), config)
   *w_refs, o_ref = refs[first_h + num_h_refs:]
   splits = config.down_split
   n_block, split = pl.program_id(0), pl.program_id(1)
@@ -256,7 +278,9 @@ def _down_kernel(*refs, kind: str, num_h_refs: int, t: int, k: int, d: int, i: i
   def expert_out(u, e, weight):
     x_tile = _activation_loader(h_refs, (kind,), (u,), None, k=i, config=config)
     (y,) = _expert_matmul(x_tile, [(kind, w_refs)], e, n_block, n=d, k=i, block_m=block_m, config=config,
-                          interpret=interpret)
+                          interpret=interpret, dtype=h_refs[0].dtype)
+    if row_scale is not None:
+      weight = weight * row_scale[u, :]
     return weight[:, None] * y
 
   if scan:
@@ -356,26 +380,30 @@ def moe_grouped_matmul(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
   sizes = dict(t=t, k=topk_ids.shape[1], d=d, i=i, block_m=block_m, config=config, interpret=interpret)
 
   kinds = (_kind(gate_proj), _kind(up_proj))
-  xs = _activations(x, kinds, config)
+  xs = _activations(x, kinds, config, block_m)
+  x_specs = [pl.BlockSpec((block_m, dp * a.shape[-1] // d), lambda u, j: (0, 0)) if a.ndim == 2 else _whole(a)
+             for a in xs]
   h = pl.pallas_call(
       functools.partial(_gate_up_kernel, kinds=kinds, num_x_refs=len(xs),
                         num_gate_refs=len(_operands(gate_proj)), **sizes),
       out_shape=jax.ShapeDtypeStruct((slots, block_m, i), x.dtype),
       grid=(slots, pl.cdiv(i, bn)),
       in_specs=[*up_specs,
-                *(pl.BlockSpec((block_m, dp * a.shape[-1] // d), lambda u, j: (0, 0)) for a in xs),
+                *x_specs,
                 *_specs(gate_proj, bn, dp, lambda u, j: j), *_specs(up_proj, bn, dp, lambda u, j: j)],
       out_specs=pl.BlockSpec((None, block_m, bn), lambda u, j: (u, 0, j)),
       compiler_params=params, interpret=interpret, name="moe_gate_up",
   )(*up_routing, *xs, *_operands(gate_proj), *_operands(up_proj))
 
-  hs = _activations(h, (_kind(down_proj),), config)
+  hs = _activations(h, (_kind(down_proj),), config, block_m)
+  h_specs = [pl.BlockSpec((slots, block_m, ip * a.shape[-1] // i), lambda j, s: (0, 0, 0)) if a.ndim == 3
+             else _whole(a) for a in hs]
   partials = pl.pallas_call(
       functools.partial(_down_kernel, kind=_kind(down_proj), num_h_refs=len(hs), **sizes),
       out_shape=jax.ShapeDtypeStruct((splits, block_m, d), jnp.float32),
       grid=(pl.cdiv(d, bn), splits),
       in_specs=[*down_specs,
-                *(pl.BlockSpec((slots, block_m, ip * a.shape[-1] // i), lambda j, s: (0, 0, 0)) for a in hs),
+                *h_specs,
                 *_specs(down_proj, bn, ip, lambda j, s: j)],
       out_specs=pl.BlockSpec((None, block_m, bn), lambda j, s: (s, 0, j)),
       compiler_params=params, interpret=interpret, name="moe_down",

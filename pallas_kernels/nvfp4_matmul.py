@@ -60,6 +60,7 @@ NUM_SMS = 132         # H200; the default configs aim for >= 2 programs per SM
 MAX_ROWS = 16         # M of one tensor-core tile; larger M is compute-bound: dequantize once
 DECODE_SCALE = 2.0 ** 14  # undoes the 2^-14 of the fp16 bit-pattern decode
 DECODES = ("jnp", "ptx")
+OPERANDS = ("bfloat16", "float16")  # the tensor cores' operand dtype (MatmulConfig.operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,10 @@ class MatmulConfig:
 
   block_n: weight rows per program; block_k: logical inputs per loop step (NVFP4 reads block_k/2
   bytes per row per step); split_k: programs sharing one row block along K; num_warps,
-  num_stages: Triton's warps per program and software-pipeline depth of the K loop.
+  num_stages: Triton's warps per program and software-pipeline depth of the K loop; decode: how
+  NVFP4 tiles decode (module docstring); operands: the tensor cores' operand dtype, "bfloat16"
+  or "float16" (`f16_rows`: the decoded weights skip their conversion to bf16, the activations
+  are scaled per row into fp16 by a power of two, undone on the fp32 result).
   """
   block_n: int = 64
   block_k: int = 256
@@ -76,6 +80,7 @@ class MatmulConfig:
   num_warps: int = 4
   num_stages: int = 3
   decode: str = "jnp"
+  operands: str = "bfloat16"
 
   def __post_init__(self):
     check_tile("MatmulConfig", "block_n", self.block_n)
@@ -83,9 +88,11 @@ class MatmulConfig:
     check_at_least("MatmulConfig", "split_k", self.split_k)
     check_launch("MatmulConfig", self.num_warps, self.num_stages)
     check_choice("MatmulConfig", "decode", self.decode, DECODES)
+    check_choice("MatmulConfig", "operands", self.operands, OPERANDS)
 
 
-def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: str = "jnp") -> MatmulConfig:
+def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: str = "jnp",
+                   operands: str = "bfloat16") -> MatmulConfig:
   """Tiles for [M, K] x [N, K] on the H200. Up to 4 rows: 64 x max_block_k weight tiles (decode
   "ptx": 32 x 512, the best of an 8-config sweep at [1, 8192] x [8192, 28672], 97.8 us against
   107.8 us for 64 x 256, BENCHMARKS.md run 10). More rows: 128 x 128, so the x tile (re-read
@@ -101,7 +108,27 @@ def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: st
   split = 1
   while blocks * split < 2 * NUM_SMS and steps >= 4 * split:
     split *= 2
-  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode)
+  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode, operands=operands)
+
+
+def f16_rows(a: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+  """a [..., M, K] bf16 -> (fp16 a * 2^s, fp32 [..., rows] 2^-s): s per row puts its largest
+  magnitude in [2^14, 2^15), then the rows past M (to `rows`, the kernel's tile) scale by 1.
+
+  Why: fp16 operands spare the weight decode its fp16 -> bf16 conversion (1.5 instructions of
+  6.6 a weight in the NVFP4 MoE, Nsight Compute, BENCHMARKS.md run 12; the e4m3 -> fp16 cvt is
+  native), but activations can exceed fp16's range. The scale is exact, and so is the cast of
+  every entry within 2^-31 of its row's largest (fp16 keeps bf16's 8 significant bits down to
+  2^-17); smaller ones round in fp16's subnormals by at most 2^-39 of the row's largest, far
+  under the fp32 accumulation's error. Rows of zeros (or of non-finite values, which
+  propagate) take s = 15."""
+  amax = jnp.max(jnp.abs(a.astype(jnp.float32)), axis=-1)
+  s = jnp.clip(15 - jnp.frexp(amax)[1], -126, 126)  # amax < 2^frexp's exponent
+  pow2 = lambda e: lax.bitcast_convert_type((e + 127) << 23, jnp.float32)  # exact 2^e (exp2 is not)
+  scaled = (a.astype(jnp.float32) * pow2(s)[..., None]).astype(jnp.float16)
+  inverse = pow2(-s)
+  pad = [(0, 0)] * (inverse.ndim - 1) + [(0, rows - inverse.shape[-1])]
+  return scaled, jnp.pad(inverse, pad, constant_values=1.0)
 
 
 # Tile helpers shared by the weight-only kernels (fp8_matmul.py, moe_grouped_matmul.py).
@@ -173,15 +200,16 @@ def skinny_call(kernel, inputs, in_specs, *, m: int, n: int, dtype, config: Matm
   return out[0] if split == 1 else out.sum(0).astype(dtype)
 
 
-def decode_nvfp4(packed: jax.Array, scale: jax.Array) -> jax.Array:
-  """uint8 [r, c] (two codes per byte) and e4m3 [r, c/8] -> bf16 [r, 2c] = E2M1 * scale * 2^-14.
+def decode_nvfp4(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """uint8 [r, c] (two codes per byte) and e4m3 [r, c/8] -> [r, 2c] = E2M1 * scale * 2^-14 in
+  `dtype` (bf16 or fp16).
 
   Exact: see the module docstring. Masked-off bytes and scales (0) decode to +0.
   """
   r, c = packed.shape
   values = jnp.stack(decode_halves(packed), axis=-1).reshape(r, 2 * c)
   s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, 2 * c // BLOCK, BLOCK))
-  return (values * s.reshape(r, 2 * c)).astype(jnp.bfloat16)
+  return (values * s.reshape(r, 2 * c)).astype(dtype)
 
 
 def decode_halves(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -232,15 +260,15 @@ def _load_packed(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: i
 
 
 def load_nvfp4_halves(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: int,
-                      rows_ok: jax.Array | None, ptx: bool) -> tuple[jax.Array, jax.Array]:
-  """Decoded bf16 [bn, block_k / 2] even- and odd-column weight tiles of K step `step` (times
-  2^-14): the tiles `dot_t` takes against x's even and odd columns, so no interleave is needed.
-  `lead`: see _load_packed."""
+                      rows_ok: jax.Array | None, ptx: bool, dtype) -> tuple[jax.Array, jax.Array]:
+  """Decoded [bn, block_k / 2] even- and odd-column weight tiles of K step `step` in `dtype`
+  (times 2^-14): the tiles `dot_t` takes against x's even and odd columns, so no interleave is
+  needed. `lead`: see _load_packed."""
   kb, ks = block_k // 2, block_k // BLOCK
   packed, scale = _load_packed(packed_ref, scale_ref, lead, step, block_k=block_k, k=k, rows_ok=rows_ok)
   r = packed.shape[0]
   s = jnp.broadcast_to(scale.astype(jnp.float16)[:, :, None], (r, ks, BLOCK // 2)).reshape(r, kb)
-  return tuple((h * s).astype(jnp.bfloat16) for h in (decode_halves_ptx if ptx else decode_halves)(packed))
+  return tuple((h * s).astype(dtype) for h in (decode_halves_ptx if ptx else decode_halves)(packed))
 
 
 def column_halves(a: jax.Array) -> list[jax.Array]:
@@ -265,36 +293,58 @@ def dot_halves(x_halves, w_halves) -> jax.Array:
 
 
 def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k: int,
-                    rows_ok: jax.Array | None) -> jax.Array:
-  """Decoded bf16 [bn, block_k] weight tile of K step `step` (times 2^-14, see decode_nvfp4).
+                    rows_ok: jax.Array | None, dtype) -> jax.Array:
+  """Decoded [bn, block_k] weight tile of K step `step` in `dtype` (times 2^-14, see decode_nvfp4).
 
   packed_ref: uint8 [..., bn, Kp/2]; scale_ref: e4m3 [..., bn, Kp/16]; `lead`: see _load_packed.
   """
-  return decode_nvfp4(*_load_packed(packed_ref, scale_ref, lead, step, block_k=block_k, k=k, rows_ok=rows_ok))
+  return decode_nvfp4(*_load_packed(packed_ref, scale_ref, lead, step, block_k=block_k, k=k, rows_ok=rows_ok),
+                      dtype)
 
 
 def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: MatmulConfig,
                          interpret: bool):
-  # x_ref: bf16 [block_m, Kp] of [M, K] (decode="ptx": x_even_ref, x_odd_ref [block_m, Kp/2], x's
-  # even and odd columns); packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16];
-  # global_ref: f32 [1]; o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
+  # x_ref: [block_m, Kp] of [M, K] (decode="ptx": x_even_ref, x_odd_ref [block_m, Kp/2], x's
+  # even and odd columns), bf16 or (operands="float16") f16_rows' fp16, then its row scales f32
+  # [block_m]; packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16]; global_ref: f32 [1];
+  # o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
   *x_refs, packed_ref, scale_ref, global_ref, o_ref = refs
+  x_refs, row_scale = operand_refs(x_refs, config)
   bn, bk = config.block_n, config.block_k
+  dtype = x_refs[0].dtype
   rows_ok = range_mask(0, block_m, m)
   n_ok = range_mask(pl.program_id(0) * bn, bn, n)
 
   def body(step, acc):
     if config.decode == "jnp":
       x = load_tile(x_refs[0].at[:, pl.ds(step * bk, bk)], rows_ok, range_mask(step * bk, bk, k))
-      w = load_nvfp4_tile(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok)
+      w = load_nvfp4_tile(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok, dtype=dtype)
       return acc + dot_t(x, w)
     x = load_column_halves(x_refs, (), rows_ok, step, block_k=bk, k=k)
-    w = load_nvfp4_halves(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok, ptx=not interpret)
+    w = load_nvfp4_halves(packed_ref, scale_ref, (), step, block_k=bk, k=k, rows_ok=n_ok, ptx=not interpret,
+                          dtype=dtype)
     return acc + dot_halves(x, w)
 
   acc = split_k_loop(body, k=k, block_m=block_m, config=config)
-  out = acc * (global_ref[0] * DECODE_SCALE)
+  out = scale_rows(acc * (global_ref[0] * DECODE_SCALE), row_scale)
   store_tile(o_ref, out.astype(o_ref.dtype), rows_ok, n_ok)
+
+
+def operand_rows(x: jax.Array, config, block_m: int) -> list[jax.Array]:
+  """The activation arrays a skinny kernel under `config` reads: [x], or with operands="float16"
+  f16_rows' fp16 x and its row scales (padded to block_m)."""
+  return list(f16_rows(x, block_m)) if config.operands == "float16" else [x]
+
+
+def operand_refs(refs, config) -> tuple[list, object]:
+  """Split a kernel's activation refs (operand_rows' arrays, whole or as column halves) into
+  those and the row-scale ref (None for bf16 operands)."""
+  return (list(refs[:-1]), refs[-1]) if config.operands == "float16" else (list(refs), None)
+
+
+def scale_rows(acc: jax.Array, row_scale_ref) -> jax.Array:
+  """acc [block_m, n] times the f16_rows scale of its rows (row_scale_ref None: unchanged)."""
+  return acc if row_scale_ref is None else acc * row_scale_ref[...][:, None]
 
 
 def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret: bool) -> jax.Array:
@@ -302,16 +352,18 @@ def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret:
   bn, bk = config.block_n, config.block_k
   block_m = skinny_rows(m)
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
-  xs, x_specs = [x], [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0))]
+  x_op, *row_scale = operand_rows(x, config, block_m)
+  xs, x_specs = [x_op], [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0))]
   if config.decode == "ptx":
-    xs = column_halves(x)
+    xs = column_halves(x_op)
     x_specs = [pl.BlockSpec((block_m, kp // 2), lambda j, s: (0, 0))] * 2
+  x_specs += [pl.BlockSpec((block_m,), lambda j, s: (0,))] * len(row_scale)
   kernel = functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config,
                              interpret=interpret)
   specs = [*x_specs, pl.BlockSpec((bn, kp // 2), lambda j, s: (j, 0)),
            pl.BlockSpec((bn, kp // BLOCK), lambda j, s: (j, 0)), pl.BlockSpec((1,), lambda j, s: (0,))]
-  return skinny_call(kernel, [*xs, w.packed, w.block_scale, w.global_scale.reshape(1)], specs, m=m, n=n,
-                     dtype=x.dtype, config=config, interpret=interpret, name="nvfp4_matmul")
+  return skinny_call(kernel, [*xs, *row_scale, w.packed, w.block_scale, w.global_scale.reshape(1)], specs,
+                     m=m, n=n, dtype=x.dtype, config=config, interpret=interpret, name="nvfp4_matmul")
 
 
 def check_skinny_input(x: jax.Array, shape: tuple[int, ...], name: str) -> None:

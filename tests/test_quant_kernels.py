@@ -41,9 +41,12 @@ def inputs(seed, m: int, n: int, k: int) -> tuple[jax.Array, np.ndarray]:
 SKINNY_CASES = [(1, 272, 200, None), (3, 272, 200, None), (16, 272, 200, None),
                 (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3)),
                 (3, 272, 200, MatmulConfig(decode="ptx")),   # the interpreter runs its jnp twin
-                (16, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3, decode="ptx"))]
+                (16, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3, decode="ptx")),
+                (3, 272, 200, MatmulConfig(decode="ptx", operands="float16")),
+                (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3, operands="float16"))]
 FP8_CASES = [(1, 300, 200, None), (3, 300, 130, None), (16, 272, 200, None),
-             (5, 512, 256, MatmulConfig(block_n=64, block_k=64, split_k=2))]
+             (5, 512, 256, MatmulConfig(block_n=64, block_k=64, split_k=2)),
+             (3, 300, 130, MatmulConfig(block_n=64, block_k=128, operands="float16"))]
 
 # The bf16 split-K GEMV: ragged tiles, and (5, 2048, 200) where the default config splits K 8 ways.
 BF16_CASES = [(1, 300, 200, None), (3, 272, 130, None), (16, 272, 200, None), (5, 2048, 200, None),
@@ -63,6 +66,38 @@ def test_weight_only_matmul(fmt, m, k, n, config):
   out = kernel(x, q, config=config)
   assert out.shape == (m, n) and out.dtype == jnp.bfloat16
   assert rel_err(out, reference(x, q)) <= TOL
+
+
+def test_f16_rows_is_exact_per_row():
+  """Rows far outside fp16's range (1e30, 1e-30, 6e4 beside 1e-3) and a row of zeros: each row's
+  largest lands in [2^14, 2^15), scaled back every entry equals the bf16 input, and the scales
+  of the padding rows are 1."""
+  from pallas_kernels.nvfp4_matmul import f16_rows
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((5, 96)) * np.array([1e30, 1e-30, 1.0, 0.0, 1.0])[:, None]
+  x[2, :3] = (6e4, -1e-3, 3.0)
+  x = jnp.asarray(x, jnp.bfloat16)
+  scaled, inverse = f16_rows(x, 8)
+  assert scaled.dtype == jnp.float16 and inverse.shape == (8,)
+  amax = np.abs(np.asarray(scaled, np.float32)).max(1)
+  assert np.all((amax[[0, 1, 2, 4]] >= 2**14) & (amax[[0, 1, 2, 4]] < 2**15)) and amax[3] == 0
+  np.testing.assert_array_equal(np.asarray(scaled, np.float32) * np.asarray(inverse[:5, None]),
+                                np.asarray(x, np.float32))
+  np.testing.assert_array_equal(np.asarray(inverse[5:]), 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_f16_operands_take_activations_past_fp16_range(fmt):
+  """Activations of 1e6 (past fp16's 65504) and of 1e-8 rows: fp16 operands give the reference's
+  result, scaled per row."""
+  tag, quantize, kernel, reference, _ = WEIGHT_ONLY[fmt]
+  x, w = inputs((tag, 9), 3, 64, 256)
+  x = (x * jnp.asarray([[1e6], [1e-8], [1.0]], jnp.bfloat16)).astype(jnp.bfloat16)
+  q = quantize(jnp.asarray(w))
+  out = kernel(x, q, config=MatmulConfig(block_n=32, block_k=128, operands="float16"))
+  ref = reference(x, q)
+  for row in range(3):
+    assert rel_err(out[row], ref[row]) <= TOL
 
 
 def _run_ptx(asm: str, word: np.ndarray) -> list[np.ndarray]:
@@ -140,13 +175,15 @@ def moe_inputs(seed, quantize):
 FORMATS = {"bf16": lambda w: w.astype(jnp.bfloat16), "nvfp4": quantize_nvfp4, "fp8": quantize_fp8_block}
 
 
-@pytest.mark.parametrize("fmt,decode,routing", [("nvfp4", "jnp", "table"), ("nvfp4", "ptx", "table"),
-                                                ("fp8", "jnp", "table"), ("nvfp4", "ptx", "scan"),
-                                                ("fp8", "jnp", "scan")])
-def test_moe_grouped_matmul(fmt, decode, routing):
-  """Both routings (XLA's table of the chosen experts, or the kernels' own scan of the ids)."""
+@pytest.mark.parametrize("fmt,decode,routing,operands", [
+    ("nvfp4", "jnp", "table", "bfloat16"), ("nvfp4", "ptx", "table", "bfloat16"), ("fp8", "jnp", "table", "bfloat16"),
+    ("nvfp4", "ptx", "scan", "bfloat16"), ("fp8", "jnp", "scan", "bfloat16"), ("nvfp4", "ptx", "scan", "float16"),
+    ("fp8", "jnp", "table", "float16")])
+def test_moe_grouped_matmul(fmt, decode, routing, operands):
+  """Both routings (XLA's table of the chosen experts, or the kernels' own scan of the ids), and
+  fp16 operands."""
   args = moe_inputs(len(fmt), FORMATS[fmt])
-  config = MoEConfig(block_n=16, block_k=32, down_split=2, decode=decode, routing=routing)
+  config = MoEConfig(block_n=16, block_k=32, down_split=2, decode=decode, routing=routing, operands=operands)
   out = moe_grouped_matmul(*args, config=config)
   ref = moe_grouped_matmul_reference(*args)
   assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
@@ -198,6 +235,8 @@ def test_bad_inputs_raise():
     MoEConfig(decode="asm")
   with pytest.raises(ValueError, match="routing"):
     MoEConfig(routing="sort")
+  with pytest.raises(ValueError, match="operands"):
+    MatmulConfig(operands="float8")
   args = moe_inputs(5, FORMATS["nvfp4"])
   with pytest.raises(ValueError, match="down_proj"):
     moe_grouped_matmul(*args[:5], args[3])
@@ -219,9 +258,12 @@ def test_kernels_lower_to_triton_for_h200():
            (bf16_matmul, (x, jax.ShapeDtypeStruct((200, 272), jnp.bfloat16)))]
   for fmt in FORMATS.values():
     cases.append((moe_grouped_matmul, (*moe[:3], *(jax.eval_shape(fmt, w) for w in moe[3:]))))
-  for routing in ("table", "scan"):
-    cases.append((functools.partial(moe_grouped_matmul, config=MoEConfig(decode="ptx", routing=routing)),
+  for routing, operands in (("table", "bfloat16"), ("scan", "float16")):
+    config = MoEConfig(decode="ptx", routing=routing, operands=operands)
+    cases.append((functools.partial(moe_grouped_matmul, config=config),
                   (*moe[:3], *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
+  cases.append((functools.partial(nvfp4_matmul, config=MatmulConfig(decode="ptx", operands="float16")),
+                (x, shape(quantize_nvfp4, (200, 272)))))
   with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     for op, args in cases:

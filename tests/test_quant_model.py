@@ -116,6 +116,9 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
   xla = glmjax.forward(CONFIG, q, ids)
   pallas = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas"))
   assert rel_err(pallas, xla) <= 2e-2
+  # fp16 operands (activations scaled per row into fp16): the same products, summed in fp32.
+  f16 = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_ptx_f16"))
+  assert rel_err(f16, pallas) <= 2e-3
   if case == "nvfp4":  # the PTX decode's path (its jnp twin here) through every linear and the MoE
     ptx = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_ptx"))
     assert rel_err(ptx, pallas) <= 2e-3

@@ -14,7 +14,10 @@ runs the weight-only kernels in pallas_kernels/ on decode-sized bf16 inputs (at 
 nvfp4_matmul.MAX_ROWS rows), else the XLA path: more rows are compute-bound, and the kernels take
 bf16 only (not the fp32 indexer or fp32 models). impl="pallas_ptx" is "pallas" with the NVFP4
 tiles decoded by inline PTX (MatmulConfig / MoEConfig decode="ptx"; on the H200 the GEMV
-[1, 8192] x [8192, 28672] takes 97 us against 124 us, BENCHMARKS.md run 10). Plain arrays always
+[1, 8192] x [8192, 28672] takes 97 us against 124 us, BENCHMARKS.md run 10); "pallas_ptx_f16" is
+"pallas_ptx" with fp16 tensor-core operands for the quantized weights (MatmulConfig / MoEConfig
+operands="float16": no fp16 -> bf16 conversion of the decoded weights; activations scaled per
+row into fp16 by a power of two, pallas_kernels/nvfp4_matmul.f16_rows). Plain arrays always
 take the plain einsum, unless dense="pallas": then decode-sized bf16 x against a bf16 weight runs
 the split-K GEMV of pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for
 wide outputs: 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10).
@@ -30,7 +33,7 @@ from glmjax.quant.fp8_block import FP8BlockWeight, quantize_fp8_block
 from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
 from glmjax.quant.policy import POLICIES, quantize_leaf, quantize_params, quantizes
 
-IMPLS = ("xla", "pallas", "pallas_ptx")
+IMPLS = ("xla", "pallas", "pallas_ptx", "pallas_ptx_f16")
 DENSE_IMPLS = ("xla", "pallas")  # plain bf16 weights: XLA's einsum or the split-K Pallas GEMV
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
@@ -48,7 +51,12 @@ def _check_impl(impl: str, dense: str = "xla") -> None:
 
 def _decode(impl: str) -> str:
   """The NVFP4 tile decode of a Pallas impl."""
-  return "ptx" if impl == "pallas_ptx" else "jnp"
+  return "ptx" if impl in ("pallas_ptx", "pallas_ptx_f16") else "jnp"
+
+
+def _operands(impl: str) -> str:
+  """The tensor cores' operand dtype for quantized weights under a Pallas impl."""
+  return "float16" if impl == "pallas_ptx_f16" else "bfloat16"
 
 
 def _kernel_sized(x: jax.Array, rows: int) -> bool:
@@ -101,10 +109,11 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
     from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
     x2 = x.reshape(rows, x.shape[-1])
     if isinstance(w, NVFP4Weight):
-      config = nvfp4_matmul.default_config(rows, *w.shape, decode=_decode(impl))
+      config = nvfp4_matmul.default_config(rows, *w.shape, decode=_decode(impl), operands=_operands(impl))
       out = nvfp4_matmul.nvfp4_matmul(x2, w, config=config)
     else:
-      out = fp8_matmul.fp8_matmul(x2, w)
+      config = nvfp4_matmul.default_config(rows, *w.shape, max_block_k=fp8_matmul.BLOCK, operands=_operands(impl))
+      out = fp8_matmul.fp8_matmul(x2, w, config=config)
     return out.reshape(*x.shape[:-1], w.shape[0])
   return jnp.einsum("...k,nk->...n", x, w.dequantize(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
@@ -127,7 +136,7 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   if impl != "xla" and _kernel_sized(x, x.shape[0]):
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
     config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
-                                chosen=chosen)
+                                chosen=chosen, operands=_operands(impl))
     return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, config=config)
   from glmjax.moe import experts_reference
   return experts_reference(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
