@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glmjax import parallel
@@ -198,22 +199,31 @@ def _timed_with_kernels(config: ModelConfig, kernels: bool, **kw) -> tuple[float
 
 def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels: bool = False,
                       **kw) -> dict[str, Any]:
-  """Time the rank's decode step, whole or extended linearly from two layer counts (the MTP
-  layer, with draft steps, is in both counts' programs, hence in the base). kernels: also
-  profile each program once after its timing; with two layer counts, `layer_kernels` lists one
-  decoder layer's (family, launches, us, idle us) from their difference, else `step_kernels` the step's."""
+  """Time the rank's decode step, whole or extended linearly from two or more layer counts (the
+  MTP layer, with draft steps, is in every count's program, hence in the base): a least-squares
+  line through (layers, step time), evaluated at the config's layers; with three or more counts
+  `per_layer_stderr_s` is its slope's standard error (the difference of two counts' times
+  multiplies their noise by the layers it extends to: two calls of run 12 and 13 put one layer
+  at 274 and 189 us where the profiled kernels differed by 17 us). kernels: also profile each
+  program once after its timing; `layer_kernels` lists one decoder layer's (family, launches,
+  us, idle us) from the fewest and most layers' difference, else `step_kernels` the step's."""
   if not measure_layers:
     seconds, per_step = _timed_with_kernels(config, kernels, **kw)
     out = dict(rank_step_s=seconds, measured_layers=[config.num_hidden_layers])
     return out | (dict(step_kernels=slowest_first(per_step)) if kernels else {})
-  a, b = measure_layers
+  counts = sorted(set(measure_layers))
   types = config.mlp_layer_types
-  if not 0 < a < b <= config.num_hidden_layers or len(set(types[a:])) != 1:
-    raise ValueError(f"measure_layers {a},{b}: need 0 < a < b <= {config.num_hidden_layers} with layers "
-                     f"a.. all of one MLP type (got {sorted(set(types[a:]))})")
-  (t_a, k_a), (t_b, k_b) = (_timed_with_kernels(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0),
-                                                kernels, **kw) for n in (a, b))
-  per_layer = (t_b - t_a) / (b - a)
-  out = dict(rank_step_s=t_a + (config.num_hidden_layers - a) * per_layer, measured_layers=[a, b],
-             measured_s=[t_a, t_b], per_layer_s=per_layer)
-  return out | (dict(layer_kernels=layer_difference(k_a, k_b, b - a)) if kernels else {})
+  if len(counts) < 2 or not 0 < counts[0] < counts[-1] <= config.num_hidden_layers or len(set(types[counts[0]:])) != 1:
+    raise ValueError(f"measure_layers {measure_layers}: need two or more counts in 1..{config.num_hidden_layers}, "
+                     f"the layers from the fewest on all of one MLP type (got {sorted(set(types[counts[0]:]))})")
+  timed = [_timed_with_kernels(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0), kernels, **kw)
+           for n in counts]
+  seconds = [t for t, _ in timed]
+  (per_layer, base), residuals = np.polyfit(counts, seconds, 1, full=True)[:2]
+  out = dict(rank_step_s=float(base + config.num_hidden_layers * per_layer), measured_layers=counts,
+             measured_s=seconds, per_layer_s=float(per_layer))
+  if len(counts) > 2:
+    spread = np.sum(np.subtract(counts, np.mean(counts)) ** 2)
+    out["per_layer_stderr_s"] = float(np.sqrt(np.sum(residuals) / (len(counts) - 2) / spread))
+  fewest, most = timed[0][1], timed[-1][1]
+  return out | (dict(layer_kernels=layer_difference(fewest, most, counts[-1] - counts[0])) if kernels else {})

@@ -15,7 +15,8 @@ over a cache of `--context` random tokens, as the difference of two loop lengths
 difference of their step counts, so dispatch drops out. (On random weights the drafts are
 rejected, so a speculative step emits ~1 token here; its time does not depend on acceptance,
 which --accept_length supplies.) tep8_shard does not fit one H200 in bf16
-(~197 GB): --measure_layers=a,b times a- and b-layer models and extends linearly to every layer.
+(~197 GB): --measure_layers=a,b[,c...] times models of those layer counts and extends a least-squares
+line through them to every layer (three or more counts also give the slope's standard error).
 --layer_kernels also profiles both programs once after timing them and prints what one decoder
 layer launches (kernel families by device time: the two programs' difference over their layer
 counts; experiments.step_timing.layer_difference). The collectives come from
@@ -48,7 +49,8 @@ _FULL = flags.DEFINE_string("full_config", "glm5", "the whole model, for the lay
 _TEP = flags.DEFINE_integer("tep", 8, "TEP degree (GPUs)")
 _RANK_STEP = flags.DEFINE_float("rank_step_ms", 0.0, "measured per-rank step; 0: time it here")
 _CONTEXT = flags.DEFINE_integer("context", 80_000, "cached tokens of the timed decode")
-_LAYERS = flags.DEFINE_list("measure_layers", [], "a,b: time a- and b-layer models, extend linearly")
+_LAYERS = flags.DEFINE_list("measure_layers", [], "a,b[,c...]: time models of these layer counts, fit a line, "
+                            "extend it to every layer")
 _ATTENTION = flags.DEFINE_enum("attention", "sparse", list(ATTENTION_IMPLS), "DSA attention")
 _WEIGHTS = flags.DEFINE_enum("weights", "bf16", ["bf16", "fp8", "nvfp4_experts", "nvfp4"],
                              "weight format of the random params (glmjax.quant policies)")
@@ -95,7 +97,14 @@ def format_report(report: dict[str, Any]) -> str:
   lines += ["", "collectives of one step (latency row 1):"]
   lines += [f"  {c['count']:>4} x {c['kind']:<10} {c['nbytes']:>9,} B  {c['us_each']:7.2f} us  {c['where']}"
             for c in rows[0]["detail"]]
-  kernels = report["measured"].get("layer_kernels")
+  measured = report["measured"]
+  if "per_layer_s" in measured:
+    stderr = measured.get("per_layer_stderr_s")
+    lines += ["", f"one decoder layer: {1e6 * measured['per_layer_s']:.1f} us"
+                  + (f" +- {1e6 * stderr:.1f} (slope's standard error)" if stderr is not None else "")
+                  + f", fitted to the step times of {measured['measured_layers']} layers: "
+                  + ", ".join(f"{1e3 * t:.3f}" for t in measured["measured_s"]) + " ms"]
+  kernels = measured.get("layer_kernels")
   if kernels:
     launches, own, idle = (sum(row[i] for row in kernels) for i in (1, 2, 3))
     lines += ["", f"one decoder layer's kernels (profile): {launches:.1f} launches, {own:.1f} us of kernel "

@@ -129,3 +129,28 @@ def test_layer_kernels_from_two_programs():
                   "embed_fusion": [0.0, 0.0, 0.0], "moe_down": [1.0, 4.0, 0.5]}
   # Ordered by own plus idle time: the fusions' launch gaps put them first.
   assert [r[0] for r in layer_difference(three, five, layers=2)][:3] == ["sparse_mla_decode", "loop_add_fusion", "moe_down"]
+
+
+def test_rank_step_fits_a_line_through_the_layer_counts(monkeypatch):
+  """measure_rank_step over three layer counts: the least-squares slope and its standard error
+  from the timed programs (stubbed: 1 ms + 0.2 ms a layer, with noise), the line evaluated at the
+  config's layers, and one layer's kernels from the fewest and most layers' profiles."""
+  from configs import get_model_config
+  from experiments import step_timing
+  noise = {1: 1e-5, 2: -2e-5, 4: 1e-5}
+  monkeypatch.setattr(step_timing, "_timed_with_kernels", lambda config, kernels, **kw: (
+      1e-3 + 2e-4 * config.num_hidden_layers + noise[config.num_hidden_layers],
+      {"moe_down": (float(config.num_hidden_layers), 10.0 * config.num_hidden_layers, 0.0)}))
+  config = get_model_config("tiny")
+  out = step_timing.measure_rank_step(config, [4, 1, 2], kernels=True)
+  slope, base = np.polyfit([1, 2, 4], [1.21e-3, 1.38e-3, 1.81e-3], 1)
+  assert out["measured_layers"] == [1, 2, 4] and out["per_layer_s"] == pytest.approx(slope)
+  assert out["rank_step_s"] == pytest.approx(base + 4 * slope)
+  assert 0 < out["per_layer_stderr_s"] < 2e-5
+  assert out["layer_kernels"] == [("moe_down", 1.0, 10.0, 0.0)]
+  two = step_timing.measure_rank_step(config, [1, 4])
+  assert "per_layer_stderr_s" not in two and two["per_layer_s"] == pytest.approx((1.81e-3 - 1.21e-3) / 3)
+  with pytest.raises(ValueError, match="two or more counts"):
+    step_timing.measure_rank_step(config, [2])
+  with pytest.raises(ValueError, match="one MLP type"):
+    step_timing.measure_rank_step(config, [0, 2])
