@@ -20,13 +20,16 @@ demo: $(STAMP)
 	$(PY) -m experiments.replay --config=mini --checkpoint=checkpoints/mini --scale=40 --spec=mtp \
 	  --draft_threshold=0 --output=replay_demo.json
 
-# The main suite, and beside it (its own process: 8 simulated CPU devices) the multi-device
-# tests, whose log follows the main suite's. Either failing fails the target; pytest exits 5
-# when it collected nothing, and that is a failure here, not a pass.
+# The main suite, and beside it a second process: the multi-device tests (8 simulated CPU
+# devices, fixed when JAX's backend starts) and the tests marked side_lane (long smoke tests of
+# entry points in their own subprocesses, which would otherwise lengthen the main suite); its log
+# follows the main suite's. Either failing fails the target; pytest exits 5 when it collected
+# nothing, and that is a failure here, not a pass.
 test: $(STAMP)
-	@$(PY) -m pytest -q -m multidevice tests/test_multidevice_*.py > .multidevice.log 2>&1 & multi=$$!; \
-	$(PY) -m pytest -q -m "not multidevice" --ignore-glob='tests/test_multidevice_*.py' tests; main=$$?; \
-	wait $$multi; multi_rc=$$?; echo "== multi-device tests =="; cat .multidevice.log; \
+	@$(PY) -m pytest -q -m "multidevice or side_lane" tests/test_multidevice_*.py tests/test_study.py \
+	  > .multidevice.log 2>&1 & multi=$$!; \
+	$(PY) -m pytest -q -m "not multidevice and not side_lane" --ignore-glob='tests/test_multidevice_*.py' tests; \
+	main=$$?; wait $$multi; multi_rc=$$?; echo "== multi-device and side-lane tests =="; cat .multidevice.log; \
 	test $$main -eq 0 && test $$multi_rc -eq 0
 
 clean:

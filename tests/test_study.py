@@ -102,6 +102,7 @@ def _wait(proc: subprocess.Popen, log: pathlib.Path, *, ok: bool = True) -> str:
   return text
 
 
+@pytest.mark.side_lane  # 80-100 s on 2 cores: beside the multi-device tests (Makefile)
 def test_ablate_and_sweep_on_tiny(tmp_path):
   """The chain in two processes sharing one ablate.json (Pallas rows compile slowly in interpret
   mode), the sweeps after the first (their programs are its sparse row's, from the disk cache),
