@@ -19,6 +19,9 @@ The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows
 pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). `frac_of_copy` is against
 the H200's 4.22 TB/s copy.
 
+The projections of one TEP=8 rank that share an input also run as a group (`group_rows`:
+the GEMV once per weight against bf16_matmul_group's one launch, `pallas_grouped`).
+
 Cases: GEMV [M, 8192] x [8192, 28672]; one GLM-5 expert's gate/up [2048, 6144] and down
 [6144, 2048] (the shapes of a TEP=8 rank's q_a_proj and o_proj too); each at M = 1, 5, 8; the
 routed-expert MLP twice: ids among the 32 local experts (about 24 chosen), and, as one TEP=8
@@ -35,7 +38,7 @@ import numpy as np
 
 from glmjax.bench import agreement, bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
-from pallas_kernels.bf16_matmul import bf16_matmul
+from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.nvfp4_matmul import DECODES, MatmulConfig, default_config, nvfp4_matmul
@@ -149,6 +152,23 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
                     chosen_experts=chosen_experts), timed)
 
 
+def group_rows(m: int, k: int, ns: tuple[int, ...], *, name: str, timer: Callable[..., float], seed: int = 0):
+  """bf16 weights sharing x: XLA's einsums, the split-K GEMV once per weight, and all of them in
+  one launch (bf16_matmul_group, `--dense_matmul=pallas_grouped`), checked against the lone
+  launches' outputs concatenated."""
+  keys = jax.random.split(jax.random.key(seed), len(ns) + 1)
+  x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  ws = tuple(jax.random.normal(key, (n, k), jnp.bfloat16) * 0.02 for key, n in zip(keys[1:], ns))
+  nbytes = sum(n * k * 2 for n in ns) + (m * k + m * sum(ns)) * 2
+  joined = lambda fn: jax.jit(lambda x, ws: jnp.concatenate(fn(x, ws), axis=-1))
+  xla = joined(lambda x, ws: [jnp.einsum("mk,nk->mn", x, w) for w in ws])
+  alone = joined(lambda x, ws: [bf16_matmul(x, w) for w in ws])
+  grouped = joined(lambda x, ws: list(bf16_matmul_group(x, ws)))
+  timed = [("bf16", "xla", timer(xla, x, ws), nbytes), _kernel_entry("bf16", alone, xla, (x, ws), nbytes, timer),
+           _kernel_entry("bf16", grouped, alone, (x, ws), nbytes, timer, impl="pallas_grouped")]
+  return _rows(dict(name=name, m=m, n="+".join(map(str, ns)), k=k), timed)
+
+
 def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConfig] | None = None, *,
                       timer: Callable[..., float] = time_device, seed: int = 0) -> list[dict[str, Any]]:
   """Tuning aid (not part of quant_rows): the `fmt` kernel at one shape under several configs."""
@@ -231,3 +251,9 @@ def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
       yield from gemv_rows(m, n, k, name=name, timer=timer)
   yield from moe_rows(**moe, timer=timer)
   yield from moe_rows(**moe, timer=timer, routed=4 * moe["experts"] if quick else 256)  # one TEP=8 rank's view
+  # One TEP=8 rank's projections that share an input: q_a with kv_a, the indexer's wk with
+  # weights_proj, the shared expert's gate with up.
+  groups = ((("q_a+kv_a", (48, 16)),) if quick else
+            (("q_a+kv_a", (2048, 576)), ("wk+weights_proj", (128, 4)), ("gate+up", (2048, 2048))))
+  for name, ns in groups:
+    yield from group_rows(5, 64 if quick else 6144, ns, name=name, timer=timer)

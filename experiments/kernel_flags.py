@@ -24,7 +24,8 @@ def define_matmul(default: str) -> flags.FlagHolder[str]:
 def define() -> Callable[[], dict[str, str]]:
   """Defines the flags; returns a function reading them as `make_runtime` keyword arguments."""
   dense = flags.DEFINE_enum("dense_matmul", "xla", list(DENSE_IMPLS),
-                            "plain bf16 linears at decode: xla (einsum) or pallas (the split-K GEMV)")
+                            "plain bf16 linears at decode: xla (einsum), pallas (the split-K GEMV) or "
+                            "pallas_grouped (that, with the projections sharing an input in one launch)")
   write = flags.DEFINE_enum("cache_write", "xla", list(CACHE_WRITES),
                             "the decode step's cache write: xla (scatters) or pallas (one launch a layer)")
   routing = flags.DEFINE_enum("moe_routing", "table", list(MOE_ROUTINGS),

@@ -15,10 +15,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glmjax import dsa, quant
+from glmjax import dsa
 from glmjax.cache import paged
 from glmjax.config import ModelConfig
-from glmjax.layers import LayerNorm, Linear, RMSNorm, apply_rope, init_normal
+from glmjax.layers import LayerNorm, Linear, RMSNorm, Weight, apply_rope, linears
 from glmjax.runtime import Runtime
 
 NEG_INF = float("-inf")
@@ -37,7 +37,7 @@ class Indexer(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, dense: str = "xla"):
     """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped).
-    dense: the projections' plain-weight matmul (glmjax.quant.linear)."""
+    dense: the projections' plain-weight matmul (glmjax.quant.linear, linear_group)."""
     c = self.config
     kw = dict(dtype=jnp.float32, param_dtype=self.param_dtype)
     b, t, _ = x.shape
@@ -46,25 +46,14 @@ class Indexer(nn.Module):
     q = q.reshape(b, t, c.index_n_heads, c.index_head_dim)
     # In the indexer the RoPE part comes first in each head ([rope | nope]).
     q = jnp.concatenate([apply_rope(q[..., :rope], cos, sin), q[..., rope:]], axis=-1)
-    k = Linear(c.index_head_dim, (None, "embed"), name="wk", **kw)(x, dense=dense)
+    # Both from x, in one launch under dense="pallas_grouped"; the head weights kept in fp32: bf16
+    # rounding of them flips near-tied selections.
+    k, weights = linears(x, [("wk", c.index_head_dim, (None, "embed")),
+                             ("weights_proj", c.index_n_heads, ("index_heads", "embed"))], dense=dense, **kw)
     k = LayerNorm(eps=1e-6, name="k_norm", **kw)(k)
     k = jnp.concatenate([apply_rope(k[..., :rope], cos, sin), k[..., rope:]], axis=-1)
-    # Kept in fp32: bf16 rounding of the head weights flips near-tied selections.
-    weights = Linear(c.index_n_heads, ("index_heads", "embed"), name="weights_proj", **kw)(x, dense=dense)
     weights = weights * c.index_n_heads ** -0.5
     return q, weights, k
-
-
-class Weight(nn.Module):
-  """A bare [out, in] weight, for kv_b_proj whose halves are folded into MLA's decode path."""
-  shape: tuple[int, int]
-  axes: tuple[str | None, str | None]
-  param_dtype: jnp.dtype
-
-  @nn.compact
-  def __call__(self) -> jax.Array:
-    return quant.param(self, "weight", nn.with_logical_partitioning(init_normal(0.02), self.axes), self.shape,
-                       self.param_dtype)
 
 
 class MLAttention(nn.Module):
@@ -88,12 +77,12 @@ class MLAttention(nn.Module):
     h, nope, rope, r, v = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
                            c.kv_lora_rank, c.v_head_dim)
     with jax.named_scope("mla_proj"):
-      q_resid = RMSNorm(1e-6, name="q_a_layernorm", **kw)(
-          Linear(c.q_lora_rank, ("q_lora", "embed"), name="q_a_proj", **kw)(x, **runtime.linear_impls))
+      q_a, kv_a = linears(x, [("q_a_proj", c.q_lora_rank, ("q_lora", "embed")),
+                              ("kv_a_proj_with_mqa", r + rope, (None, "embed"))], **runtime.linear_impls, **kw)
+      q_resid = RMSNorm(1e-6, name="q_a_layernorm", **kw)(q_a)
       q = Linear(h * c.qk_head_dim, ("heads", "q_lora"), name="q_b_proj", **kw)(q_resid, **runtime.linear_impls)
       q = q.reshape(b, t, h, c.qk_head_dim)
       q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos, sin)
-      kv_a = Linear(r + rope, (None, "embed"), name="kv_a_proj_with_mqa", **kw)(x, **runtime.linear_impls)
       latent = RMSNorm(1e-6, name="kv_a_layernorm", **kw)(kv_a[..., :r])  # [b, t, r]
       k_pe = apply_rope(kv_a[..., r:], cos, sin)                            # [b, t, p]
       kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()

@@ -34,6 +34,28 @@ class Linear(nn.Module):
     return linear(x, weight, impl=matmul, dense=dense, dtype=self.dtype)
 
 
+class Weight(nn.Module):
+  """A bare [out, in] weight (the parameter Linear holds, at the same path): for kv_b_proj, whose
+  halves MLA's decode path folds in, and for `linears`."""
+  shape: tuple[int, int]
+  axes: tuple[str | None, str | None]
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    return quant.param(self, "weight", nn.with_logical_partitioning(init_normal(0.02), self.axes), self.shape,
+                       self.param_dtype)
+
+
+def linears(x: jax.Array, specs: Sequence[tuple[str, int, tuple[str | None, str | None]]], *, dtype, param_dtype,
+            matmul: str = "xla", dense: str = "xla") -> list[jax.Array]:
+  """Linear(features, axes, name=name)(x) for each (name, features, axes) of `specs`, inside the
+  calling module, with the same parameters; applied together (glmjax.quant.linear_group: one
+  launch for plain bf16 weights under dense="pallas_grouped")."""
+  weights = [Weight((features, x.shape[-1]), axes, param_dtype, name=name)() for name, features, axes in specs]
+  return quant.linear_group(x, weights, impl=matmul, dense=dense, dtype=dtype)
+
+
 class RMSNorm(nn.Module):
   """RMSNorm as transformers computes it: normalise in fp32, cast back, then scale."""
   eps: float
@@ -102,8 +124,8 @@ class MLP(nn.Module):
   def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla") -> jax.Array:
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     impls = dict(matmul=matmul, dense=dense)
-    gate = Linear(self.intermediate_size, ("mlp", "embed"), name="gate_proj", **kw)(x, **impls)
-    up = Linear(self.intermediate_size, ("mlp", "embed"), name="up_proj", **kw)(x, **impls)
+    gate, up = linears(x, [(name, self.intermediate_size, ("mlp", "embed")) for name in ("gate_proj", "up_proj")],
+                       **impls, **kw)
     return Linear(self.hidden_size, ("embed", "mlp"), name="down_proj", **kw)(nn.silu(gate) * up, **impls)
 
 

@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.nvfp4_matmul import (NUM_SMS, MatmulConfig, check_skinny_input, dot_t, load_tile,
-                                         range_mask, skinny_call, skinny_rows, split_k_loop, store_tile)
+                                         local_block, range_mask, row_blocks, skinny_call, skinny_rows,
+                                         split_k_loop, store_tile)
 
 MAX_SPLIT = 8
 
@@ -47,21 +48,53 @@ def default_bf16_config(n: int, k: int) -> MatmulConfig:
   return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
-def _bf16_matmul_kernel(x_ref, w_ref, o_ref, *, m: int, n: int, k: int, block_m: int, config: MatmulConfig):
-  # x_ref: bf16 [block_m, Kp] of [M, K]; w_ref: bf16 [bn, Kp]; o_ref: [block_m, bn] of the
-  # [split_k, M, N] output (fp32 or bf16).
+def _bf16_matmul_kernel(x_ref, *refs, m: int, ns: tuple[int, ...], k: int, block_m: int, config: MatmulConfig):
+  # x_ref: bf16 [block_m, Kp] of [M, K]; then per weight (ns: their rows) w_ref bf16 [bn, Kp];
+  # then per weight o_ref [block_m, bn] of its [split_k, M, N] output (fp32 or bf16). With several
+  # weights, grid row block j belongs to one of them (row_blocks) and only that one is read.
   bn, bk = config.block_n, config.block_k
+  w_refs, o_refs = refs[:len(ns)], refs[len(ns):]
   rows_ok = range_mask(0, block_m, m)
-  n_ok = range_mask(pl.program_id(0) * bn, bn, n)
+  j, split = pl.program_id(0), pl.program_id(1)
 
-  def body(step, acc):
-    cols_ok = range_mask(step * bk, bk, k)
-    x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, cols_ok)
-    w = load_tile(w_ref.at[:, pl.ds(step * bk, bk)], n_ok, cols_ok)
-    return acc + dot_t(x, w)
+  def matmul(w_ref, o_ref, n: int, block):
+    n_ok = range_mask(block * bn, bn, n)
 
-  acc = split_k_loop(body, k=k, block_m=block_m, config=config)
-  store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)
+    def body(step, acc):
+      cols_ok = range_mask(step * bk, bk, k)
+      x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, cols_ok)
+      w = load_tile(w_ref.at[:, pl.ds(step * bk, bk)], n_ok, cols_ok)
+      return acc + dot_t(x, w)
+
+    acc = split_k_loop(body, k=k, block_m=block_m, config=config, split=split)
+    store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)
+
+  if len(ns) == 1:
+    return matmul(w_refs[0], o_refs[0], ns[0], j)
+  for (first, count), n, w_ref, o_ref in zip(row_blocks(ns, bn), ns, w_refs, o_refs):
+    pl.when((j >= first) & (j < first + count))(functools.partial(matmul, w_ref, o_ref, n, j - first))
+
+
+def _check(x: jax.Array, w, out_dtype, name: str) -> None:
+  if not isinstance(w, jax.Array) or w.dtype != jnp.bfloat16:
+    raise ValueError(f"{name} needs bf16 weight arrays, got {getattr(w, 'dtype', type(w).__name__)}")
+  check_skinny_input(x, w.shape, name)
+  if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"{name}: out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype)}")
+
+
+def _launch(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype, config: MatmulConfig | None, interpret: bool | None):
+  """The one launch of bf16_matmul (one weight) and bf16_matmul_group (several)."""
+  (m, k), ns = x.shape, tuple(w.shape[0] for w in ws)
+  config = default_bf16_config(sum(ns), k) if config is None else config
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
+  kernel = functools.partial(_bf16_matmul_kernel, m=m, ns=ns, k=k, block_m=block_m, config=config)
+  w_spec = lambda first, count: pl.BlockSpec((config.block_n, kp), lambda j, s: (local_block(j, first, count), 0))
+  specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
+           *(w_spec(first, count) for first, count in row_blocks(ns, config.block_n))]
+  return skinny_call(kernel, [x, *ws], specs, m=m, n=ns if len(ws) > 1 else ns[0], dtype=jnp.dtype(out_dtype),
+                     config=config, interpret=interpret, name="bf16_matmul")
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -79,19 +112,21 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16, config: M
   Returns:
     [M, N] in out_dtype.
   """
-  if not isinstance(w, jax.Array) or w.dtype != jnp.bfloat16:
-    raise ValueError(f"bf16_matmul needs a bf16 weight array, got {getattr(w, 'dtype', type(w).__name__)}")
-  check_skinny_input(x, w.shape, "bf16_matmul")
-  if jnp.dtype(out_dtype) not in (jnp.bfloat16, jnp.float32):
-    raise ValueError(f"bf16_matmul: out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype)}")
-  (m, k), n = x.shape, w.shape[0]
-  config = default_bf16_config(n, k) if config is None else config
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-  block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
-  kernel = functools.partial(_bf16_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config)
-  specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)), pl.BlockSpec((config.block_n, kp), lambda j, s: (j, 0))]
-  return skinny_call(kernel, [x, w], specs, m=m, n=n, dtype=jnp.dtype(out_dtype), config=config,
-                     interpret=interpret, name="bf16_matmul")
+  _check(x, w, out_dtype, "bf16_matmul")
+  return _launch(x, (w,), out_dtype, config, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def bf16_matmul_group(x: jax.Array, ws: tuple[jax.Array, ...], *, out_dtype=jnp.bfloat16,
+                      config: MatmulConfig | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+  """(x @ w.T for w in ws) in one launch: weights that share their input (gate and up, q_a and
+  kv_a) read by one grid whose row blocks run over all of them; each output as bf16_matmul's.
+  Default config: `default_bf16_config` of their rows together."""
+  if not ws:
+    raise ValueError("bf16_matmul_group needs at least one weight")
+  for w in ws:
+    _check(x, w, out_dtype, "bf16_matmul_group")
+  return _launch(x, tuple(ws), out_dtype, config, interpret)
 
 
 def bf16_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16) -> jax.Array:

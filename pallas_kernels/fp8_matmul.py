@@ -48,11 +48,11 @@ def load_fp8_tile(w_ref, scale_ref, lead: tuple, n_block, step, *, block_n: int,
 
 
 def _fp8_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: MatmulConfig):
-  # x_ref: [block_m, Kp] of [M, K], bf16 or (operands="float16") f16_rows' fp16, then its row
-  # scales f32 [block_m]; w_ref: e4m3 [bn, Kp]; scale_ref: f32 [N/128, K/128]; o_ref:
+  # x_ref: [block_m, Kp] of [M, K], bf16 or (operands="float16") f16_rows' fp16, then its rows'
+  # largest magnitudes f32 [block_m] of [M]; w_ref: e4m3 [bn, Kp]; scale_ref: f32 [N/128, K/128]; o_ref:
   # [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
   *x_refs, w_ref, scale_ref, o_ref = refs
-  (x_ref,), row_scale = operand_refs(x_refs, config)
+  (x_ref,), row_amax = operand_refs(x_refs, config)
   bn, bk = config.block_n, config.block_k
   rows_ok = range_mask(0, block_m, m)
   n_block = pl.program_id(0)
@@ -65,7 +65,7 @@ def _fp8_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Matm
     return acc + dot_t(x, w) * scale
 
   acc = split_k_loop(body, k=k, block_m=block_m, config=config)
-  store_tile(o_ref, scale_rows(acc, row_scale).astype(o_ref.dtype), rows_ok, n_ok)
+  store_tile(o_ref, scale_rows(acc, row_amax, rows_ok).astype(o_ref.dtype), rows_ok, n_ok)
 
 
 def _fp8_matmul(x: jax.Array, w: FP8BlockWeight, config: MatmulConfig, interpret: bool) -> jax.Array:
@@ -73,7 +73,7 @@ def _fp8_matmul(x: jax.Array, w: FP8BlockWeight, config: MatmulConfig, interpret
   bn, bk = config.block_n, config.block_k
   block_m = skinny_rows(m)
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
-  xs = operand_rows(x, config, block_m)
+  xs = operand_rows(x, config)
   kernel = functools.partial(_fp8_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config)
   specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
            *[pl.BlockSpec((block_m,), lambda j, s: (0,))] * (len(xs) - 1),

@@ -50,7 +50,8 @@ from pallas_kernels.fp8_matmul import load_fp8_tile
 from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile
 from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, NUM_SMS, OPERANDS, column_halves, dot_halves,
                                          dot_t, f16_rows, load_column_halves, load_nvfp4_halves,
-                                         load_nvfp4_tile, load_tile, range_mask, scale_rows, store_tile)
+                                         load_nvfp4_tile, load_tile, range_mask, row_inverse_scale,
+                                         scale_rows, store_tile)
 
 
 ROUTINGS = ("table", "scan")
@@ -152,17 +153,18 @@ def _f16(kinds, config: MoEConfig) -> bool:
   return config.operands == "float16" and "bf16" not in kinds
 
 
-def _activations(a: jax.Array, kinds, config: MoEConfig, rows: int) -> list[jax.Array]:
+def _activations(a: jax.Array, kinds, config: MoEConfig) -> list[jax.Array]:
   """The activation arrays a launch reads: `a` [..., K] for weights decoded whole, its even and
   odd columns for weights decoded into halves; under fp16 operands (`_f16`) those of f16_rows'
-  fp16 `a`, then its row scales [..., rows]."""
+  fp16 `a`, then its rows' largest magnitudes [...]."""
   whole, halves = _activation_forms(kinds, config)
-  a, *row_scale = f16_rows(a, rows) if _f16(kinds, config) else (a,)
-  return ([a] if whole else []) + (column_halves(a) if halves else []) + row_scale
+  a, *row_amax = f16_rows(a) if _f16(kinds, config) else (a,)
+  return ([a] if whole else []) + (column_halves(a) if halves else []) + row_amax
 
 
-def _split_row_scale(refs, kinds, config: MoEConfig) -> tuple[tuple, object]:
-  """A launch's activation refs (`_activations`' arrays) and its row-scale ref (or None)."""
+def _split_row_amax(refs, kinds, config: MoEConfig) -> tuple[tuple, object]:
+  """A launch's activation refs (`_activations`' arrays) and the ref of its rows' largest
+  magnitudes (or None)."""
   return (refs[:-1], refs[-1]) if _f16(kinds, config) else (refs, None)
 
 
@@ -235,11 +237,11 @@ def _is_chosen(ids: jax.Array, e) -> jax.Array:
 def _gate_up_kernel(route_ref, *refs, kinds: tuple[str, str], num_x_refs: int, num_gate_refs: int,
                     t: int, k: int, d: int, i: int, block_m: int, config: MoEConfig, interpret: bool):
   # route_ref: i32 [U] experts (routing "table"), or the ids [block_m, kw] of [T, k] ("scan");
-  # x refs: [block_m, Dp or Dp/2] of x [T, D], bf16 or fp16, and the row scales [block_m] of
-  # fp16 x (_activations); then gate's and up's operands as [E, bn, Dp/...] row blocks (see
+  # x refs: [block_m, Dp or Dp/2] of x [T, D], bf16 or fp16, and the rows' largest magnitudes
+  # [block_m] of [T] for fp16 x (_activations); then gate's and up's operands as [E, bn, Dp/...] row blocks (see
   # _specs); h_ref: bf16 [block_m, bn] of [U, block_m, I] (U = E under "scan").
   x_refs, (*w_refs, h_ref) = refs[:num_x_refs], refs[num_x_refs:]
-  x_refs, row_scale = _split_row_scale(x_refs, kinds, config)
+  x_refs, row_amax = _split_row_amax(x_refs, kinds, config)
   gate_refs, up_refs = w_refs[:num_gate_refs], w_refs[num_gate_refs:]
   if config.routing == "scan":
     e = pl.program_id(0)
@@ -252,7 +254,7 @@ def _gate_up_kernel(route_ref, *refs, kinds: tuple[str, str], num_x_refs: int, n
   @pl.when(chosen)
   def _():
     x_tile = _activation_loader(x_refs, kinds, (), range_mask(0, block_m, t), k=d, config=config)
-    g, u = (scale_rows(acc, row_scale) for acc in _expert_matmul(
+    g, u = (scale_rows(acc, row_amax, range_mask(0, block_m, t)) for acc in _expert_matmul(
         x_tile, [(kinds[0], gate_refs), (kinds[1], up_refs)], e, n_block, n=i, k=d, block_m=block_m,
         config=config, interpret=interpret, dtype=x_refs[0].dtype))
     store_tile(h_ref, (jax.nn.silu(g) * u).astype(h_ref.dtype), None,
@@ -263,13 +265,13 @@ def _down_kernel(*refs, kind: str, num_h_refs: int, t: int, k: int, d: int, i: i
                  config: MoEConfig, interpret: bool):
   # Routing "table": experts_ref i32 [U], count_ref i32 [1], route_ref f32 [U, block_m]; "scan":
   # ids_ref i32 and weights_ref f32 [block_m, kw] of the [T, k] choice. Then h refs:
-  # [U, block_m, Ip or Ip/2] of h [U, block_m, I], bf16 or fp16 with its row scales [U, block_m]
+  # [U, block_m, Ip or Ip/2] of h [U, block_m, I], bf16 or fp16 with its rows' largest [U, block_m]
   # (_activations); down's operands as [E, bn, Ip/...] row blocks; o_ref: f32 [block_m, bn] of
   # the [down_split, block_m, D] partials.
   scan = config.routing == "scan"
   first_h = 2 if scan else 3
   routing, h_refs = refs[:first_h], refs[first_h:first_h + num_h_refs]
-  h_refs, row_scale = _split_row_scale(h_refs, (kind,), config)
+  h_refs, row_amax = _split_row_amax(h_refs, (kind,), config)
   *w_refs, o_ref = refs[first_h + num_h_refs:]
   splits = config.down_split
   n_block, split = pl.program_id(0), pl.program_id(1)
@@ -279,8 +281,8 @@ def _down_kernel(*refs, kind: str, num_h_refs: int, t: int, k: int, d: int, i: i
     x_tile = _activation_loader(h_refs, (kind,), (u,), None, k=i, config=config)
     (y,) = _expert_matmul(x_tile, [(kind, w_refs)], e, n_block, n=d, k=i, block_m=block_m, config=config,
                           interpret=interpret, dtype=h_refs[0].dtype)
-    if row_scale is not None:
-      weight = weight * row_scale[u, :]
+    if row_amax is not None:
+      weight = weight * row_inverse_scale(row_amax[u, :])
     return weight[:, None] * y
 
   if scan:
@@ -380,9 +382,9 @@ def moe_grouped_matmul(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
   sizes = dict(t=t, k=topk_ids.shape[1], d=d, i=i, block_m=block_m, config=config, interpret=interpret)
 
   kinds = (_kind(gate_proj), _kind(up_proj))
-  xs = _activations(x, kinds, config, block_m)
-  x_specs = [pl.BlockSpec((block_m, dp * a.shape[-1] // d), lambda u, j: (0, 0)) if a.ndim == 2 else _whole(a)
-             for a in xs]
+  xs = _activations(x, kinds, config)
+  x_specs = [pl.BlockSpec((block_m, dp * a.shape[-1] // d), lambda u, j: (0, 0)) if a.ndim == 2
+             else pl.BlockSpec((block_m,), lambda u, j: (0,)) for a in xs]
   h = pl.pallas_call(
       functools.partial(_gate_up_kernel, kinds=kinds, num_x_refs=len(xs),
                         num_gate_refs=len(_operands(gate_proj)), **sizes),
@@ -395,7 +397,7 @@ def moe_grouped_matmul(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
       compiler_params=params, interpret=interpret, name="moe_gate_up",
   )(*up_routing, *xs, *_operands(gate_proj), *_operands(up_proj))
 
-  hs = _activations(h, (_kind(down_proj),), config, block_m)
+  hs = _activations(h, (_kind(down_proj),), config)
   h_specs = [pl.BlockSpec((slots, block_m, ip * a.shape[-1] // i), lambda j, s: (0, 0, 0)) if a.ndim == 3
              else _whole(a) for a in hs]
   partials = pl.pallas_call(

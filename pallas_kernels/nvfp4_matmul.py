@@ -111,24 +111,37 @@ def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: st
   return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode, operands=operands)
 
 
-def f16_rows(a: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
-  """a [..., M, K] bf16 -> (fp16 a * 2^s, fp32 [..., rows] 2^-s): s per row puts its largest
-  magnitude in [2^14, 2^15), then the rows past M (to `rows`, the kernel's tile) scale by 1.
+def f16_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """a [..., K] bf16 -> (fp16 a * 2^s, fp32 [...] largest magnitude per row): s = row_shift
+  puts each row's largest in [2^14, 2^15); the kernels undo 2^s on their fp32 results from the
+  largest (row_inverse_scale), so no XLA op computes the scales.
 
   Why: fp16 operands spare the weight decode its fp16 -> bf16 conversion (1.5 instructions of
   6.6 a weight in the NVFP4 MoE, Nsight Compute, BENCHMARKS.md run 12; the e4m3 -> fp16 cvt is
   native), but activations can exceed fp16's range. The scale is exact, and so is the cast of
   every entry within 2^-31 of its row's largest (fp16 keeps bf16's 8 significant bits down to
   2^-17); smaller ones round in fp16's subnormals by at most 2^-39 of the row's largest, far
-  under the fp32 accumulation's error. Rows of zeros (or of non-finite values, which
-  propagate) take s = 15."""
+  under the fp32 accumulation's error. Non-finite values propagate."""
   amax = jnp.max(jnp.abs(a.astype(jnp.float32)), axis=-1)
-  s = jnp.clip(15 - jnp.frexp(amax)[1], -126, 126)  # amax < 2^frexp's exponent
-  pow2 = lambda e: lax.bitcast_convert_type((e + 127) << 23, jnp.float32)  # exact 2^e (exp2 is not)
-  scaled = (a.astype(jnp.float32) * pow2(s)[..., None]).astype(jnp.float16)
-  inverse = pow2(-s)
-  pad = [(0, 0)] * (inverse.ndim - 1) + [(0, rows - inverse.shape[-1])]
-  return scaled, jnp.pad(inverse, pad, constant_values=1.0)
+  return (a.astype(jnp.float32) * _pow2(row_shift(amax))[..., None]).astype(jnp.float16), amax
+
+
+def row_shift(amax: jax.Array) -> jax.Array:
+  """int32 s with amax * 2^s in [2^14, 2^15), from amax's exponent bits (integer ops only, so
+  XLA and the kernels compute the same s); clipped to [-126, 126] (rows whose largest is under
+  2^-111, zeros among them, take 2^126)."""
+  biased = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF
+  return jnp.clip(141 - biased, -126, 126)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+  """Exactly 2^e in fp32 for int32 e in [-126, 127], from its bits (exp2 is not exact)."""
+  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def row_inverse_scale(amax: jax.Array) -> jax.Array:
+  """2^-s for f16_rows' rows of these largest magnitudes."""
+  return _pow2(-row_shift(amax))
 
 
 # Tile helpers shared by the weight-only kernels (fp8_matmul.py, moe_grouped_matmul.py).
@@ -166,12 +179,13 @@ def dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
   return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def split_k_loop(body, *, k: int, block_m: int, config: MatmulConfig) -> jax.Array:
+def split_k_loop(body, *, k: int, block_m: int, config: MatmulConfig, split=None) -> jax.Array:
   """fp32 [block_m, block_n] sum of body(step, acc) over this program's share of the K steps
-  (program axis 1 is the split)."""
+  (`split`: its index along K, default program axis 1; read it outside a `pl.when` branch, where
+  the interpreter cannot)."""
   steps = pl.cdiv(k, config.block_k)
   per_split = pl.cdiv(steps, config.split_k)
-  first = pl.program_id(1) * per_split
+  first = (pl.program_id(1) if split is None else split) * per_split
   return lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
                        jnp.zeros((block_m, config.block_n), jnp.float32))
 
@@ -181,23 +195,44 @@ def skinny_rows(m: int) -> int:
   return max(16, pl.next_power_of_2(m))
 
 
-def skinny_call(kernel, inputs, in_specs, *, m: int, n: int, dtype, config: MatmulConfig,
-                interpret: bool, name: str) -> jax.Array:
+def row_blocks(ns: tuple[int, ...], block_n: int) -> list[tuple[int, int]]:
+  """(first grid row block, row blocks) of each of several weights of ns rows laid end to end."""
+  out, first = [], 0
+  for n in ns:
+    out.append((first, pl.cdiv(n, block_n)))
+    first += out[-1][1]
+  return out
+
+
+def local_block(j, first: int, blocks: int):
+  """Grid row block j as a block of the weight whose `blocks` row blocks start at `first`,
+  clipped into them: the BlockSpec of a weight a program does not touch must still point inside it."""
+  return jnp.clip(j - first, 0, blocks - 1)
+
+
+def skinny_call(kernel, inputs, in_specs, *, m: int, n: int | tuple[int, ...], dtype, config: MatmulConfig,
+                interpret: bool, name: str):
   """The (N / block_n, split_k) launch of a skinny-matmul kernel -> [M, N] in dtype. The kernel
   writes its [block_m, block_n] tile of an [split_k, M, N] output (fp32 when split: XLA sums
-  the partials)."""
+  the partials). A tuple n (weights sharing x, bf16_matmul_group): the grid spans all their row
+  blocks (row_blocks), the kernel gets one output ref per weight, and a tuple comes back."""
+  ns = n if isinstance(n, tuple) else (n,)
   split = config.split_k
-  out = pl.pallas_call(
+  blocks = row_blocks(ns, config.block_n)
+  spec = lambda first, count: pl.BlockSpec((None, skinny_rows(m), config.block_n),
+                                           lambda j, s: (s, 0, local_block(j, first, count)))
+  outs = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32 if split > 1 else dtype),
-      grid=(pl.cdiv(n, config.block_n), split),
+      out_shape=[jax.ShapeDtypeStruct((split, m, w), jnp.float32 if split > 1 else dtype) for w in ns],
+      grid=(sum(count for _, count in blocks), split),
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, skinny_rows(m), config.block_n), lambda j, s: (s, 0, j)),
+      out_specs=[spec(first, count) for first, count in blocks],
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name=name,
   )(*inputs)
-  return out[0] if split == 1 else out.sum(0).astype(dtype)
+  outs = [out[0] if split == 1 else out.sum(0).astype(dtype) for out in outs]
+  return tuple(outs) if isinstance(n, tuple) else outs[0]
 
 
 def decode_nvfp4(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -305,11 +340,11 @@ def load_nvfp4_tile(packed_ref, scale_ref, lead: tuple, step, *, block_k: int, k
 def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: MatmulConfig,
                          interpret: bool):
   # x_ref: [block_m, Kp] of [M, K] (decode="ptx": x_even_ref, x_odd_ref [block_m, Kp/2], x's
-  # even and odd columns), bf16 or (operands="float16") f16_rows' fp16, then its row scales f32
-  # [block_m]; packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16]; global_ref: f32 [1];
+  # even and odd columns), bf16 or (operands="float16") f16_rows' fp16, then its rows' largest
+  # magnitudes f32 [block_m] of [M]; packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16]; global_ref: f32 [1];
   # o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
   *x_refs, packed_ref, scale_ref, global_ref, o_ref = refs
-  x_refs, row_scale = operand_refs(x_refs, config)
+  x_refs, row_amax = operand_refs(x_refs, config)
   bn, bk = config.block_n, config.block_k
   dtype = x_refs[0].dtype
   rows_ok = range_mask(0, block_m, m)
@@ -326,25 +361,29 @@ def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Ma
     return acc + dot_halves(x, w)
 
   acc = split_k_loop(body, k=k, block_m=block_m, config=config)
-  out = scale_rows(acc * (global_ref[0] * DECODE_SCALE), row_scale)
+  out = scale_rows(acc * (global_ref[0] * DECODE_SCALE), row_amax, rows_ok)
   store_tile(o_ref, out.astype(o_ref.dtype), rows_ok, n_ok)
 
 
-def operand_rows(x: jax.Array, config, block_m: int) -> list[jax.Array]:
+def operand_rows(x: jax.Array, config) -> list[jax.Array]:
   """The activation arrays a skinny kernel under `config` reads: [x], or with operands="float16"
-  f16_rows' fp16 x and its row scales (padded to block_m)."""
-  return list(f16_rows(x, block_m)) if config.operands == "float16" else [x]
+  f16_rows' fp16 x and its rows' largest magnitudes."""
+  return list(f16_rows(x)) if config.operands == "float16" else [x]
 
 
 def operand_refs(refs, config) -> tuple[list, object]:
   """Split a kernel's activation refs (operand_rows' arrays, whole or as column halves) into
-  those and the row-scale ref (None for bf16 operands)."""
+  those and the ref of the rows' largest magnitudes (None for bf16 operands)."""
   return (list(refs[:-1]), refs[-1]) if config.operands == "float16" else (list(refs), None)
 
 
-def scale_rows(acc: jax.Array, row_scale_ref) -> jax.Array:
-  """acc [block_m, n] times the f16_rows scale of its rows (row_scale_ref None: unchanged)."""
-  return acc if row_scale_ref is None else acc * row_scale_ref[...][:, None]
+def scale_rows(acc: jax.Array, amax_ref, rows_ok: jax.Array | None) -> jax.Array:
+  """acc [block_m, n] times the inverse f16_rows scale of its rows, from the ref of their largest
+  magnitudes (masked by rows_ok; amax_ref None: acc unchanged)."""
+  if amax_ref is None:
+    return acc
+  amax = pltriton.load(amax_ref, mask=rows_ok, other=None if rows_ok is None else 0.0)
+  return acc * row_inverse_scale(amax)[:, None]
 
 
 def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret: bool) -> jax.Array:
@@ -352,17 +391,17 @@ def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret:
   bn, bk = config.block_n, config.block_k
   block_m = skinny_rows(m)
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
-  x_op, *row_scale = operand_rows(x, config, block_m)
+  x_op, *row_amax = operand_rows(x, config)
   xs, x_specs = [x_op], [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0))]
   if config.decode == "ptx":
     xs = column_halves(x_op)
     x_specs = [pl.BlockSpec((block_m, kp // 2), lambda j, s: (0, 0))] * 2
-  x_specs += [pl.BlockSpec((block_m,), lambda j, s: (0,))] * len(row_scale)
+  x_specs += [pl.BlockSpec((block_m,), lambda j, s: (0,))] * len(row_amax)
   kernel = functools.partial(_nvfp4_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config,
                              interpret=interpret)
   specs = [*x_specs, pl.BlockSpec((bn, kp // 2), lambda j, s: (j, 0)),
            pl.BlockSpec((bn, kp // BLOCK), lambda j, s: (j, 0)), pl.BlockSpec((1,), lambda j, s: (0,))]
-  return skinny_call(kernel, [*xs, *row_scale, w.packed, w.block_scale, w.global_scale.reshape(1)], specs,
+  return skinny_call(kernel, [*xs, *row_amax, w.packed, w.block_scale, w.global_scale.reshape(1)], specs,
                      m=m, n=n, dtype=x.dtype, config=config, interpret=interpret, name="nvfp4_matmul")
 
 

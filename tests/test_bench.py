@@ -103,6 +103,13 @@ def test_gemv_rows_time_every_impl_against_xla_bf16():
   assert by["nvfp4", "pallas"]["speedup_vs_bf16"] == pytest.approx(4.0)
 
 
+def test_group_rows_check_the_grouped_launch_against_the_lone_ones():
+  from experiments.bench_quant import group_rows
+  rows = group_rows(3, 64, (48, 16), name="q_a+kv_a", timer=lambda fn, *args: 1e-6)
+  assert [r["impl"] for r in rows] == ["xla", "pallas", "pallas_grouped"]
+  assert all(r["max_rel_err"] <= 1e-2 for r in rows[1:]) and rows[0]["bytes"] == (48 + 16) * 64 * 2 + (3 * 64 + 3 * 64) * 2
+
+
 def test_cache_write_row_times_both_writes_and_checks_the_pages():
   """bench_dsa's cache-write row: both writes timed in a loop that carries the pages (time_device_carry),
   the kernel's pages equal to write_layer's."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
-from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_reference
+from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group, bf16_matmul_reference
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
 from pallas_kernels.nvfp4_matmul import MatmulConfig, nvfp4_matmul, nvfp4_matmul_reference
@@ -69,21 +69,21 @@ def test_weight_only_matmul(fmt, m, k, n, config):
 
 
 def test_f16_rows_is_exact_per_row():
-  """Rows far outside fp16's range (1e30, 1e-30, 6e4 beside 1e-3) and a row of zeros: each row's
-  largest lands in [2^14, 2^15), scaled back every entry equals the bf16 input, and the scales
-  of the padding rows are 1."""
-  from pallas_kernels.nvfp4_matmul import f16_rows
+  """Rows far outside fp16's range (1e30, 1e-30, 6e4 beside 1e-3) and a row of zeros: each
+  nonzero row's largest lands in [2^14, 2^15), and scaled back by the kernels' inverse (from the
+  returned largest magnitudes) every entry equals the bf16 input."""
+  from pallas_kernels.nvfp4_matmul import f16_rows, row_inverse_scale
   rng = np.random.default_rng(3)
   x = rng.standard_normal((5, 96)) * np.array([1e30, 1e-30, 1.0, 0.0, 1.0])[:, None]
   x[2, :3] = (6e4, -1e-3, 3.0)
   x = jnp.asarray(x, jnp.bfloat16)
-  scaled, inverse = f16_rows(x, 8)
-  assert scaled.dtype == jnp.float16 and inverse.shape == (8,)
-  amax = np.abs(np.asarray(scaled, np.float32)).max(1)
-  assert np.all((amax[[0, 1, 2, 4]] >= 2**14) & (amax[[0, 1, 2, 4]] < 2**15)) and amax[3] == 0
-  np.testing.assert_array_equal(np.asarray(scaled, np.float32) * np.asarray(inverse[:5, None]),
+  scaled, amax = f16_rows(x)
+  assert scaled.dtype == jnp.float16 and amax.shape == (5,)
+  np.testing.assert_array_equal(np.asarray(amax), np.abs(np.asarray(x, np.float32)).max(1))
+  largest = np.abs(np.asarray(scaled, np.float32)).max(1)
+  assert np.all((largest[[0, 1, 2, 4]] >= 2**14) & (largest[[0, 1, 2, 4]] < 2**15)) and largest[3] == 0
+  np.testing.assert_array_equal(np.asarray(scaled, np.float32) * np.asarray(row_inverse_scale(amax))[:, None],
                                 np.asarray(x, np.float32))
-  np.testing.assert_array_equal(np.asarray(inverse[5:]), 1.0)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -150,6 +150,26 @@ def test_bf16_matmul_fp32_result():
   assert out.dtype == jnp.float32 and rel_err(out, bf16_matmul_reference(x, w, out_dtype=jnp.float32)) <= 1e-6
   with pytest.raises(ValueError, match="out_dtype"):
     bf16_matmul(x, w, out_dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("m,k,ns,out_dtype", [(5, 272, (200, 4, 130), jnp.bfloat16), (1, 2048, (576, 2048), jnp.float32)])
+def test_bf16_matmul_group_equals_each_weight_alone(m, k, ns, out_dtype):
+  """Weights sharing x in one launch, with ragged row blocks (200, 4 and 130 rows of 64-row
+  tiles; K split 8 ways at 2048): each output is the lone kernel's under the same tiles, and
+  the reference's within bf16 rounding."""
+  from pallas_kernels.bf16_matmul import default_bf16_config
+  rng = np.random.default_rng(m)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  ws = tuple(jnp.asarray(rng.standard_normal((n, k)) * 0.1, jnp.bfloat16) for n in ns)
+  config = default_bf16_config(sum(ns), k)
+  outs = bf16_matmul_group(x, ws, out_dtype=out_dtype)
+  for out, w in zip(outs, ws):
+    assert out.shape == (m, w.shape[0]) and out.dtype == out_dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(bf16_matmul(x, w, out_dtype=out_dtype, config=config), np.float32))
+    assert rel_err(out, bf16_matmul_reference(x, w, out_dtype=out_dtype)) <= TOL
+  with pytest.raises(ValueError, match=f"K={k}"):
+    bf16_matmul_group(x, (ws[0], ws[1][:, :100]))
 
 
 def test_linear_pallas_matches_xla():
@@ -255,7 +275,9 @@ def test_kernels_lower_to_triton_for_h200():
            (functools.partial(nvfp4_matmul, config=MatmulConfig(decode="ptx")),
             (x, shape(quantize_nvfp4, (200, 272)))),
            (fp8_matmul, (x, shape(quantize_fp8_block, (200, 272)))),
-           (bf16_matmul, (x, jax.ShapeDtypeStruct((200, 272), jnp.bfloat16)))]
+           (bf16_matmul, (x, jax.ShapeDtypeStruct((200, 272), jnp.bfloat16))),
+           (bf16_matmul_group, (x, (jax.ShapeDtypeStruct((200, 272), jnp.bfloat16),
+                                    jax.ShapeDtypeStruct((4, 272), jnp.bfloat16))))]
   for fmt in FORMATS.values():
     cases.append((moe_grouped_matmul, (*moe[:3], *(jax.eval_shape(fmt, w) for w in moe[3:]))))
   for routing, operands in (("table", "bfloat16"), ("scan", "float16")):

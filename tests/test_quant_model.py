@@ -132,11 +132,15 @@ def test_dense_pallas_matmul_matches_xla(params_bf16):
   """bf16 weights, 8 rows, dense_matmul="pallas": the split-K GEMV replaces exactly the plain bf16
   linears: 4 attention projections a layer, the indexer's 3 (fp32 results; layer 0 runs the
   only indexer), the dense MLP's 3, the shared expert's 3 and the router (fp32); not the
-  lm_head or the routed experts. Close to XLA's einsum."""
+  lm_head or the routed experts. Close to XLA's einsum. "pallas_grouped": q_a with kv_a, wk
+  with weights_proj, each MLP's gate with up in one launch, with the lone launches' products."""
   ids = tokens(9, 1, 8)
   run = lambda p, dense: glmjax.forward(CONFIG, p, ids, runtime=Runtime(dense_matmul=dense))
-  assert kernel_launches(jax.make_jaxpr(lambda p: run(p, "pallas"))(params_bf16).jaxpr) == 4 * 2 + 3 + 3 + 3 + 1
-  assert rel_err(run(params_bf16, "pallas"), run(params_bf16, "xla")) <= 2e-2
+  launches = lambda dense: kernel_launches(jax.make_jaxpr(lambda p: run(p, dense))(params_bf16).jaxpr)
+  assert (launches("pallas"), launches("pallas_grouped")) == (4 * 2 + 3 + 3 + 3 + 1, 3 * 2 + 2 + 2 + 2 + 1)
+  pallas = run(params_bf16, "pallas")
+  assert rel_err(pallas, run(params_bf16, "xla")) <= 2e-2
+  assert rel_err(run(params_bf16, "pallas_grouped"), pallas) <= 2e-3
 
 
 @pytest.mark.parametrize("quantize", [quantize_nvfp4, quantize_fp8_block])

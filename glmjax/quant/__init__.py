@@ -2,6 +2,8 @@
 
   linear(x, w, *, impl)       x [..., in] @ w.T for w [out, in]: a plain array, NVFP4Weight or
                               FP8BlockWeight.
+  linear_group(x, ws, *, impl)  the same for several weights sharing x (one launch for plain
+                              bf16 weights under dense="pallas_grouped").
   moe_experts(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, *, impl)
                               sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,s],
                               over stacked expert weights ([E, I, D] gate/up, [E, D, I] down).
@@ -20,7 +22,9 @@ operands="float16": no fp16 -> bf16 conversion of the decoded weights; activatio
 row into fp16 by a power of two, pallas_kernels/nvfp4_matmul.f16_rows). Plain arrays always
 take the plain einsum, unless dense="pallas": then decode-sized bf16 x against a bf16 weight runs
 the split-K GEMV of pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for
-wide outputs: 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10).
+wide outputs: 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10);
+dense="pallas_grouped" is "pallas" with the projections that share their input in one launch
+each (linear_group).
 """
 
 import math
@@ -34,11 +38,13 @@ from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
 from glmjax.quant.policy import POLICIES, quantize_leaf, quantize_params, quantizes
 
 IMPLS = ("xla", "pallas", "pallas_ptx", "pallas_ptx_f16")
-DENSE_IMPLS = ("xla", "pallas")  # plain bf16 weights: XLA's einsum or the split-K Pallas GEMV
+# Plain bf16 weights: XLA's einsum, the split-K Pallas GEMV, or that with weights sharing their
+# input in one launch (linear_group).
+DENSE_IMPLS = ("xla", "pallas", "pallas_grouped")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
 __all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight",
-           "linear", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
+           "linear", "linear_group", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
            "quantize_params", "quantizes"]
 
 
@@ -117,6 +123,22 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
     return out.reshape(*x.shape[:-1], w.shape[0])
   return jnp.einsum("...k,nk->...n", x, w.dequantize(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla", dtype=None) -> list[jax.Array]:
+  """[linear(x, w, ...) for w in weights], with plain bf16 weights under dense="pallas_grouped"
+  in one split-K launch (pallas_kernels/bf16_matmul.bf16_matmul_group) where x is decode-sized: the
+  projections that share their input (q_a and kv_a, the indexer's wk and weights_proj, an MLP's
+  gate and up) cost one launch, not two."""
+  _check_impl(impl, dense)
+  dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+  rows = math.prod(x.shape[:-1])
+  if (dense != "pallas_grouped" or len(weights) < 2 or dtype not in (jnp.bfloat16, jnp.float32) or not _kernel_sized(x, rows)
+      or any(isinstance(w, QuantizedWeight) or w.dtype != jnp.bfloat16 for w in weights)):
+    return [linear(x, w, impl=impl, dense=dense, dtype=dtype) for w in weights]
+  from pallas_kernels.bf16_matmul import bf16_matmul_group
+  outs = bf16_matmul_group(x.reshape(rows, x.shape[-1]), tuple(weights), out_dtype=dtype)
+  return [out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
 
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
