@@ -27,11 +27,14 @@ routing="scan" (MoEConfig) builds no table: the gate_up grid runs over all E loc
 each program scans the step's T*k ids (a few hundred bytes, read whole) for its own, returning at
 once if no token chose it; each down program walks the experts of its interleave, scanning the
 same way, and forms route[:, e] from the ids and weights itself. That removes the table's XLA
-kernels (about five launches a MoE layer and step) for a scan of T*k ids per program; not yet
-timed on the GPU.
+kernels (about five launches a MoE layer and step) for a scan of T*k ids per program: alone,
+loop-timed, 118.6 us against 108.0 with the table at one rank's case (BENCHMARKS.md run 15); in
+the step it is part of run 11's switches (-13 launches a layer together).
 Both K loops, tile decoders and numerics are those of nvfp4_matmul.py / fp8_matmul.py, including
 its inline-PTX NVFP4 decode (MoEConfig.decode="ptx"): 350 us against 431 us for the jnp decode at
-the GLM-5 rank shape above, 5 tokens, 24 experts (BENCHMARKS.md run 10).
+the GLM-5 rank shape above, 5 tokens, 24 experts (BENCHMARKS.md run 10), and their fp16 operands
+(MoEConfig.operands): at one rank's 6 of 32 experts 96.8 us against 108.0 for NVFP4, 116.1
+against 204.4 for FP8 (run 15); in the rank's step gate/up 43 us against 55 (runs 12, 14).
 """
 
 import dataclasses
