@@ -21,12 +21,12 @@ demo: $(STAMP)
 	  --draft_threshold=0 --output=replay_demo.json
 
 # The main suite, and beside it a second process: the multi-device tests (8 simulated CPU
-# devices, fixed when JAX's backend starts) and the tests marked side_lane (long smoke tests of
-# entry points in their own subprocesses, which would otherwise lengthen the main suite); its log
-# follows the main suite's. Either failing fails the target; pytest exits 5 when it collected
-# nothing, and that is a failure here, not a pass.
+# devices, fixed when JAX's backend starts) and the tests marked side_lane (long smoke tests that
+# run entry points or the notebook in their own subprocesses, which would otherwise lengthen the
+# main suite); its log follows the main suite's. Either failing fails the target; pytest exits 5
+# when it collected nothing, and that is a failure here, not a pass.
 test: $(STAMP)
-	@$(PY) -m pytest -q -m "multidevice or side_lane" tests/test_multidevice_*.py tests/test_study.py \
+	@$(PY) -m pytest -q -m "multidevice or side_lane" tests/test_multidevice_*.py tests/test_study.py tests/test_notebook.py \
 	  > .multidevice.log 2>&1 & multi=$$!; \
 	$(PY) -m pytest -q -m "not multidevice and not side_lane" --ignore-glob='tests/test_multidevice_*.py' tests; \
 	main=$$?; wait $$multi; multi_rc=$$?; echo "== multi-device and side-lane tests =="; cat .multidevice.log; \

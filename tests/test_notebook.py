@@ -4,11 +4,13 @@ import os
 import pathlib
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "notebooks" / "explore.ipynb"
 
 
+@pytest.mark.side_lane  # about 30 s in its own kernel process: beside the multi-device tests (Makefile)
 def test_explore_notebook_executes(monkeypatch):
   monkeypatch.setenv("GLMJAX_NOTEBOOK_CONFIG", "tiny")
   nb = nbformat.read(NOTEBOOK, as_version=4)
