@@ -39,7 +39,7 @@ import numpy as np
 from glmjax.bench import agreement, bandwidth_tbs, time_device
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
-from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.nvfp4_matmul import DECODES, MatmulConfig, default_config, nvfp4_matmul
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
@@ -94,7 +94,8 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     variants = ({"pallas_ptx": ("ptx", "bfloat16"), "pallas_ptx_f16": ("ptx", "float16")} if fmt == "nvfp4"
                 else {"pallas_f16": ("jnp", "float16")})
     for impl, (decode, operands) in variants.items():
-      config = default_config(m, n, k, max_block_k=256 if fmt == "nvfp4" else 128, decode=decode, operands=operands)
+      config = (default_config(m, n, k, decode=decode, operands=operands) if fmt == "nvfp4"
+                else default_fp8_config(m, n, k, operands=operands))
       variant = jax.jit(functools.partial(kernel, config=config))
       timed.append(_kernel_entry(fmt, variant, xla_dequant, (x, q), nbytes, timer, impl=impl))
     if fmt == "nvfp4":

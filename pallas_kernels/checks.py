@@ -12,6 +12,12 @@ from jax import lax
 NUM_WARPS = (1, 2, 4, 8, 16)
 
 
+def resolve_interpret(interpret: bool | None) -> bool:
+  """A kernel wrapper's `interpret` argument: None means the Pallas interpreter on the CPU
+  backend (no GPU to compile for), the compiled kernel elsewhere."""
+  return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
 def is_pow2(v: int) -> bool:
   return v > 0 and v & (v - 1) == 0
 

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from glmjax.quant.fp8_block import BLOCK, FP8BlockWeight
+from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, default_config, dot_t,
                                          load_tile, operand_refs, operand_rows, range_mask, scale_rows,
                                          skinny_call, skinny_rows, split_k_loop, store_tile)
@@ -32,6 +33,11 @@ def check_fp8_config(config: MatmulConfig) -> None:
   if config.block_n > BLOCK or config.block_k > BLOCK:
     raise ValueError(f"FP8 block scales need block_n, block_k <= {BLOCK}, got "
                      f"{config.block_n}, {config.block_k}")
+
+
+def default_fp8_config(m: int, n: int, k: int, *, operands: str = "bfloat16") -> MatmulConfig:
+  """nvfp4_matmul.default_config's tiles, K steps capped at one scale block (128)."""
+  return default_config(m, n, k, max_block_k=BLOCK, operands=operands)
 
 
 def load_fp8_tile(w_ref, scale_ref, lead: tuple, n_block, step, *, block_n: int, block_k: int,
@@ -53,7 +59,7 @@ def _fp8_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Matm
   # largest magnitudes f32 [block_m] of [M]; w_ref: e4m3 [bn, Kp]; scale_ref: f32 [N/128, K/128]; o_ref:
   # [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
   *x_refs, w_ref, scale_ref, o_ref = refs
-  (x_ref,), row_amax = operand_refs(x_refs, config)
+  (x_ref,), row_amax = operand_refs(x_refs, config.operands == "float16")
   bn, bk = config.block_n, config.block_k
   rows_ok = range_mask(0, block_m, m)
   n_block = pl.program_id(0)
@@ -74,7 +80,7 @@ def _fp8_matmul(x: jax.Array, w: FP8BlockWeight, config: MatmulConfig, interpret
   bn, bk = config.block_n, config.block_k
   block_m = skinny_rows(m)
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
-  xs = operand_rows(x, config)
+  xs = operand_rows(x, config.operands == "float16")
   kernel = functools.partial(_fp8_matmul_kernel, m=m, n=n, k=k, block_m=block_m, config=config)
   specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
            *[pl.BlockSpec((block_m,), lambda j, s: (0,))] * (len(xs) - 1),
@@ -91,7 +97,7 @@ def fp8_matmul(x: jax.Array, w: FP8BlockWeight, *, config: MatmulConfig | None =
   Args:
     x: bf16 [M, K], 1 <= M <= 16.
     w: FP8BlockWeight of logical shape [N, K] (any N, K).
-    config: tiling (block_n, block_k <= 128); default `default_config(M, N, K, max_block_k=128)`.
+    config: tiling (block_n, block_k <= 128); default `default_fp8_config(M, N, K)`.
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
     bf16 [M, N].
@@ -99,9 +105,9 @@ def fp8_matmul(x: jax.Array, w: FP8BlockWeight, *, config: MatmulConfig | None =
   if not isinstance(w, FP8BlockWeight):
     raise ValueError(f"fp8_matmul needs an FP8BlockWeight, got {type(w).__name__}")
   check_skinny_input(x, w.shape, "fp8_matmul")
-  config = default_config(x.shape[0], *w.shape, max_block_k=BLOCK) if config is None else config
+  config = default_fp8_config(x.shape[0], *w.shape) if config is None else config
   check_fp8_config(config)
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   return _fp8_matmul(x, w, config, interpret)
 
 

@@ -35,7 +35,7 @@ from glmjax import dsa
 from glmjax.cache.paged import gather_pages
 from pallas_kernels import topk
 from pallas_kernels.checks import (bf16_parts, check_launch, check_page_table, check_paged, check_splits,
-                                   check_tile, is_pow2, parts_dot)
+                                   check_tile, is_pow2, parts_dot, resolve_interpret)
 
 # Query tokens per program (the kernel unrolls them); more tokens (prefill) form more groups.
 QUERY_GROUP = 8
@@ -219,7 +219,7 @@ def indexer_scores(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   """
   check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions, num_keys)
   config = config or IndexerScoresConfig()
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   t = q.shape[1]
   q, weights, q_positions = pad_queries(q, weights, q_positions)
   groups = q.shape[0] * pl.cdiv(q.shape[1], QUERY_GROUP)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import topk
+from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.indexer_scores import (QUERY_GROUP, IndexerScoresConfig, check_indexer_args,
                                            indexer_scores, indexer_scores_reference, pad_queries,
                                            scores_call)
@@ -49,7 +50,7 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   topk.check_topk_args(num_keys, k)
   scores_config = scores_config or IndexerScoresConfig()
   topk_config = topk_config or topk.TopKConfig()
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   if fuse_first_pass and topk_config.method != "radix":
     raise ValueError(f"fuse_first_pass fuses the radix select's first pass into scoring; "
                      f"topk_config.method={topk_config.method!r} has no such pass")

@@ -50,11 +50,11 @@ from glmjax.moe import experts_reference
 from glmjax.quant.fp8_block import BLOCK as FP8_BLOCK, FP8BlockWeight
 from glmjax.quant.nvfp4 import BLOCK as NVFP4_BLOCK, NVFP4Weight
 from pallas_kernels.fp8_matmul import load_fp8_tile
-from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile
+from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile, resolve_interpret
 from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, DECODES, NUM_SMS, OPERANDS, column_halves, dot_halves,
-                                         dot_t, f16_rows, load_column_halves, load_nvfp4_halves,
-                                         load_nvfp4_tile, load_tile, range_mask, row_inverse_scale,
-                                         scale_rows, store_tile)
+                                         dot_t, load_column_halves, load_nvfp4_halves,
+                                         load_nvfp4_tile, load_tile, operand_refs, operand_rows,
+                                         range_mask, row_inverse_scale, scale_rows, store_tile)
 
 
 ROUTINGS = ("table", "scan")
@@ -161,14 +161,8 @@ def _activations(a: jax.Array, kinds, config: MoEConfig) -> list[jax.Array]:
   odd columns for weights decoded into halves; under fp16 operands (`_f16`) those of f16_rows'
   fp16 `a`, then its rows' largest magnitudes [...]."""
   whole, halves = _activation_forms(kinds, config)
-  a, *row_amax = f16_rows(a) if _f16(kinds, config) else (a,)
+  a, *row_amax = operand_rows(a, _f16(kinds, config))
   return ([a] if whole else []) + (column_halves(a) if halves else []) + row_amax
-
-
-def _split_row_amax(refs, kinds, config: MoEConfig) -> tuple[tuple, object]:
-  """A launch's activation refs (`_activations`' arrays) and the ref of its rows' largest
-  magnitudes (or None)."""
-  return (refs[:-1], refs[-1]) if _f16(kinds, config) else (refs, None)
 
 
 def _activation_loader(refs, kinds, lead: tuple, rows_ok, *, k: int, config: MoEConfig):
@@ -244,7 +238,7 @@ def _gate_up_kernel(route_ref, *refs, kinds: tuple[str, str], num_x_refs: int, n
   # [block_m] of [T] for fp16 x (_activations); then gate's and up's operands as [E, bn, Dp/...] row blocks (see
   # _specs); h_ref: bf16 [block_m, bn] of [U, block_m, I] (U = E under "scan").
   x_refs, (*w_refs, h_ref) = refs[:num_x_refs], refs[num_x_refs:]
-  x_refs, row_amax = _split_row_amax(x_refs, kinds, config)
+  x_refs, row_amax = operand_refs(x_refs, _f16(kinds, config))
   gate_refs, up_refs = w_refs[:num_gate_refs], w_refs[num_gate_refs:]
   if config.routing == "scan":
     e = pl.program_id(0)
@@ -274,7 +268,7 @@ def _down_kernel(*refs, kind: str, num_h_refs: int, t: int, k: int, d: int, i: i
   scan = config.routing == "scan"
   first_h = 2 if scan else 3
   routing, h_refs = refs[:first_h], refs[first_h:first_h + num_h_refs]
-  h_refs, row_amax = _split_row_amax(h_refs, (kind,), config)
+  h_refs, row_amax = operand_refs(h_refs, _f16((kind,), config))
   *w_refs, o_ref = refs[first_h + num_h_refs:]
   splits = config.down_split
   n_block, split = pl.program_id(0), pl.program_id(1)
@@ -366,7 +360,7 @@ def moe_grouped_matmul(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
   """
   config = MoEConfig() if config is None else config
   _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, config)
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   (t, d), (e, i) = x.shape, gate_proj.shape[:2]
   bn, bk, splits = config.block_n, config.block_k, config.down_split
   block_m = max(16, pl.next_power_of_2(t))

@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
-from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile
+from pallas_kernels.checks import check_at_least, check_choice, check_launch, check_tile, resolve_interpret
 
 NUM_SMS = 132         # H200; the default configs aim for >= 2 programs per SM
 MAX_ROWS = 16         # M of one tensor-core tile; larger M is compute-bound: dequantize once
@@ -350,7 +350,7 @@ def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Ma
   # magnitudes f32 [block_m] of [M]; packed_ref: uint8 [bn, Kp/2]; scale_ref: e4m3 [bn, Kp/16]; global_ref: f32 [1];
   # o_ref: [block_m, bn] of the [split_k, M, N] output (fp32 or bf16).
   *x_refs, packed_ref, scale_ref, global_ref, o_ref = refs
-  x_refs, row_amax = operand_refs(x_refs, config)
+  x_refs, row_amax = operand_refs(x_refs, config.operands == "float16")
   bn, bk = config.block_n, config.block_k
   dtype = x_refs[0].dtype
   rows_ok = range_mask(0, block_m, m)
@@ -371,16 +371,16 @@ def _nvfp4_matmul_kernel(*refs, m: int, n: int, k: int, block_m: int, config: Ma
   store_tile(o_ref, out.astype(o_ref.dtype), rows_ok, n_ok)
 
 
-def operand_rows(x: jax.Array, config) -> list[jax.Array]:
-  """The activation arrays a skinny kernel under `config` reads: [x], or with operands="float16"
-  f16_rows' fp16 x and its rows' largest magnitudes."""
-  return list(f16_rows(x)) if config.operands == "float16" else [x]
+def operand_rows(x: jax.Array, f16: bool) -> list[jax.Array]:
+  """The activation arrays a weight-only kernel reads: [x], or with fp16 operands f16_rows' fp16
+  x and its rows' largest magnitudes."""
+  return list(f16_rows(x)) if f16 else [x]
 
 
-def operand_refs(refs, config) -> tuple[list, object]:
+def operand_refs(refs, f16: bool) -> tuple[list, object]:
   """Split a kernel's activation refs (operand_rows' arrays, whole or as column halves) into
   those and the ref of the rows' largest magnitudes (None for bf16 operands)."""
-  return (list(refs[:-1]), refs[-1]) if config.operands == "float16" else (list(refs), None)
+  return (list(refs[:-1]), refs[-1]) if f16 else (list(refs), None)
 
 
 def scale_rows(acc: jax.Array, amax_ref, rows_ok: jax.Array | None) -> jax.Array:
@@ -397,7 +397,7 @@ def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret:
   bn, bk = config.block_n, config.block_k
   block_m = skinny_rows(m)
   kp = pl.cdiv(k, bk) * bk  # blocks may overhang the arrays: the overhang is masked
-  x_op, *row_amax = operand_rows(x, config)
+  x_op, *row_amax = operand_rows(x, config.operands == "float16")
   xs, x_specs = [x_op], [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0))]
   if config.decode == "ptx":
     xs = column_halves(x_op)
@@ -438,7 +438,7 @@ def nvfp4_matmul(x: jax.Array, w: NVFP4Weight, *, config: MatmulConfig | None = 
     raise ValueError(f"nvfp4_matmul needs an NVFP4Weight, got {type(w).__name__}")
   check_skinny_input(x, w.shape, "nvfp4_matmul")
   config = default_config(x.shape[0], *w.shape) if config is None else config
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   return _nvfp4_matmul(x, w, config, interpret)
 
 

@@ -92,7 +92,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
-from pallas_kernels.checks import check_at_least, check_choice
+from pallas_kernels.checks import check_at_least, check_choice, resolve_interpret
 from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, NUM_SMS, check_skinny_input, column_halves,
                                          decode_halves, nvfp4_matmul_reference)
 
@@ -310,5 +310,5 @@ def nvfp4_matmul_mgpu(x: jax.Array, w: NVFP4Weight, *, config: MgpuMatmulConfig 
   check_skinny_input(x, w.shape, "nvfp4_matmul_mgpu")
   config = default_mgpu_config(x.shape[0], *w.shape) if config is None else config
   check_mgpu_shapes(w.shape[0], x.shape[1], config)
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   return _nvfp4_matmul_mgpu(x, w, config, interpret)

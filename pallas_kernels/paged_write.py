@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_block
 from glmjax.cache.paged import LayerCache
-from pallas_kernels.checks import check_page_table, is_pow2
+from pallas_kernels.checks import check_page_table, is_pow2, resolve_interpret
 
 
 def _store_row(pages_ref, scales_ref, page, slot, row_ref, keep: jax.Array) -> None:
@@ -101,7 +101,7 @@ def paged_write(layer: LayerCache, page_table: jax.Array, positions: jax.Array, 
   if index_k is not None and layer.index_k is None:
     raise ValueError("this layer's cache stores no indexer keys, but its indexer ran")
   check_write_args(layer, page_table, positions, latent, k_rope, index_k)
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   fp8 = layer.latent_scale is not None
   has_index = index_k is not None
   pages = [layer.latent, *([layer.latent_scale] if fp8 else []), layer.k_rope]

@@ -56,8 +56,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.cache.kv_fp8 import dequantize_fp8, fp8_block_size
 from glmjax.cache.paged import token_slots
-from pallas_kernels.checks import (bf16_parts, check_at_least, check_choice, check_launch,
-                                   check_page_table, check_paged, check_tile, is_pow2, parts_dot)
+from pallas_kernels.checks import (bf16_parts, check_at_least, check_choice, check_launch, check_page_table,
+                                   check_paged, check_tile, is_pow2, parts_dot, resolve_interpret)
 
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 _TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM
@@ -258,7 +258,7 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
   """
   check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
   config = config or SparseMLAConfig()
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   b, t, h, rank = q_latent.shape
   rope_dim = q_rope.shape[-1]
   k = indices.shape[-1]

@@ -78,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax import dsa
-from pallas_kernels.checks import check_choice, check_launch, check_splits, check_tile
+from pallas_kernels.checks import check_choice, check_launch, check_splits, check_tile, resolve_interpret
 
 DIGIT_BITS = 8
 BINS = 1 << DIGIT_BITS
@@ -673,7 +673,7 @@ def topk_indices(scores: jax.Array, k: int, *, config: TopKConfig | None = None,
     then -1 for slots beyond the row's valid entries.
   """
   config = config or TopKConfig()
-  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  interpret = resolve_interpret(interpret)
   if scores.ndim < 1 or scores.dtype != jnp.float32:
     raise ValueError(f"scores must be float32 [..., N], got {scores.dtype}{list(scores.shape)}")
   n = scores.shape[-1]

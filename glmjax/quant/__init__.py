@@ -71,6 +71,13 @@ def _kernel_sized(x: jax.Array, rows: int) -> bool:
   return x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_ROWS
 
 
+def _takes_bf16_gemv(x: jax.Array, w, dense: str, dtype) -> bool:
+  """Whether x @ w.T in `dtype` runs the split-K bf16 GEMV: a plain bf16 w under a Pallas dense
+  impl, decode-sized x, a bf16 or fp32 result (see `linear`)."""
+  return (dense != "xla" and not isinstance(w, QuantizedWeight) and w.dtype == jnp.bfloat16
+          and dtype in (jnp.bfloat16, jnp.float32) and _kernel_sized(x, math.prod(x.shape[:-1])))
+
+
 def param(module: nn.Module, name: str, init_fn, shape: tuple[int, ...], dtype):
   """`module.param(name, init_fn, shape, dtype)`, or the quantized leaf the params hold there.
 
@@ -102,8 +109,7 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
   dtype = x.dtype if dtype is None else jnp.dtype(dtype)
   rows = math.prod(x.shape[:-1])
   if not isinstance(w, QuantizedWeight):
-    if (dense == "xla" or w.dtype != jnp.bfloat16 or dtype not in (jnp.bfloat16, jnp.float32)
-        or not _kernel_sized(x, rows)):
+    if not _takes_bf16_gemv(x, w, dense, dtype):
       return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
     from pallas_kernels.bf16_matmul import bf16_matmul
     out = bf16_matmul(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype)
@@ -118,7 +124,7 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
       config = nvfp4_matmul.default_config(rows, *w.shape, decode=_decode(impl), operands=_operands(impl))
       out = nvfp4_matmul.nvfp4_matmul(x2, w, config=config)
     else:
-      config = nvfp4_matmul.default_config(rows, *w.shape, max_block_k=fp8_matmul.BLOCK, operands=_operands(impl))
+      config = fp8_matmul.default_fp8_config(rows, *w.shape, operands=_operands(impl))
       out = fp8_matmul.fp8_matmul(x2, w, config=config)
     return out.reshape(*x.shape[:-1], w.shape[0])
   return jnp.einsum("...k,nk->...n", x, w.dequantize(x.dtype),
@@ -132,12 +138,10 @@ def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla"
   gate and up) cost one launch, not two."""
   _check_impl(impl, dense)
   dtype = x.dtype if dtype is None else jnp.dtype(dtype)
-  rows = math.prod(x.shape[:-1])
-  if (dense != "pallas_grouped" or len(weights) < 2 or dtype not in (jnp.bfloat16, jnp.float32) or not _kernel_sized(x, rows)
-      or any(isinstance(w, QuantizedWeight) or w.dtype != jnp.bfloat16 for w in weights)):
+  if dense != "pallas_grouped" or len(weights) < 2 or not all(_takes_bf16_gemv(x, w, dense, dtype) for w in weights):
     return [linear(x, w, impl=impl, dense=dense, dtype=dtype) for w in weights]
   from pallas_kernels.bf16_matmul import bf16_matmul_group
-  outs = bf16_matmul_group(x.reshape(rows, x.shape[-1]), tuple(weights), out_dtype=dtype)
+  outs = bf16_matmul_group(x.reshape(-1, x.shape[-1]), tuple(weights), out_dtype=dtype)
   return [out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
 
 
