@@ -104,17 +104,25 @@ class TopKConfig:
   method: "radix" (four digit passes, module docstring) or "sampled" (a threshold from a strided
     sample of `sample` scores per row, then one count, one compaction and a select over the
     candidates; rows too short for it to pay take the radix select).
+  scan_block: scores per loop step of the sampled method's count and compaction passes (power of
+    two >= 16): a compare a score, so large tiles keep enough loads in flight.
+  select_warps: warps of the sampled method's threshold and select programs, which hold the
+    sample or the candidates in registers: more warps, fewer keys a thread to count each bit.
   """
   block: int = 512
   num_splits: int | None = None
   num_warps: int = 4
   method: str = "radix"
   sample: int = SAMPLE
+  scan_block: int = 2048
+  select_warps: int = 16
 
   def __post_init__(self):
     check_tile("TopKConfig", "block", self.block)
+    check_tile("TopKConfig", "scan_block", self.scan_block)
     check_splits("TopKConfig", self.num_splits, MAX_SPLITS)
     check_launch("TopKConfig", self.num_warps)
+    check_launch("TopKConfig", self.select_warps)
     check_choice("TopKConfig", "method", self.method, METHODS)
     check_tile("TopKConfig", "sample", self.sample)
 
@@ -396,8 +404,8 @@ def _select_kernel(cand_ref, cand_pos_ref, tot_ref, lo_ref, hi_ref, _, out_ref, 
                filled=k - k_rem, k=k, block=block, one_key=((count > 0) & (lo == hi), lo))
 
 
-def _params(config: TopKConfig):
-  return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=2)
+def _params(config: TopKConfig, num_warps: int | None = None):
+  return pltriton.CompilerParams(num_warps=num_warps or config.num_warps, num_stages=2)
 
 
 # Row totals tot [2, rows, 256] f32 (one row per prefix digit): a program sees its row's [2, 256].
@@ -476,178 +484,222 @@ def select_from_first_pass(scores: jax.Array, ge0: jax.Array, tot: jax.Array, *,
 @dataclasses.dataclass(frozen=True)
 class SamplePlan:
   """The sampled select's static shape for rows of n scores: every stride-th score forms the
-  sample; the threshold is the 16-bit prefix of the sample's r_lo-th largest key; the candidate
-  buffer holds `capacity` scores per row."""
+  sample; the threshold is the sample's r_lo-th largest key; the candidate buffer holds
+  `capacity` keys per row (a power of two: the select holds them all in registers)."""
   stride: int
   r_lo: int
   capacity: int
 
 
-def sample_plan(n: int, k: int, sample: int, block: int) -> SamplePlan | None:
+def _next_pow2(x: int) -> int:
+  return 1 << max(x - 1, 0).bit_length()
+
+
+def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   """The plan, or None where the radix select is the better choice (rows under 8 samples'
   worth, or candidates that would not be a small share of the row).
 
   The sample's rank of the row's k-th score is about r = k * sample / n, with a standard
   deviation below sqrt(r); r_lo = r + 4 sqrt(r) + 8 puts the threshold under the k-th score
-  unless the sample is off by more than 4 sigma (then the select falls back, exactly). The
-  capacity is twice the expected number of candidates, r_lo * stride.
+  unless the sample is off by more than 4 sigma (then the select falls back, exactly). About
+  r_lo * stride keys lie above it; the capacity is the power of two at or above twice that.
   """
   if n < 8 * sample:
     return None
   stride = n // sample
   r = k * sample / n
   r_lo = min(sample, math.ceil(r + 4 * math.sqrt(r) + 8))
-  capacity = pl.cdiv(2 * r_lo * stride, block) * block
+  capacity = _next_pow2(2 * r_lo * stride)
   return SamplePlan(stride, r_lo, capacity) if capacity <= n // 4 else None
 
 
-def _is_candidate(key: jax.Array, prefix) -> jax.Array:
-  """Valid keys (not -inf) whose 16-bit prefix is at least the threshold's."""
-  return ((key >> _PREFIX_SHIFT) >= prefix) & (key > 0)
+def kth_largest(keys: jax.Array, rank) -> jax.Array:
+  """The rank-th largest of uint32 keys [m] held in registers, one bit at a time (a count per bit,
+  no histogram): the largest t with at least `rank` keys >= t. The search stops early once
+  exactly `rank` keys lie at or above the bits chosen so far (about log2(m) bits for distinct
+  keys, against 32): the answer is then their smallest. rank 0: 2^32 - 1, above every key."""
+  def searching(carry):
+    bit, _, found = carry
+    return (bit < 32) & (found == 0)
+
+  def step(carry):
+    bit, t, _ = carry
+    trial = t | (jnp.uint32(1 << 31) >> bit.astype(jnp.uint32))
+    count = jnp.sum((keys >= trial).astype(jnp.int32))
+    return bit + 1, jnp.where(count >= rank, trial, t), (count == rank).astype(jnp.int32)
+
+  _, t, found = lax.while_loop(searching, step, (jnp.int32(0), jnp.uint32(0), jnp.int32(0)))
+  smallest_above = jnp.min(jnp.where(keys >= t, keys, jnp.uint32(_NO_KEY)))
+  return jnp.where(found == 1, smallest_above, t)
 
 
-def _sample_prefix(row_ref, *, sample: int, stride: int, r_lo: int, block: int):
-  """16-bit prefix of the r_lo-th largest key of the row's sample (row_ref[0::stride][:sample])."""
-  def histogram(digit: int, prefix):
-    shift = 32 - DIGIT_BITS * (digit + 1)
-
-    def body(i, acc):
-      idx = (i * block + jnp.arange(block, dtype=jnp.int32)) * stride
-      key = order_key(row_ref[idx])
-      counted = jnp.full((block,), True) if digit == 0 else (key >> (shift + DIGIT_BITS)) == prefix
-      return acc + block_histogram((key >> shift) & (BINS - 1), counted)
-
-    return _suffix_counts(lax.fori_loop(0, sample // block, body, empty_histogram()))
-
-  prefix, k_rem = jnp.uint32(0), jnp.int32(r_lo)
-  for digit in range(PREFIX_DIGITS):
-    prefix, k_rem = _choose_digit(prefix, k_rem, histogram(digit, prefix))
-  return prefix
+def _against(key: jax.Array, inside: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
+  """(valid keys above the threshold, valid keys equal to it); -inf (key 0) is neither."""
+  valid = inside & (key > 0)
+  return valid & (key > threshold), valid & (key == threshold)
 
 
-def _sample_threshold_kernel(row_ref, prefix_ref, *, sample: int, plan: SamplePlan, block: int):
-  """The row's threshold: the 16-bit prefix of its sample's r_lo-th largest key."""
-  # row_ref [n] f32 (the whole row: its sample) ; prefix_ref [] i32 (the row's)
-  prefix = _sample_prefix(row_ref, sample=sample, stride=plan.stride, r_lo=plan.r_lo, block=block)
-  prefix_ref[...] = prefix.astype(jnp.int32)
+def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, stride: int, r_lo: int):
+  """The row's threshold: its sample's r_lo-th largest key (0 when fewer are valid)."""
+  # row_ref [n] f32 (the whole row: its sample) ; threshold_ref [] u32 (the row's)
+  threshold_ref[...] = kth_largest(order_key(row_ref[jnp.arange(sample, dtype=jnp.int32) * stride]), r_lo)
 
 
-def _sample_count_kernel(chunk_ref, prefix_ref, count_ref, *, n: int, chunk: int, block: int):
-  """This chunk's number of candidates (keys with prefix >= the row's threshold)."""
-  # chunk_ref [chunk] f32 ; prefix_ref [] i32 (the row's) ; count_ref [] i32 (this program's)
-  prefix = prefix_ref[...].astype(jnp.uint32)
+def _sample_count_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *, n: int, chunk: int, block: int):
+  """This chunk's numbers of keys above the row's threshold and equal to it."""
+  # chunk_ref [chunk] f32 ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [] i32 (this program's)
+  threshold = threshold_ref[...]
   start = pl.program_id(1) * chunk
 
-  def body(i, count):
+  def body(i, counts):
     _, inside, score = _chunk_scores(chunk_ref, i, start=start, n=n, block=block)
-    return count + jnp.sum((inside & _is_candidate(order_key(score), prefix)).astype(jnp.int32))
+    above, tied = _against(order_key(score), inside, threshold)
+    return counts[0] + jnp.sum(above.astype(jnp.int32)), counts[1] + jnp.sum(tied.astype(jnp.int32))
 
-  count_ref[...] = lax.fori_loop(0, chunk // block, body, jnp.int32(0))
+  above_ref[...], tied_ref[...] = lax.fori_loop(0, chunk // block, body, (jnp.int32(0), jnp.int32(0)))
 
 
-def _compact_kernel(chunk_ref, prefix_ref, count_ref, cand_ref, cand_pos_ref, *, n: int,
-                    chunk: int, block: int, splits: int, capacity: int):
-  """This chunk's candidates -> the row's buffer, in index order (the chunks' counts give each
-  its offset); candidates past `capacity` are dropped (the select then falls back)."""
-  # chunk_ref [chunk] f32 ; prefix_ref [] i32 ; count_ref [splits] i32 (the row's)
-  # cand_ref [capacity] f32 ; cand_pos_ref [capacity] i32 (the row's)
+def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, cand_pos_ref, tie_pos_ref, *,
+                    n: int, k: int, chunk: int, block: int, splits: int, capacity: int):
+  """This chunk's keys above the threshold -> the row's candidate buffer, and its keys equal to
+  the threshold that are among the row's first (k - keys above) of them -> the tie buffer; both
+  in index order (the chunks' counts give each chunk its offsets). Candidates past `capacity`
+  are dropped (the select then falls back)."""
+  # chunk_ref [chunk] f32 ; threshold_ref [] u32 ; above_ref, tied_ref [splits] i32 (the row's)
+  # cand_ref [capacity] u32 keys ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 (the row's)
   s = pl.program_id(1)
-  prefix = prefix_ref[...].astype(jnp.uint32)
-  offset = jnp.sum(jnp.where(jnp.arange(splits, dtype=jnp.int32) < s, count_ref[...], 0))
+  threshold = threshold_ref[...]
+  above_counts, tied_counts = above_ref[...], tied_ref[...]
+  before = jnp.arange(splits, dtype=jnp.int32) < s
+  ties_wanted = k - jnp.sum(above_counts)  # <= 0 when the keys above fill k
   start = s * chunk
 
-  def body(i, slot0):
+  def body(i, offsets):
+    slot0, tie0 = offsets
     pos, inside, score = _chunk_scores(chunk_ref, i, start=start, n=n, block=block)
-    keep = inside & _is_candidate(order_key(score), prefix)
-    keep_i = keep.astype(jnp.int32)
-    slot = slot0 + _exclusive_cumsum(keep_i)
-    fits = keep & (slot < capacity)
-    pltriton.store(cand_ref.at[jnp.where(fits, slot, capacity)], score, mask=fits)
+    key = order_key(score)
+    above, tied = _against(key, inside, threshold)
+    above_i, tied_i = above.astype(jnp.int32), tied.astype(jnp.int32)
+    slot = slot0 + _exclusive_cumsum(above_i)
+    fits = above & (slot < capacity)
+    pltriton.store(cand_ref.at[jnp.where(fits, slot, capacity)], key, mask=fits)
     pltriton.store(cand_pos_ref.at[jnp.where(fits, slot, capacity)], pos, mask=fits)
-    return slot0 + jnp.sum(keep_i)
 
-  lax.fori_loop(0, chunk // block, body, offset)
+    def store_ties():
+      tie_rank = tie0 + _exclusive_cumsum(tied_i)
+      first = tied & (tie_rank < ties_wanted)
+      pltriton.store(tie_pos_ref.at[jnp.where(first, tie_rank, k)], pos, mask=first)
+      return tie0 + jnp.sum(tied_i)
+
+    # Usually the keys above fill k and no tie is wanted: skip the second scan.
+    return slot0 + jnp.sum(above_i), lax.cond(ties_wanted > 0, store_ties, lambda: tie0)
+
+  lax.fori_loop(0, chunk // block, body, (jnp.sum(jnp.where(before, above_counts, 0)),
+                                         jnp.sum(jnp.where(before, tied_counts, 0))))
 
 
-def _sampled_select_kernel(cand_ref, cand_pos_ref, row_ref, prefix_ref, count_ref, out_ref,
-                           fallback_ref, *, k: int, n: int, block: int, capacity: int):
-  """Top k of the candidates when they hold it: at least k of them, or every valid key (the
-  threshold is -inf's prefix), and no overflow. Otherwise (a sample more than 4 sigma off, or
-  a row of many equal scores) the same select over the whole row: exact either way."""
-  # cand_ref [capacity] f32 ; cand_pos_ref [capacity] i32 ; row_ref [n] f32
-  # prefix_ref [] i32 ; count_ref [splits] i32 ; out_ref [k] i32 ; fallback_ref [] i32
-  prefix = prefix_ref[...]
-  found = jnp.sum(count_ref[...])
-  fast = ((found <= capacity) & ((found >= k) | (prefix == 0))).astype(jnp.int32)
-  # One of the two sources has entries (integer blends: Triton takes no scalar-predicated select here).
-  cand_keys, cand_positions = _block_loader(cand_ref, cand_pos_ref, found * fast, block)
-  row_keys, row_positions = _block_loader(row_ref, None, n * (1 - fast), block)
+def _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, above, tied, *, k: int):
+  """The k largest of the row from its buffers, all in registers: the candidates' k-th key by
+  `kth_largest`, the candidates above it and its first ties, then (when the candidates number
+  fewer than k) the threshold's first ties, then -1 up to slot k."""
+  # cand_ref [capacity] u32 ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ; out_ref [k] i32
+  capacity, k_pow2 = cand_ref.shape[0], tie_pos_ref.shape[0]
+  inside = jnp.arange(capacity, dtype=jnp.int32) < above
+  keys = jnp.where(inside, cand_ref[...], jnp.uint32(0))
+  taken = jnp.minimum(above, k)
+  tau = kth_largest(keys, taken)
+  over = keys > tau
+  at = (inside & (keys == tau)).astype(jnp.int32)
+  take = over | ((at == 1) & (_exclusive_cumsum(at) < taken - jnp.sum(over.astype(jnp.int32))))
+  slot = _exclusive_cumsum(take.astype(jnp.int32))
+  pltriton.store(out_ref.at[jnp.where(take, slot, k)], cand_pos_ref[...], mask=take)
+  j = jnp.arange(k_pow2, dtype=jnp.int32)
+  ties = jnp.clip(k - above, 0, tied)
+  is_tie = j < ties
+  pltriton.store(out_ref.at[jnp.where(is_tie, taken + j, k)], tie_pos_ref[...], mask=is_tie)
+  empty = (j >= taken + ties) & (j < k)
+  pltriton.store(out_ref.at[jnp.where(empty, j, k)], jnp.full((k_pow2,), -1, jnp.int32), mask=empty)
 
-  def keys(i):
-    (ck, cin), (rk, rin) = cand_keys(i), row_keys(i)
-    return jnp.where(cin, ck, rk), cin | rin
 
-  positions = lambda i: cand_positions(i) * fast + row_positions(i) * (1 - fast)
-  _select_into(out_ref, keys, positions, found * fast + n * (1 - fast), jnp.uint32(0), jnp.int32(k),
-               first_digit=0, filled=jnp.int32(0), k=k, block=block)
-  fallback_ref[...] = 1 - fast
+def _sampled_select_kernel(cand_ref, cand_pos_ref, tie_pos_ref, row_ref, threshold_ref, above_ref, tied_ref,
+                           out_ref, fallback_ref, *, k: int, n: int, block: int):
+  """Top k from the buffers when they hold it: the candidates fit, and they with the threshold's
+  ties reach k (or the threshold is 0: every valid key is a candidate). Otherwise (a sample
+  more than 4 sigma off, or a row of many equal scores above the k-th) the histogram select
+  over the whole row: exact either way."""
+  # cand_ref [capacity] u32 ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ; row_ref [n] f32
+  # threshold_ref [] u32 ; above_ref, tied_ref [splits] i32 ; out_ref [k] i32 ; fallback_ref [] i32
+  threshold = threshold_ref[...]
+  above, tied = jnp.sum(above_ref[...]), jnp.sum(tied_ref[...])
+  fast = (above <= cand_ref.shape[0]) & ((above + tied >= k) | (threshold == 0))
+
+  def whole_row():
+    keys, positions = _block_loader(row_ref, None, n, block)
+    _select_into(out_ref, keys, positions, n, jnp.uint32(0), jnp.int32(k), first_digit=0,
+                 filled=jnp.int32(0), k=k, block=block)
+
+  lax.cond(fast, lambda: _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, above, tied, k=k),
+           whole_row)
+  fallback_ref[...] = 1 - fast.astype(jnp.int32)
 
 
 def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKConfig,
                    interpret: bool) -> tuple[jax.Array, jax.Array]:
-  """The sampled method on [rows, n] scores: (int32 [rows, k] top-k set in ascending position
-  order, then -1; int32 [rows] 1 where the row fell back to the select over the whole row)."""
+  """The sampled method on [rows, n] scores: (int32 [rows, k] top-k set as two ascending runs of
+  positions, then -1; int32 [rows] 1 where the row fell back to the select over the whole row)."""
   rows, n = scores.shape
-  block = config.block
+  block = config.scan_block
   splits = config.num_splits or row_splits(rows, n, block)
   chunk = split_chunk(n, splits, block)
+  k_pow2 = _next_pow2(k)
   chunk_spec = pl.BlockSpec((None, chunk), lambda r, s: (r, s))
   row_spec = lambda width: pl.BlockSpec((None, width), lambda r, *_: (r, 0))
   per_row = pl.BlockSpec((None,), lambda r, *_: (r,))
-  prefix = pl.pallas_call(
-      functools.partial(_sample_threshold_kernel, sample=config.sample, plan=plan,
-                        block=min(block, config.sample)),
+  per_program = pl.BlockSpec((None, None), lambda r, s: (r, s))
+  threshold = pl.pallas_call(
+      functools.partial(_sample_threshold_kernel, sample=config.sample, stride=plan.stride, r_lo=plan.r_lo),
       grid=(rows,),
       in_specs=[row_spec(n)],
       out_specs=per_row,
-      out_shape=jax.ShapeDtypeStruct((rows,), jnp.int32),
-      compiler_params=_params(config),
+      out_shape=jax.ShapeDtypeStruct((rows,), jnp.uint32),
+      compiler_params=_params(config, config.select_warps),
       interpret=interpret,
       name="topk_sample_threshold",
   )(scores)
-  counts = pl.pallas_call(
+  above, tied = pl.pallas_call(
       functools.partial(_sample_count_kernel, n=n, chunk=chunk, block=block),
       grid=(rows, splits),
       in_specs=[chunk_spec, per_row],
-      out_specs=pl.BlockSpec((None, None), lambda r, s: (r, s)),
-      out_shape=jax.ShapeDtypeStruct((rows, splits), jnp.int32),
+      out_specs=[per_program] * 2,
+      out_shape=[jax.ShapeDtypeStruct((rows, splits), jnp.int32)] * 2,
       compiler_params=_params(config),
       interpret=interpret,
       name="topk_sample_count",
-  )(scores, prefix)
-  cand, cand_pos = pl.pallas_call(
-      functools.partial(_compact_kernel, n=n, chunk=chunk, block=block, splits=splits,
+  )(scores, threshold)
+  cand, cand_pos, tie_pos = pl.pallas_call(
+      functools.partial(_compact_kernel, n=n, k=k, chunk=chunk, block=block, splits=splits,
                         capacity=plan.capacity),
       grid=(rows, splits),
-      in_specs=[chunk_spec, per_row, row_spec(splits)],
-      out_specs=[row_spec(plan.capacity)] * 2,
-      out_shape=[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.float32),
-                 jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32)],
+      in_specs=[chunk_spec, per_row, row_spec(splits), row_spec(splits)],
+      out_specs=[row_spec(plan.capacity)] * 2 + [row_spec(k_pow2)],
+      out_shape=[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32),
+                 jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32),
+                 jax.ShapeDtypeStruct((rows, k_pow2), jnp.int32)],
       compiler_params=_params(config),
       interpret=interpret,
       name="topk_compact",
-  )(scores, prefix, counts)
+  )(scores, threshold, above, tied)
   return pl.pallas_call(
-      functools.partial(_sampled_select_kernel, k=k, n=n, block=block, capacity=plan.capacity),
+      functools.partial(_sampled_select_kernel, k=k, n=n, block=config.block),
       grid=(rows,),
-      in_specs=[row_spec(plan.capacity), row_spec(plan.capacity), row_spec(n), per_row,
-                row_spec(splits)],
+      in_specs=[row_spec(plan.capacity), row_spec(plan.capacity), row_spec(k_pow2), row_spec(n), per_row,
+                row_spec(splits), row_spec(splits)],
       out_specs=[row_spec(k), per_row],
       out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)],
-      compiler_params=_params(config),
+      compiler_params=_params(config, config.select_warps),
       interpret=interpret,
       name="topk_sampled_select",
-  )(cand, cand_pos, scores, prefix, counts)
+  )(cand, cand_pos, tie_pos, scores, threshold, above, tied)
 
 
 def check_topk_args(n: int, k: int) -> None:
@@ -683,7 +735,7 @@ def topk_indices(scores: jax.Array, k: int, *, config: TopKConfig | None = None,
   x = scores.reshape(rows, n)
   splits = config.num_splits or row_splits(rows, n, config.block)
   chunk = split_chunk(n, splits, config.block)
-  plan = sample_plan(n, k, config.sample, config.block) if config.method == "sampled" else None
+  plan = sample_plan(n, k, config.sample) if config.method == "sampled" else None
   if plan is not None:
     return sampled_select(x, k, plan, config=config, interpret=interpret)[0].reshape(*lead, k)
   tot = jnp.zeros((PREFIX_DIGITS, rows, BINS), jnp.float32)

@@ -138,11 +138,11 @@ def test_topk_k_equals_n():
   _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 48)))
 
 
-SAMPLED = TopKConfig(block=64, method="sampled", sample=256)
+SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
 
 
 def _sampled(scores, k):
-  plan = topk.sample_plan(scores.shape[-1], k, SAMPLED.sample, SAMPLED.block)
+  plan = topk.sample_plan(scores.shape[-1], k, SAMPLED.sample)
   assert plan is not None
   got, fallback = topk.sampled_select(scores, k, plan, config=SAMPLED, interpret=True)
   return np.asarray(got), np.asarray(fallback)
@@ -151,18 +151,33 @@ def _sampled(scores, k):
 @pytest.mark.parametrize("kind", ["normal", "ties", "close"])
 def test_sampled_topk_matches_reference(kind):
   """The sampled method at awkward sizes (n not a multiple of the block or the sample), rows
-  with every entry valid, many, exactly k, and fewer than k (the threshold is then -inf's own
-  prefix: every valid score is a candidate). "close" rows share one key prefix: where their
-  candidates overflow the buffer, the select runs over the whole row instead."""
+  with every entry valid, many, exactly k, fewer than k (the threshold is then 0: every valid
+  score is a candidate) and none. "close" rows share one 16-bit key prefix: the full-key
+  threshold still separates them, so no row falls back."""
   n, k = 4099, 61
   scores = _score_rows(_rng(4), (n, 3000, k, 40, 0), n, kind)
   got, fallback = _sampled(scores, k)
   _assert_same_sets(got, np.asarray(topk_indices_reference(scores, k)))
-  for row in got:   # one ascending run of positions, then -1
-    valid = row[row >= 0]
-    assert np.all(np.diff(valid) > 0) and np.all(row[len(valid):] == -1)
-  # "close": the rows with more valid scores than the buffer holds overflow it.
-  np.testing.assert_array_equal(fallback, [1, 1, 0, 0, 0] if kind == "close" else 0)
+  np.testing.assert_array_equal(fallback, 0)
+
+
+def test_sampled_topk_threshold_on_a_mass_of_ties():
+  """ReLU-summed indexer scores: fewer positive scores than k and a mass of exact zeros, so the
+  threshold lands on +0.0. The candidates (the positives) and the first zeros by position form
+  the answer without the fallback; a row whose threshold falls among distinct negatives (zeros
+  too few to reach k) takes the candidates' own select."""
+  n, k = 4099, 61
+  rng = _rng(7)
+  rows = np.zeros((2, n), np.float32)
+  rows[0, rng.permutation(n)[:30]] = rng.uniform(0.1, 2.0, 30)
+  rows[0, rng.permutation(n)[:900]] = -rng.uniform(0.1, 2.0, 900)
+  rows[1] = -rng.uniform(0.1, 2.0, n)
+  rows[1, rng.permutation(n)[:20]] = 0.0
+  got, fallback = _sampled(jnp.asarray(rows), k)
+  np.testing.assert_array_equal(fallback, 0)
+  _assert_same_sets(got, np.asarray(topk_indices_reference(jnp.asarray(rows), k)))
+  positives, zeros = np.flatnonzero(rows[0] > 0), np.flatnonzero(rows[0] == 0)
+  assert set(got[0]) == set(positives) | set(zeros[:k - len(positives)])
 
 
 def test_sampled_topk_falls_back_when_the_sample_misleads():
@@ -170,7 +185,7 @@ def test_sampled_topk_falls_back_when_the_sample_misleads():
   small score: the threshold lands above the k-th score, the candidates are too few, and the
   select over the whole row still returns the exact set (lowest positions first on ties)."""
   n, k = 2 ** 14 + 5, 300
-  plan = topk.sample_plan(n, k, SAMPLED.sample, SAMPLED.block)
+  plan = topk.sample_plan(n, k, SAMPLED.sample)
   x = np.full((2, n), 1.0, np.float32)
   x[:, ::plan.stride] = 50.0 + _rng(5).random((2, len(range(0, n, plan.stride))))
   x[1, 7] = 0.5   # a row whose ties at 1.0 are broken by position
@@ -188,7 +203,7 @@ def test_sampled_method_through_topk_indices():
     got = topk_indices(scores, 40, config=SAMPLED)
     assert got.shape == (1, 3, 40)
     _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 40)))
-  assert topk.sample_plan(300, 40, SAMPLED.sample, SAMPLED.block) is None
+  assert topk.sample_plan(300, 40, SAMPLED.sample) is None
 
 
 # --- indexer scores --------------------------------------------------------------------------
