@@ -129,7 +129,7 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
 
 
 def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = (),
-             breakdown: bool = False, topk_methods: Sequence[str] = ("radix",),
+             breakdown: bool = False, topk_methods: Sequence[str] = ("sampled",),
              query_dtypes: Sequence[str] = ("float32",),
              mla_combines: Sequence[str] = ("xla",)) -> Iterator[dict[str, Any]]:
   """Yields one dict per (kernel, case) as it is measured: us, xla_us, speedup, bytes, floor_us,
@@ -218,7 +218,7 @@ def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
     scores = jax.random.normal(jax.random.key(rows), (rows, n), jnp.float32)
     grids[f"topk_indices rows={rows}"] = (
         functools.partial(topk_indices, k=k), (scores,),
-        [TopKConfig(block=b, num_splits=sp, num_warps=w)
+        [TopKConfig(block=b, num_splits=sp, num_warps=w, method="radix")
          for b in (256, 512, 1024) for sp in splits for w in (4, 8)])
   for kernel, (fn, args, configs) in grids.items():
     for config in configs[:2] if quick else configs:

@@ -30,7 +30,7 @@ def define() -> Callable[[], dict[str, str]]:
                             "the decode step's cache write: xla (scatters) or pallas (one launch a layer)")
   routing = flags.DEFINE_enum("moe_routing", "table", list(MOE_ROUTINGS),
                               "the grouped MoE kernels' expert lookup: table (XLA) or scan (in-kernel)")
-  topk = flags.DEFINE_enum("topk_method", "radix", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
+  topk = flags.DEFINE_enum("topk_method", "sampled", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
   indexer = flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES), "precision of the indexer's queries")
   attention = flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
                                 "precision of the decode attention's queries (bfloat16: FlashMLA's numerics)")

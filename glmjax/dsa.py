@@ -53,7 +53,7 @@ def causal_valid(positions: jax.Array, num_keys: int) -> jax.Array:
 
 
 def cached_topk(q, weights, layer: paged.LayerCache, page_table, positions, k: int, impl: str,
-                ties: str = "index", method: str = "radix") -> jax.Array:
+                ties: str = "index", method: str = "sampled") -> jax.Array:
   """Indexer selection over the cached keys for the step's queries: [B, T, min(k, S)].
   method: the Pallas top-k algorithm (impl="pallas")."""
   if impl == "pallas" and ties == "index":

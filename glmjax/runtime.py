@@ -36,7 +36,7 @@ class Runtime:
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
-  "radix" or "sampled"; both exact).
+  "sampled", the default, or "radix"; both exact).
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
@@ -54,7 +54,7 @@ class Runtime:
   cache_write: str = "xla"
   moe_routing: str = "table"
   topk_ties: str = "index"
-  topk_method: str = "radix"
+  topk_method: str = "sampled"
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
 
@@ -93,7 +93,7 @@ class Runtime:
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
                  matmul: str = "xla", dense_matmul: str = "xla", cache_write: str = "xla",
-                 moe_routing: str = "table", topk_method: str = "radix", indexer_queries: str = "float32",
+                 moe_routing: str = "table", topk_method: str = "sampled", indexer_queries: str = "float32",
                  attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""

@@ -38,8 +38,9 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   Args: as `indexer_scores`, plus
     k: keys to select (>= 1); contexts shorter than k select min(k, num_keys), as lax.top_k
       over the scores would.
-    scores_config / topk_config: tuning of the two kernels; None for the defaults. Fused, the
-      split count comes from scores_config (it sets the scoring grid and the top-k chunks).
+    scores_config / topk_config: tuning of the two kernels; None for the defaults (fused: the
+      radix select). Fused, the split count comes from scores_config (it sets the scoring grid
+      and the top-k chunks).
     fuse_first_pass: histogram top-k's digit 0 inside the scoring kernel (module docstring).
   Returns:
     int32 [B, T, min(k, num_keys)]: for each query token the exact top-k set of positions
@@ -49,7 +50,8 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   k = min(k, num_keys)
   topk.check_topk_args(num_keys, k)
   scores_config = scores_config or IndexerScoresConfig()
-  topk_config = topk_config or topk.TopKConfig()
+  # Fused, the radix select's first pass is what scoring takes over.
+  topk_config = topk_config or (topk.TopKConfig(method="radix") if fuse_first_pass else topk.TopKConfig())
   interpret = resolve_interpret(interpret)
   if fuse_first_pass and topk_config.method != "radix":
     raise ValueError(f"fuse_first_pass fuses the radix select's first pass into scoring; "

@@ -34,28 +34,34 @@ scores at k = n / 64 (the scores' distribution near the k-th sets the share). A 
 whose k-th key shares P with most of the row (many equal scores) is still exact, but its one
 select program then walks that many candidates three times.
 
-method="sampled" replaces the two full-row histogram passes, measured at about 145 us each for
-64 rows of 131,072 (run 7: the one-hot operands cost about 80 instructions a score), by a
-threshold from a sample, in four launches:
-1. threshold, one program per row: the row's strided sample (every n / `sample`-th score; 4096
-   by default) gives the 16-bit prefix P of its r_lo-th largest key by two histograms (r_lo: the
-   sample rank of the row's k-th score plus 4 sigma, `sample_plan`).
-2. count, grid (rows, splits): every program counts the keys of its chunk with prefix >= P: a
-   compare and an add a score, not a histogram.
-3. compaction, same grid: the keys with prefix >= P, in index order (offsets from the chunks'
-   counts), go to a per-row buffer of twice the expected number (about 6K at k=2048 of 131,072).
-4. select, one program per row: if the buffer holds at least k keys (or every valid key) and did
-   not overflow, the four digits are resolved over it alone; otherwise (a sample more than
-   4 sigma off, or a row of many equal scores) over the whole row. Exact either way.
-Measured (BENCHMARKS.md run 10, with the threshold then derived inside every count program):
-287 us for 64 rows of 131,072 against 382 us for the radix select, but 145 us against 36 us for
-one row. The count launch took 43 us at one row and 149 us at 64, each of its programs redoing
-the row's sample histograms; launch 1 now does them once per row (not yet timed on the GPU).
-Each select walks its 3-6K candidates in one program (60-80 us). The radix select stays the
-default.
+method="sampled" (the default) replaces the two full-row histogram passes, measured at about 145
+us each for 64 rows of 131,072 (run 7: the one-hot operands cost about 80 instructions a score),
+by a threshold from a sample, and every histogram by counts (`kth_largest`: a search that counts
+the keys at or above a trial, all held in registers), in three or four launches:
+1. threshold: the row's strided sample (every n / `sample`-th score; 4096 by default) gives a
+   key T with r_lo to r_lo + slack sample keys at or above it (r_lo: the sample rank of the
+   row's k-th score plus 4 sigma, `sample_plan`). Where the row's programs fit on the SMs at
+   once (few rows) each count program derives T itself; otherwise one program per row does,
+   in a launch of its own.
+2. count, grid (rows, splits): every program counts the keys of its chunk above T and equal to
+   T: two compares and adds a score.
+3. compaction, same grid: the keys above T, in index order (offsets from the chunks' counts),
+   go to a per-row buffer of about twice their expected number (8K keys at k=2048 of 131,072);
+   when the keys above T number fewer than k, the first (k - that many) keys equal to T by
+   position go to a tie buffer (ReLU-summed indexer scores: T is often their exact zero).
+4. select, one program per row: if the buffer did not overflow and it with T's ties holds k
+   keys (or T = 0: every valid key is a candidate), the candidates' k-th key comes from
+   `kth_largest` over the buffer in registers, and the keys above it, its first ties by
+   position and T's ties fill the slots; otherwise (a sample more than 4 sigma off, or a row of
+   many equal keys above its k-th) the radix select's histograms over the whole row. Exact
+   either way.
+Measured on the H200 (BENCHMARKS.md run 16, kernels' own time from a profile): one row 24 us
+against the radix select's 28, 64 rows 64-86 against 362, 5 rows of 81,920 29 against 42, and
+rows whose k-th score is a ReLU zero 23-29 us where the radix select, whose candidates are then
+most of the row, takes 187-265 us.
 
-Output order: the set, as two ascending runs (the keys above P, then the chosen candidates;
-method="sampled": one ascending run), then -1 for slots beyond the row's valid entries. Sorting
+Output order: the set, as two ascending runs (radix: the keys above P, then the chosen candidates;
+sampled: the chosen candidates, then T's ties), then -1 for slots beyond the row's valid entries. Sorting
 2048 entries would cost a bitonic network (about 10 us on one SM) that no consumer needs: the
 sparse attention treats the selection as a set. `topk_indices_reference` returns `lax.top_k`'s
 order (descending score, then ascending index); compare the two as sets.
@@ -85,11 +91,11 @@ BINS = 1 << DIGIT_BITS
 PREFIX_DIGITS = 2  # digits resolved over whole rows; the other two over the candidates
 _PREFIX_SHIFT = 32 - PREFIX_DIGITS * DIGIT_BITS
 _NIBBLE = 16
-# Two programs per H200 SM (132 SMs).
-TARGET_PROGRAMS = 2 * 132
+SMS = 132  # the H200's streaming multiprocessors
+TARGET_PROGRAMS = 2 * SMS  # two programs per SM
 # The gather pass reads O(splits) counts per program, i.e. O(rows * splits^2) in all.
 MAX_SPLITS = 128
-METHODS = ("radix", "sampled")
+METHODS = ("sampled", "radix")
 SAMPLE = 4096  # scores per row in the sampled method's sample
 _NO_KEY = 0xFFFFFFFF  # above every key (order_key(+inf) is 0xFF800000): the minimum of no candidates
 
@@ -101,9 +107,9 @@ class TopKConfig:
   block: scores per loop step (power of two >= 16: the K of the histogram matmul).
   num_splits: programs per row (power of two <= 128); None picks about two programs per SM.
   num_warps: Triton warps per program.
-  method: "radix" (four digit passes, module docstring) or "sampled" (a threshold from a strided
-    sample of `sample` scores per row, then one count, one compaction and a select over the
-    candidates; rows too short for it to pay take the radix select).
+  method: "sampled" (a threshold from a strided sample of `sample` scores per row, then one
+    count, one compaction and a select over the candidates; rows too short for it to pay take
+    the radix select) or "radix" (four digit passes); module docstring.
   scan_block: scores per loop step of the sampled method's count and compaction passes (power of
     two >= 16): a compare a score, so large tiles keep enough loads in flight.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
@@ -112,7 +118,7 @@ class TopKConfig:
   block: int = 512
   num_splits: int | None = None
   num_warps: int = 4
-  method: str = "radix"
+  method: str = "sampled"
   sample: int = SAMPLE
   scan_block: int = 2048
   select_warps: int = 16
@@ -484,10 +490,12 @@ def select_from_first_pass(scores: jax.Array, ge0: jax.Array, tot: jax.Array, *,
 @dataclasses.dataclass(frozen=True)
 class SamplePlan:
   """The sampled select's static shape for rows of n scores: every stride-th score forms the
-  sample; the threshold is the sample's r_lo-th largest key; the candidate buffer holds
-  `capacity` keys per row (a power of two: the select holds them all in registers)."""
+  sample; the threshold is a sample key with r_lo to r_lo + slack sample keys at or above it;
+  the candidate buffer holds `capacity` keys per row (a power of two: the select holds them all
+  in registers)."""
   stride: int
   r_lo: int
+  slack: int
   capacity: int
 
 
@@ -501,8 +509,10 @@ def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
 
   The sample's rank of the row's k-th score is about r = k * sample / n, with a standard
   deviation below sqrt(r); r_lo = r + 4 sqrt(r) + 8 puts the threshold under the k-th score
-  unless the sample is off by more than 4 sigma (then the select falls back, exactly). About
-  r_lo * stride keys lie above it; the capacity is the power of two at or above twice that.
+  unless the sample is off by more than 4 sigma (then the select falls back, exactly). The
+  slack (a quarter of r_lo) lets the threshold's bit search stop early; about
+  (r_lo + slack) * stride keys lie above the threshold, and the capacity is the power of two at
+  or above twice r_lo * stride.
   """
   if n < 8 * sample:
     return None
@@ -510,27 +520,51 @@ def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   r = k * sample / n
   r_lo = min(sample, math.ceil(r + 4 * math.sqrt(r) + 8))
   capacity = _next_pow2(2 * r_lo * stride)
-  return SamplePlan(stride, r_lo, capacity) if capacity <= n // 4 else None
+  return SamplePlan(stride, r_lo, r_lo // 4, capacity) if capacity <= n // 4 else None
 
 
-def kth_largest(keys: jax.Array, rank) -> jax.Array:
-  """The rank-th largest of uint32 keys [m] held in registers, one bit at a time (a count per bit,
-  no histogram): the largest t with at least `rank` keys >= t. The search stops early once
-  exactly `rank` keys lie at or above the bits chosen so far (about log2(m) bits for distinct
-  keys, against 32): the answer is then their smallest. rank 0: 2^32 - 1, above every key."""
+def kth_largest(keys: jax.Array, rank, valid: jax.Array | None = None, slack: int = 0) -> jax.Array:
+  """The rank-th largest of uint32 keys [m] held in registers, by counts alone (no histogram, no
+  sort): a search for t with rank <= (keys >= t) <= rank + slack that keeps lo (at least rank
+  keys at or above) and hi (fewer), each step counting the keys at or above a trial between them.
+
+  The trial interpolates where the count would reach rank + slack / 2 were the keys between lo
+  and hi evenly spread (order keys of nearby floats nearly are); it halves the span instead
+  when the last step did not, and after three steps that all moved one end it tries the other
+  end's neighbour (a mass of ties at lo, such as ReLU's zeros, ends there at once). About 4-13
+  steps on normal scores and tied rows against 32 for a bit-by-bit search (docs/BENCHMARKS.md
+  run 16). It returns the smallest key at or above the final t: a key with rank to rank + slack
+  keys at or above it where one exists (slack 0: exactly the rank-th largest), else the
+  rank-th largest (its ties straddle the window). Keys outside `valid` must be 0 and are never
+  counted. rank 0: 2^32 - 1, above every key.
+  """
+  lo = jnp.min(keys if valid is None else jnp.where(valid, keys, jnp.uint32(_NO_KEY)))
+  c_lo = jnp.sum((keys >= lo).astype(jnp.int32))
+  target = jnp.asarray(rank, jnp.float32) + slack / 2
+
   def searching(carry):
-    bit, _, found = carry
-    return (bit < 32) & (found == 0)
+    lo, hi, *_, found = carry
+    return (hi - lo > 1) & (found == 0)
 
   def step(carry):
-    bit, t, _ = carry
-    trial = t | (jnp.uint32(1 << 31) >> bit.astype(jnp.uint32))
+    lo, hi, c_lo, c_hi, last_span, moves, _ = carry  # moves: > 0 hi moved that often in a row, < 0 lo
+    span = hi - lo
+    guess = (span.astype(jnp.float32) * jnp.maximum(c_lo.astype(jnp.float32) - target, 0.0)
+             / (c_lo - c_hi).astype(jnp.float32)).astype(jnp.uint32)
+    stride = jnp.where(span > last_span >> 1, span >> 1, guess)
+    stride = jnp.where(moves >= 3, 1, jnp.where(moves <= -3, span - 1, stride))
+    trial = lo + jnp.clip(stride, 1, span - 1)
     count = jnp.sum((keys >= trial).astype(jnp.int32))
-    return bit + 1, jnp.where(count >= rank, trial, t), (count == rank).astype(jnp.int32)
+    enough = count >= rank
+    return (jnp.where(enough, trial, lo), jnp.where(enough, hi, trial), jnp.where(enough, count, c_lo),
+            jnp.where(enough, c_hi, count), span,
+            jnp.where(enough, jnp.minimum(moves, 0) - 1, jnp.maximum(moves, 0) + 1),
+            (enough & (count <= rank + slack)).astype(jnp.int32))
 
-  _, t, found = lax.while_loop(searching, step, (jnp.int32(0), jnp.uint32(0), jnp.int32(0)))
-  smallest_above = jnp.min(jnp.where(keys >= t, keys, jnp.uint32(_NO_KEY)))
-  return jnp.where(found == 1, smallest_above, t)
+  start = (lo, jnp.max(keys) + 1, c_lo, jnp.int32(0), jnp.uint32(_NO_KEY), jnp.int32(0),
+           (c_lo <= rank + slack).astype(jnp.int32))
+  t = lax.while_loop(searching, step, start)[0]
+  return jnp.where(rank > 0, jnp.min(jnp.where(keys >= t, keys, jnp.uint32(_NO_KEY))), jnp.uint32(_NO_KEY))
 
 
 def _against(key: jax.Array, inside: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
@@ -539,16 +573,26 @@ def _against(key: jax.Array, inside: jax.Array, threshold) -> tuple[jax.Array, j
   return valid & (key > threshold), valid & (key == threshold)
 
 
-def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, stride: int, r_lo: int):
-  """The row's threshold: its sample's r_lo-th largest key (0 when fewer are valid)."""
-  # row_ref [n] f32 (the whole row: its sample) ; threshold_ref [] u32 (the row's)
-  threshold_ref[...] = kth_largest(order_key(row_ref[jnp.arange(sample, dtype=jnp.int32) * stride]), r_lo)
+def _sample_threshold(row_ref, *, sample: int, plan: SamplePlan):
+  """A key of the row's sample with r_lo to r_lo + slack sample keys at or above it."""
+  # row_ref [n] f32 (the whole row: its sample)
+  return kth_largest(order_key(row_ref[jnp.arange(sample, dtype=jnp.int32) * plan.stride]), plan.r_lo,
+                     slack=plan.slack)
 
 
-def _sample_count_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *, n: int, chunk: int, block: int):
-  """This chunk's numbers of keys above the row's threshold and equal to it."""
-  # chunk_ref [chunk] f32 ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [] i32 (this program's)
-  threshold = threshold_ref[...]
+def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, plan: SamplePlan):
+  # row_ref [n] f32 ; threshold_ref [] u32 (the row's)
+  threshold_ref[...] = _sample_threshold(row_ref, sample=sample, plan=plan)
+
+
+def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_ref, *, n: int, chunk: int,
+                         block: int, sample: int, plan: SamplePlan, own_threshold: bool):
+  """This chunk's numbers of keys above the row's threshold and equal to it. own_threshold:
+  the program derives the threshold from the row's sample itself (every program of the row
+  the same one), which saves a launch where the row's programs fit on the SMs at once."""
+  # chunk_ref [chunk] f32 ; source_ref [n] f32 (the whole row) if own_threshold else [] u32 (the
+  # row's threshold) ; threshold_ref [] u32 ; above_ref, tied_ref [] i32 (this program's)
+  threshold = _sample_threshold(source_ref, sample=sample, plan=plan) if own_threshold else source_ref[...]
   start = pl.program_id(1) * chunk
 
   def body(i, counts):
@@ -556,6 +600,7 @@ def _sample_count_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *, n: in
     above, tied = _against(order_key(score), inside, threshold)
     return counts[0] + jnp.sum(above.astype(jnp.int32)), counts[1] + jnp.sum(tied.astype(jnp.int32))
 
+  threshold_ref[...] = threshold
   above_ref[...], tied_ref[...] = lax.fori_loop(0, chunk // block, body, (jnp.int32(0), jnp.int32(0)))
 
 
@@ -565,8 +610,8 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, can
   the threshold that are among the row's first (k - keys above) of them -> the tie buffer; both
   in index order (the chunks' counts give each chunk its offsets). Candidates past `capacity`
   are dropped (the select then falls back)."""
-  # chunk_ref [chunk] f32 ; threshold_ref [] u32 ; above_ref, tied_ref [splits] i32 (the row's)
-  # cand_ref [capacity] u32 keys ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 (the row's)
+  # chunk_ref [chunk] f32 ; threshold_ref [] u32 (this program's) ; above_ref, tied_ref [splits] i32
+  # (the row's) ; cand_ref [capacity] u32 keys ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 (the row's)
   s = pl.program_id(1)
   threshold = threshold_ref[...]
   above_counts, tied_counts = above_ref[...], tied_ref[...]
@@ -607,10 +652,12 @@ def _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, above, tied
   inside = jnp.arange(capacity, dtype=jnp.int32) < above
   keys = jnp.where(inside, cand_ref[...], jnp.uint32(0))
   taken = jnp.minimum(above, k)
-  tau = kth_largest(keys, taken)
+  tau = kth_largest(keys, taken, valid=inside)
   over = keys > tau
-  at = (inside & (keys == tau)).astype(jnp.int32)
-  take = over | ((at == 1) & (_exclusive_cumsum(at) < taken - jnp.sum(over.astype(jnp.int32))))
+  at = inside & (keys == tau)
+  wanted = taken - jnp.sum(over.astype(jnp.int32))  # ties at tau to take, first by position
+  take = lax.cond(jnp.sum(at.astype(jnp.int32)) <= wanted, lambda: over | at,
+                  lambda: over | (at & (_exclusive_cumsum(at.astype(jnp.int32)) < wanted)))
   slot = _exclusive_cumsum(take.astype(jnp.int32))
   pltriton.store(out_ref.at[jnp.where(take, slot, k)], cand_pos_ref[...], mask=take)
   j = jnp.arange(k_pow2, dtype=jnp.int32)
@@ -628,8 +675,9 @@ def _sampled_select_kernel(cand_ref, cand_pos_ref, tie_pos_ref, row_ref, thresho
   more than 4 sigma off, or a row of many equal scores above the k-th) the histogram select
   over the whole row: exact either way."""
   # cand_ref [capacity] u32 ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ; row_ref [n] f32
-  # threshold_ref [] u32 ; above_ref, tied_ref [splits] i32 ; out_ref [k] i32 ; fallback_ref [] i32
-  threshold = threshold_ref[...]
+  # threshold_ref, above_ref, tied_ref [splits] u32, i32, i32 (the row's programs') ; out_ref [k] i32
+  # fallback_ref [] i32
+  threshold = jnp.max(threshold_ref[...])  # every program of the row derived the same
   above, tied = jnp.sum(above_ref[...]), jnp.sum(tied_ref[...])
   fast = (above <= cand_ref.shape[0]) & ((above + tied >= k) | (threshold == 0))
 
@@ -656,31 +704,37 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   row_spec = lambda width: pl.BlockSpec((None, width), lambda r, *_: (r, 0))
   per_row = pl.BlockSpec((None,), lambda r, *_: (r,))
   per_program = pl.BlockSpec((None, None), lambda r, s: (r, s))
-  threshold = pl.pallas_call(
-      functools.partial(_sample_threshold_kernel, sample=config.sample, stride=plan.stride, r_lo=plan.r_lo),
-      grid=(rows,),
-      in_specs=[row_spec(n)],
-      out_specs=per_row,
-      out_shape=jax.ShapeDtypeStruct((rows,), jnp.uint32),
-      compiler_params=_params(config, config.select_warps),
-      interpret=interpret,
-      name="topk_sample_threshold",
-  )(scores)
-  above, tied = pl.pallas_call(
-      functools.partial(_sample_count_kernel, n=n, chunk=chunk, block=block),
+  own_threshold = rows * splits <= SMS  # else one program per row derives it first
+  if own_threshold:
+    source, source_spec = scores, row_spec(n)
+  else:
+    source, source_spec = pl.pallas_call(
+        functools.partial(_sample_threshold_kernel, sample=config.sample, plan=plan),
+        grid=(rows,),
+        in_specs=[row_spec(n)],
+        out_specs=per_row,
+        out_shape=jax.ShapeDtypeStruct((rows,), jnp.uint32),
+        compiler_params=_params(config, config.select_warps),
+        interpret=interpret,
+        name="topk_sample_threshold",
+    )(scores), per_row
+  threshold, above, tied = pl.pallas_call(
+      functools.partial(_sample_count_kernel, n=n, chunk=chunk, block=block, sample=config.sample, plan=plan,
+                        own_threshold=own_threshold),
       grid=(rows, splits),
-      in_specs=[chunk_spec, per_row],
-      out_specs=[per_program] * 2,
-      out_shape=[jax.ShapeDtypeStruct((rows, splits), jnp.int32)] * 2,
-      compiler_params=_params(config),
+      in_specs=[chunk_spec, source_spec],
+      out_specs=[per_program] * 3,
+      out_shape=[jax.ShapeDtypeStruct((rows, splits), jnp.uint32),
+                 *[jax.ShapeDtypeStruct((rows, splits), jnp.int32)] * 2],
+      compiler_params=_params(config, config.select_warps if own_threshold else None),
       interpret=interpret,
       name="topk_sample_count",
-  )(scores, threshold)
+  )(scores, source)
   cand, cand_pos, tie_pos = pl.pallas_call(
       functools.partial(_compact_kernel, n=n, k=k, chunk=chunk, block=block, splits=splits,
                         capacity=plan.capacity),
       grid=(rows, splits),
-      in_specs=[chunk_spec, per_row, row_spec(splits), row_spec(splits)],
+      in_specs=[chunk_spec, per_program, row_spec(splits), row_spec(splits)],
       out_specs=[row_spec(plan.capacity)] * 2 + [row_spec(k_pow2)],
       out_shape=[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32),
                  jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32),
@@ -692,8 +746,8 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   return pl.pallas_call(
       functools.partial(_sampled_select_kernel, k=k, n=n, block=config.block),
       grid=(rows,),
-      in_specs=[row_spec(plan.capacity), row_spec(plan.capacity), row_spec(k_pow2), row_spec(n), per_row,
-                row_spec(splits), row_spec(splits)],
+      in_specs=[row_spec(plan.capacity), row_spec(plan.capacity), row_spec(k_pow2), row_spec(n),
+                *[row_spec(splits)] * 3],
       out_specs=[row_spec(k), per_row],
       out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)],
       compiler_params=_params(config, config.select_warps),

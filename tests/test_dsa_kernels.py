@@ -29,7 +29,7 @@ MAX_PAGES = 12  # num_keys = 192
 NUM_KEYS = PAGE * MAX_PAGES
 LENGTHS = (190, 41, 7)  # per sequence: not multiples of the page size or of any block
 SMALL_SCORES = IndexerScoresConfig(block_k=32, num_splits=2)
-SMALL_TOPK = TopKConfig(block=32)
+SMALL_TOPK = TopKConfig(block=32, method="radix")
 
 
 def _rng(seed: int) -> np.random.Generator:
@@ -106,7 +106,7 @@ def _score_rows(rng, valid_counts, n: int, kind: str) -> jax.Array:
 def test_topk_matches_reference(kind, seed):
   # Valid entries: all, above k, exactly k, below k.
   scores = _score_rows(_rng(seed), (300, 200, 64, 30), 300, kind)
-  got = topk_indices(scores, 64, config=TopKConfig(block=64, num_splits=4))
+  got = topk_indices(scores, 64, config=TopKConfig(block=64, num_splits=4, method="radix"))
   _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 64)))
 
 
@@ -119,7 +119,7 @@ def test_topk_k_th_score_tied_many_times():
   relu[rng.permutation(300)[:40]] = rng.uniform(0.1, 2.0, 40)
   relu[rng.permutation(300)[:50]] = -rng.uniform(0.1, 2.0, 50)
   scores = jnp.asarray(np.stack([relu, rng.standard_normal(300).astype(np.float32)]))
-  got = np.asarray(topk_indices(scores, 64, config=TopKConfig(block=64, num_splits=4)))
+  got = np.asarray(topk_indices(scores, 64, config=TopKConfig(block=64, num_splits=4, method="radix")))
   _assert_same_sets(got, np.asarray(topk_indices_reference(scores, 64)))
   zeros = np.flatnonzero(relu == 0)
   assert set(got[0]) == set(np.flatnonzero(relu > 0)) | set(zeros[:64 - (relu > 0).sum()])
@@ -134,8 +134,31 @@ def test_topk_batched_default_config():
 
 def test_topk_k_equals_n():
   scores = _score_rows(_rng(3), (48, 20), 48, "ties")
-  got = topk_indices(scores, 48, config=TopKConfig(block=16))
+  got = topk_indices(scores, 48, config=TopKConfig(block=16, method="radix"))
   _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 48)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kth_largest_bit_search(seed):
+  """The in-register bit search (plain jnp here) against a sort: exact ranks over distinct,
+  tied and clustered keys with invalid slots, and the slack window's guarantee."""
+  rng = _rng(seed)
+  m = 512
+  for keys in (rng.integers(1, 2 ** 32, m, dtype=np.uint64), rng.integers(1, 6, m),
+               0x80000000 + rng.integers(0, 2 ** 12, m)):
+    valid = rng.random(m) < 0.7
+    keys = np.where(valid, keys, 0).astype(np.uint32)
+    ranked = np.sort(keys[valid])[::-1]
+    for rank in (1, 7, len(ranked) // 2, len(ranked)):
+      got = topk.kth_largest(jnp.asarray(keys), jnp.int32(rank), valid=jnp.asarray(valid))
+      assert int(got) == int(ranked[rank - 1])
+      for slack in (3, 40):
+        got = int(topk.kth_largest(jnp.asarray(keys), jnp.int32(rank), valid=jnp.asarray(valid), slack=slack))
+        at_or_above = int(np.sum(ranked >= got))
+        assert got in ranked and at_or_above >= rank
+        # Within the window unless the rank-th key's ties straddle it (then exactly that key).
+        assert at_or_above <= rank + slack or got == ranked[rank - 1]
+  assert int(topk.kth_largest(jnp.asarray(np.zeros(8, np.uint32)), jnp.int32(0))) == 2 ** 32 - 1
 
 
 SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
@@ -405,6 +428,9 @@ def test_lowers_for_h200():
       (lambda x: topk_indices(x, 2048, interpret=False), (s((64, 131072), f32),)),
       (lambda x: topk_indices(x, 2048, config=TopKConfig(method="sampled"), interpret=False),
        (s((64, 131072), f32),)),
+      # One row: its programs derive the threshold themselves (no launch of its own).
+      (lambda x: topk_indices(x, 2048, config=TopKConfig(method="sampled"), interpret=False),
+       (s((1, 131072), f32),)),
       (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False), idx_args),
       # A TEP=8 rank's 4 indexer heads: the kernel masks the MMA rows past them.
       (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False),
