@@ -4,7 +4,8 @@
 
 Shapes: one TEP=8 rank at batch 1: MLA 8 heads (kv_lora_rank 512, rope 64), indexer 32 x 128,
 top-k 2048, page size 64; contexts 8K/32K/80K/128K, 1 and 5 query tokens, bf16 and FP8 caches;
-plus top-k alone over 1 and 64 rows of 131,072, and the decode step's cache write (T new tokens
+plus top-k alone over 1 and 64 rows of 131,072 (normal scores, and ReLU-like rows whose k-th
+score is an exact zero tied many times over), and the decode step's cache write (T new tokens
 into one layer's latent, rope and indexer pages: XLA's scatters against the one-launch kernel,
 timed in a loop that carries the pages, at the largest context). Queries are fp32, as the engine passes them
 (the kernels split them into bf16 MMA terms for fp32-faithful results: see sparse_mla.py).
@@ -179,13 +180,16 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
       yield _cache_write_row(s, max(s["contexts"]), t, fp8, sub, timing)
   n, k = s["topk_n"], s["k"]
   for num_rows in s["topk_rows"]:
-    key, sub = jax.random.split(key)
-    scores = jax.random.normal(sub, (num_rows, n), jnp.float32)
-    for method in topk_methods:
-      yield _row(_named("topk_indices", _method_tag(method)), f"rows={num_rows} n={n} k={k}",
-                 functools.partial(topk_indices, k=k, config=TopKConfig(method=method)),
-                 functools.partial(topk_indices_reference, k=k), (scores,),
-                 num_rows * (n + k) * 4, timing, breakdown)
+    key, sub, mask = jax.random.split(key, 3)
+    normal = jax.random.normal(sub, (num_rows, n), jnp.float32)
+    # ReLU-summed indexer scores: 1% positive, the rest exact zeros that tie the k-th score.
+    relu = jnp.maximum(normal, 0.0) * (jax.random.uniform(mask, normal.shape) < 0.02)
+    for data, scores in (("", normal), (" relu", relu)):
+      for method in topk_methods:
+        yield _row(_named("topk_indices", _method_tag(method)), f"rows={num_rows} n={n} k={k}{data}",
+                   functools.partial(topk_indices, k=k, config=TopKConfig(method=method)),
+                   functools.partial(topk_indices_reference, k=k), (scores,),
+                   num_rows * (n + k) * 4, timing, breakdown)
 
 
 def _method_tag(method: str) -> str:

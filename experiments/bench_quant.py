@@ -41,7 +41,7 @@ from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
-from pallas_kernels.nvfp4_matmul import DECODES, MatmulConfig, default_config, nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import DECODES, OPERANDS, MatmulConfig, default_config, nvfp4_matmul
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 
 COPY_TBS = 4.22
@@ -206,13 +206,13 @@ def moe_sweep_rows(fmt: str, configs: list[MoEConfig], *, timer: Callable[..., f
 def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   """Tile sweeps (kernels_bench --sweep): the NVFP4 GEMV [1, 8192] x [8192, 28672] and the
   routed-expert MLP of moe_rows, each over both decodes; the FP8 GEMV at the same shape over
-  row tiles and K splits (its default grid fills half a wave of the H200: ncu, run 10); the
+  row tiles and K splits with either operand dtype (run 16 swept the fp16 operands'); the
   bf16 split-K GEMV at a rank's 25 MB [5, 6144] -> 2048 over K splits."""
   timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_device
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
-  fp8_configs = [MatmulConfig(block_n=bn, block_k=128, split_k=s)
-                 for bn, s in ((64, 1), (64, 2), (64, 4), (32, 1), (32, 2))]
+  fp8_configs = [MatmulConfig(block_n=bn, block_k=128, split_k=s, operands=operands)
+                 for operands in OPERANDS for bn, s in ((128, 1), (64, 1), (64, 2), (64, 4), (32, 1), (32, 2))]
   bf16_configs = [MatmulConfig(block_n=bn, block_k=bk, split_k=s)
                   for bn, bk, s in ((64, 256, 8), (64, 256, 4), (64, 256, 16), (32, 256, 8), (128, 128, 4))]
   moe = (dict(tokens=5, top_k=2, experts=4, d=64, i=32) if quick

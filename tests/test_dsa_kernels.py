@@ -138,27 +138,28 @@ def test_topk_k_equals_n():
   _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 48)))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kth_largest_bit_search(seed):
-  """The in-register bit search (plain jnp here) against a sort: exact ranks over distinct,
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kth_largest_count_search(seed):
+  """The in-register count search (plain jnp here) against a sort: exact ranks over distinct,
   tied and clustered keys with invalid slots, and the slack window's guarantee."""
   rng = _rng(seed)
   m = 512
+  search = jax.jit(topk.kth_largest, static_argnames="slack")
   for keys in (rng.integers(1, 2 ** 32, m, dtype=np.uint64), rng.integers(1, 6, m),
                0x80000000 + rng.integers(0, 2 ** 12, m)):
     valid = rng.random(m) < 0.7
     keys = np.where(valid, keys, 0).astype(np.uint32)
     ranked = np.sort(keys[valid])[::-1]
     for rank in (1, 7, len(ranked) // 2, len(ranked)):
-      got = topk.kth_largest(jnp.asarray(keys), jnp.int32(rank), valid=jnp.asarray(valid))
+      got = search(jnp.asarray(keys), jnp.int32(rank), jnp.asarray(valid))
       assert int(got) == int(ranked[rank - 1])
       for slack in (3, 40):
-        got = int(topk.kth_largest(jnp.asarray(keys), jnp.int32(rank), valid=jnp.asarray(valid), slack=slack))
+        got = int(search(jnp.asarray(keys), jnp.int32(rank), jnp.asarray(valid), slack=slack))
         at_or_above = int(np.sum(ranked >= got))
         assert got in ranked and at_or_above >= rank
         # Within the window unless the rank-th key's ties straddle it (then exactly that key).
         assert at_or_above <= rank + slack or got == ranked[rank - 1]
-  assert int(topk.kth_largest(jnp.asarray(np.zeros(8, np.uint32)), jnp.int32(0))) == 2 ** 32 - 1
+  assert int(search(jnp.zeros(8, jnp.uint32), jnp.int32(0))) == 2 ** 32 - 1
 
 
 SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
