@@ -349,9 +349,13 @@ def _select_into(out_ref, keys, positions, count, prefix, k_rem, *, first_digit:
 
   if one_key is None:
     tau, ties = resolved()
+    pick_steps = steps
   else:
     same, key = one_key
     tau, ties = lax.cond(same, lambda: (key, jnp.minimum(k_rem, count)), resolved)
+    # One key: no candidate lies above it, so the answer is the first `ties` of them by index
+    # and the blocks past those need no walk (a ReLU row's zeros can be most of the row).
+    pick_steps = jnp.where(same, (ties + block - 1) // block, steps)
 
   def pick(i, carry):
     rank, tie_rank = carry
@@ -363,7 +367,7 @@ def _select_into(out_ref, keys, positions, count, prefix, k_rem, *, first_digit:
                    mask=take)
     return rank + jnp.sum(take_i), tie_rank + jnp.sum(tie)
 
-  total, _ = lax.fori_loop(0, steps, pick, (filled, jnp.int32(0)))
+  total, _ = lax.fori_loop(0, pick_steps, pick, (filled, jnp.int32(0)))
 
   def pad(i, carry):  # slots past the selection (rows with fewer than k valid scores)
     slot = i * block + jnp.arange(block, dtype=jnp.int32)
