@@ -97,6 +97,7 @@ TARGET_PROGRAMS = 2 * SMS  # two programs per SM
 MAX_SPLITS = 128
 METHODS = ("sampled", "radix")
 SAMPLE = 4096  # scores per row in the sampled method's sample
+MAX_CANDIDATES = 16384  # the sampled select's buffer, held in registers: 32 keys a thread at 16 warps
 _NO_KEY = 0xFFFFFFFF  # above every key (order_key(+inf) is 0xFF800000): the minimum of no candidates
 
 
@@ -509,7 +510,8 @@ def _next_pow2(x: int) -> int:
 
 def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   """The plan, or None where the radix select is the better choice (rows under 8 samples'
-  worth, or candidates that would not be a small share of the row).
+  worth, or candidates that would not be a small share of the row or not fit the select's
+  registers: more than MAX_CANDIDATES).
 
   The sample's rank of the row's k-th score is about r = k * sample / n, with a standard
   deviation below sqrt(r); r_lo = r + 4 sqrt(r) + 8 puts the threshold under the k-th score
@@ -524,7 +526,8 @@ def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   r = k * sample / n
   r_lo = min(sample, math.ceil(r + 4 * math.sqrt(r) + 8))
   capacity = _next_pow2(2 * r_lo * stride)
-  return SamplePlan(stride, r_lo, r_lo // 4, capacity) if capacity <= n // 4 else None
+  fits = capacity <= min(n // 4, MAX_CANDIDATES)
+  return SamplePlan(stride, r_lo, r_lo // 4, capacity) if fits else None
 
 
 def kth_largest(keys: jax.Array, rank, valid: jax.Array | None = None, slack: int = 0) -> jax.Array:

@@ -228,6 +228,8 @@ def test_sampled_method_through_topk_indices():
     assert got.shape == (1, 3, 40)
     _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 40)))
   assert topk.sample_plan(300, 40, SAMPLED.sample) is None
+  # A sample too sparse for the row: its candidates would not fit the select's registers.
+  assert topk.sample_plan(2 ** 20, 2048, 256) is None
 
 
 # --- indexer scores --------------------------------------------------------------------------
@@ -403,6 +405,7 @@ def test_invalid_inputs_raise():
 @pytest.mark.parametrize("make", [
     lambda: TopKConfig(block=24), lambda: TopKConfig(num_splits=3),
     lambda: TopKConfig(num_splits=256), lambda: TopKConfig(method="sort"), lambda: TopKConfig(sample=100),
+    lambda: TopKConfig(scan_block=24), lambda: TopKConfig(select_warps=3),
     lambda: IndexerScoresConfig(block_k=8),
     lambda: IndexerScoresConfig(num_warps=3), lambda: SparseMLAConfig(block_n=48),
     lambda: SparseMLAConfig(num_splits=0), lambda: SparseMLAConfig(combine="atomic")])
