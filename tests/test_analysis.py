@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from configs import get_model_config
 from glmjax.analysis import layer_selections, overlap_matrix, selection_overlap
@@ -30,6 +31,7 @@ def test_layer_selections_follow_the_indexshare_pattern():
   assert np.all((m >= 0) & (m <= 1))
 
 
+@pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)
 def test_profile_flag_writes_a_trace(tmp_path):
   """--profile on an experiment writes an XProf/TensorBoard trace."""
   import subprocess

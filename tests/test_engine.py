@@ -127,6 +127,7 @@ def test_bad_input_is_refused_and_other_sessions_keep_their_pages(fixture_fp32):
     Engine(config, params, page_size=4, max_seq_len=config.max_position_embeddings + 4)
 
 
+@pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)
 def test_replay_on_tiny_reaches_the_theoretical_hit_rate(tmp_path):
   """The replay entry point (its own process: its absl flags stand alone), on the tiny config."""
   import json

@@ -92,6 +92,7 @@ def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
   np.testing.assert_array_equal(pallas, sparse)
 
 
+@pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)
 def test_replay_pallas_equals_sparse(tmp_path):
   """The replay entry point (prefix-cached rounds through the Engine), as a user runs it: both
   in their own processes (their absl flags stand alone), side by side."""
