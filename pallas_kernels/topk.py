@@ -504,10 +504,6 @@ class SamplePlan:
   capacity: int
 
 
-def _next_pow2(x: int) -> int:
-  return 1 << max(x - 1, 0).bit_length()
-
-
 def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   """The plan, or None where the radix select is the better choice (rows under 8 samples'
   worth, or candidates that would not be a small share of the row or not fit the select's
@@ -525,7 +521,7 @@ def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   stride = n // sample
   r = k * sample / n
   r_lo = min(sample, math.ceil(r + 4 * math.sqrt(r) + 8))
-  capacity = _next_pow2(2 * r_lo * stride)
+  capacity = pl.next_power_of_2(2 * r_lo * stride)
   fits = capacity <= min(n // 4, MAX_CANDIDATES)
   return SamplePlan(stride, r_lo, r_lo // 4, capacity) if fits else None
 
@@ -541,10 +537,12 @@ def kth_largest(keys: jax.Array, rank, valid: jax.Array | None = None, slack: in
   end's neighbour (a mass of ties at lo, such as ReLU's zeros, ends there at once). About 4-13
   steps on normal scores and ReLU-tied rows (a host simulation of the same rules), against 15-32
   for a bit-by-bit search; on the H200 the select over 8192 keys took 11.1 us with this search
-  and 13.4 with the bit-by-bit one (docs/BENCHMARKS.md run 16). It returns the smallest key at or above the final t: a key with rank to rank + slack
-  keys at or above it where one exists (slack 0: exactly the rank-th largest), else the
-  rank-th largest (its ties straddle the window). Keys outside `valid` must be 0 and are never
-  counted. rank 0: 2^32 - 1, above every key.
+  and 13.4 with the bit-by-bit one (docs/BENCHMARKS.md run 16).
+
+  It returns the smallest key at or above the final t: a key with rank to rank + slack keys at
+  or above it where one exists (slack 0: exactly the rank-th largest), else the rank-th largest
+  (its ties straddle the window). Keys outside `valid` must be 0 and are never counted. rank 0:
+  2^32 - 1, above every key.
   """
   lo = jnp.min(keys if valid is None else jnp.where(valid, keys, jnp.uint32(_NO_KEY)))
   c_lo = jnp.sum((keys >= lo).astype(jnp.int32))
@@ -707,7 +705,7 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   block = config.scan_block
   splits = config.num_splits or row_splits(rows, n, block)
   chunk = split_chunk(n, splits, block)
-  k_pow2 = _next_pow2(k)
+  k_pow2 = pl.next_power_of_2(k)
   chunk_spec = pl.BlockSpec((None, chunk), lambda r, s: (r, s))
   row_spec = lambda width: pl.BlockSpec((None, width), lambda r, *_: (r, 0))
   per_row = pl.BlockSpec((None,), lambda r, *_: (r,))
