@@ -209,11 +209,12 @@ def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   context, t = (s["contexts"][0], 2) if quick else (81920, 5)
   n, k, timing = s["topk_n"], s["k"], _timing(quick)
   idx_args, _ = _indexer_cases(s, context, t, False, jax.random.key(1))
+  idx_args = (idx_args[0].astype(jnp.bfloat16), *idx_args[1:])  # the stack's queries (--indexer_queries)
   mla_args, _ = _mla_case(s, context, t, False, jax.random.key(2))
   grids = {
       "indexer_scores": (functools.partial(indexer_scores, num_keys=context), idx_args,
-                         [IndexerScoresConfig(block_k=bk, num_splits=sp, num_warps=w)
-                          for bk in (64, 128, 256) for sp in (None, 128) for w in (4, 8)]),
+                         [IndexerScoresConfig(block_k=bk, num_splits=sp, num_warps=w, num_stages=st)
+                          for bk in (64, 128, 256) for sp in (64, 128) for w in (4, 8) for st in (2, 3)]),
       "sparse_mla_decode": (functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE), mla_args,
                             [SparseMLAConfig(block_n=bn, num_splits=sp, num_warps=w)
                              for bn in (16, 32, 64) for sp in (None, 64) for w in (4, 8)]),
@@ -224,8 +225,8 @@ def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
         functools.partial(topk_indices, k=k), (scores,),
         [TopKConfig(block=b, num_splits=sp, num_warps=w, method="radix")
          for b in (256, 512, 1024) for sp in splits for w in (4, 8)]
-        + [TopKConfig(scan_block=b, select_warps=sw, num_warps=w)  # the sampled method
-           for b in (1024, 2048, 4096) for sw in (8, 16) for w in (4, 8)])
+        + [TopKConfig(scan_block=b, select_warps=sw, num_splits=sp)  # the sampled method
+           for b in (1024, 2048) for sw in (8, 16) for sp in (None, 16, 64)])
   for kernel, (fn, args, configs) in grids.items():
     for config in configs[:2] if quick else configs:
       try:

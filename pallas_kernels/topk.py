@@ -36,10 +36,10 @@ select program then walks that many candidates three times.
 
 method="sampled" (the default) replaces the two full-row histogram passes, measured at about 145
 us each for 64 rows of 131,072 (run 7: the one-hot operands cost about 80 instructions a score),
-by a threshold from a sample, and every histogram by counts (`kth_largest`: a search that counts
-the keys at or above a trial, all held in registers), in three or four launches:
+by a threshold from a sample, and every histogram by counts (`count_search`: a search that
+counts the keys at or above a trial, all held in registers), in three or four launches:
 1. threshold: the row's strided sample (every n / `sample`-th score; 4096 by default) gives a
-   key T with r_lo to r_lo + slack sample keys at or above it (r_lo: the sample rank of the
+   key T with r_lo to r_lo + slack sample keys above it (r_lo: the sample rank of the
    row's k-th score plus 4 sigma, `sample_plan`). Where the row's programs fit on the SMs at
    once (few rows) each count program derives T itself; otherwise one program per row does,
    in a launch of its own.
@@ -50,9 +50,9 @@ the keys at or above a trial, all held in registers), in three or four launches:
    when the keys above T number fewer than k, the first (k - that many) keys equal to T by
    position go to a tie buffer (ReLU-summed indexer scores: T is often their exact zero).
 4. select, one program per row: if the buffer did not overflow and it with T's ties holds k
-   keys (or T = 0: every valid key is a candidate), the candidates' k-th key comes from
-   `kth_largest` over the buffer in registers, and the keys above it, its first ties by
-   position and T's ties fill the slots; otherwise (a sample more than 4 sigma off, or a row of
+   keys (or T = 0: every valid key is a candidate), `count_search` over the buffer in
+   registers finds a bound with exactly k candidates at or above it (or the k-th key, whose
+   first ties by position then complete the set), and they and T's ties fill the slots; otherwise (a sample more than 4 sigma off, or a row of
    many equal keys above its k-th) the radix select's histograms over the whole row. Exact
    either way.
 Measured on the H200 (BENCHMARKS.md run 16, kernels' own time from a profile): one row 24 us
@@ -97,8 +97,11 @@ TARGET_PROGRAMS = 2 * SMS  # two programs per SM
 MAX_SPLITS = 128
 METHODS = ("sampled", "radix")
 SAMPLE = 4096  # scores per row in the sampled method's sample
+FEW_ROWS = 8  # rows up to which the sampled select's programs take 8 warps (TopKConfig.select_warps)
+KEYS_PER_THREAD = 32  # ... where its candidates come to at most this many a thread
 MAX_CANDIDATES = 16384  # the sampled select's buffer, held in registers: 32 keys a thread at 16 warps
-_NO_KEY = 0xFFFFFFFF  # above every key (order_key(+inf) is 0xFF800000): the minimum of no candidates
+_NO_KEY = 0xFFFFFFFF  # above every key (order_key(+inf) is 0xFF800000)
+_LARGEST_BELOW_2_32 = 4294967040.0  # the largest float32 under 2^32: a float stride that fits uint32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +117,10 @@ class TopKConfig:
   scan_block: scores per loop step of the sampled method's count and compaction passes (power of
     two >= 16): a compare a score, so large tiles keep enough loads in flight.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
-    sample or the candidates in registers: more warps, fewer keys a thread to count each bit.
+    sample or the candidates in registers: more warps, fewer keys a thread per count, but a
+    slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
+    else 16 (BENCHMARKS.md run 17: one row 19.3 us against 20.3 with 16, five rows of 81,920
+    41.7 against 42.8; 64 rows 58.2 with 16 against 63.5 with 8).
   """
   block: int = 512
   num_splits: int | None = None
@@ -122,14 +128,15 @@ class TopKConfig:
   method: str = "sampled"
   sample: int = SAMPLE
   scan_block: int = 2048
-  select_warps: int = 16
+  select_warps: int | None = None
 
   def __post_init__(self):
     check_tile("TopKConfig", "block", self.block)
     check_tile("TopKConfig", "scan_block", self.scan_block)
     check_splits("TopKConfig", self.num_splits, MAX_SPLITS)
     check_launch("TopKConfig", self.num_warps)
-    check_launch("TopKConfig", self.select_warps)
+    if self.select_warps is not None:
+      check_launch("TopKConfig", self.select_warps)
     check_choice("TopKConfig", "method", self.method, METHODS)
     check_tile("TopKConfig", "sample", self.sample)
 
@@ -526,51 +533,52 @@ def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   return SamplePlan(stride, r_lo, r_lo // 4, capacity) if fits else None
 
 
-def kth_largest(keys: jax.Array, rank, valid: jax.Array | None = None, slack: int = 0) -> jax.Array:
-  """The rank-th largest of uint32 keys [m] held in registers, by counts alone (no histogram, no
-  sort): a search for t with rank <= (keys >= t) <= rank + slack that keeps lo (at least rank
-  keys at or above) and hi (fewer), each step counting the keys at or above a trial between them.
+def count_search(keys: jax.Array, rank, lo, c_lo, hi, slack: int = 0):
+  """A key bracket around the rank-th largest of uint32 keys [m] held in registers, by counts
+  alone (no histogram, no sort). Starts from lo (c_lo = count of keys >= lo, at least rank) and
+  hi (no key at or above it); each step counts the keys at or above one trial between them and
+  moves the end it beats. Stops when some lo has rank to rank + slack keys at or above it
+  (`found`), or when hi = lo + 1 (lo is then a key whose ties straddle the window).
+  Returns (lo, hi, c_lo, c_hi, found), c_hi the count at or above hi.
 
-  The trial interpolates where the count would reach rank + slack / 2 were the keys between lo
-  and hi evenly spread (order keys of nearby floats nearly are); it halves the span instead
-  when the last step did not, and after three steps that all moved one end it tries the other
-  end's neighbour (a mass of ties at lo, such as ReLU's zeros, ends there at once). About 4-13
-  steps on normal scores and ReLU-tied rows (a host simulation of the same rules), against 15-32
-  for a bit-by-bit search; on the H200 the select over 8192 keys took 11.1 us with this search
-  and 13.4 with the bit-by-bit one (docs/BENCHMARKS.md run 16).
-
-  It returns the smallest key at or above the final t: a key with rank to rank + slack keys at
-  or above it where one exists (slack 0: exactly the rank-th largest), else the rank-th largest
-  (its ties straddle the window). Keys outside `valid` must be 0 and are never counted. rank 0:
-  2^32 - 1, above every key.
+  Each count is a reduction over the program's threads, about 0.4 us on the H200, so the number
+  of steps is the cost. The trial is the regula falsi guess (where the count would reach
+  rank + slack / 2 were the keys between lo and hi evenly spread; order keys of nearby floats
+  nearly are) with the Illinois rule: an end that has stayed put twice weighs half in the
+  guess, so one-sided convergence speeds up. After three steps that all moved one end it tries
+  the other end's neighbour (a mass of ties at lo, such as ReLU's zeros, ends there at once).
+  A host simulation of these rules (docs/BENCHMARKS.md run 17): 6 steps for the threshold and
+  8-10 for the select on normal, uniform and exponential rows, where the previous search's
+  halving safeguard took 11 and 13-15; up to 39 on rows of scores rounded to 1/8 (staircases).
   """
-  lo = jnp.min(keys if valid is None else jnp.where(valid, keys, jnp.uint32(_NO_KEY)))
-  c_lo = jnp.sum((keys >= lo).astype(jnp.int32))
   target = jnp.asarray(rank, jnp.float32) + slack / 2
 
   def searching(carry):
-    lo, hi, *_, found = carry
-    return (hi - lo > 1) & (found == 0)
+    lo, hi, _, _, _, _, _, found = carry
+    return (hi - lo > 1) & ~found
 
   def step(carry):
-    lo, hi, c_lo, c_hi, last_span, moves, _ = carry  # moves: > 0 hi moved that often in a row, < 0 lo
+    lo, hi, c_lo, c_hi, w_lo, w_hi, moves, _ = carry  # moves: > 0 hi moved that often in a row, < 0 lo
     span = hi - lo
-    guess = (span.astype(jnp.float32) * jnp.maximum(c_lo.astype(jnp.float32) - target, 0.0)
-             / (c_lo - c_hi).astype(jnp.float32)).astype(jnp.uint32)
-    stride = jnp.where(span > last_span >> 1, span >> 1, guess)
-    stride = jnp.where(moves >= 3, 1, jnp.where(moves <= -3, span - 1, stride))
+    above_target = (c_lo.astype(jnp.float32) - target) * w_lo  # > 0 while searching
+    below_target = (target - c_hi.astype(jnp.float32)) * w_hi   # > 0: c_hi < rank
+    guess = jnp.minimum(span.astype(jnp.float32) * above_target / (above_target + below_target),
+                        _LARGEST_BELOW_2_32).astype(jnp.uint32)
+    stride = jnp.where(moves >= 3, 1, jnp.where(moves <= -3, span - 1, guess))
     trial = lo + jnp.clip(stride, 1, span - 1)
     count = jnp.sum((keys >= trial).astype(jnp.int32))
     enough = count >= rank
+    halve = lambda w, stale: jnp.where(stale, w * 0.5, 1.0)
     return (jnp.where(enough, trial, lo), jnp.where(enough, hi, trial), jnp.where(enough, count, c_lo),
-            jnp.where(enough, c_hi, count), span,
+            jnp.where(enough, c_hi, count),
+            halve(w_lo, ~enough & (moves > 0)), halve(w_hi, enough & (moves < 0)),
             jnp.where(enough, jnp.minimum(moves, 0) - 1, jnp.maximum(moves, 0) + 1),
-            (enough & (count <= rank + slack)).astype(jnp.int32))
+            enough & (count <= rank + slack))
 
-  start = (lo, jnp.max(keys) + 1, c_lo, jnp.int32(0), jnp.uint32(_NO_KEY), jnp.int32(0),
-           (c_lo <= rank + slack).astype(jnp.int32))
-  t = lax.while_loop(searching, step, start)[0]
-  return jnp.where(rank > 0, jnp.min(jnp.where(keys >= t, keys, jnp.uint32(_NO_KEY))), jnp.uint32(_NO_KEY))
+  one = jnp.float32(1.0)
+  lo, hi, c_lo, c_hi, *_, found = lax.while_loop(
+      searching, step, (lo, hi, c_lo, jnp.int32(0), one, one, jnp.int32(0), c_lo <= rank + slack))
+  return lo, hi, c_lo, c_hi, found
 
 
 def _against(key: jax.Array, inside: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
@@ -580,10 +588,13 @@ def _against(key: jax.Array, inside: jax.Array, threshold) -> tuple[jax.Array, j
 
 
 def _sample_threshold(row_ref, *, sample: int, plan: SamplePlan):
-  """A key of the row's sample with r_lo to r_lo + slack sample keys at or above it."""
+  """A key T with r_lo to r_lo + slack of the row's sample keys above it (or, where the ties of
+  one sample key straddle that window, that key: its ties are then T's ties)."""
   # row_ref [n] f32 (the whole row: its sample)
-  return kth_largest(order_key(row_ref[jnp.arange(sample, dtype=jnp.int32) * plan.stride]), plan.r_lo,
-                     slack=plan.slack)
+  keys = order_key(row_ref[jnp.arange(sample, dtype=jnp.int32) * plan.stride])
+  lo, _, _, _, found = count_search(keys, plan.r_lo, jnp.min(keys), jnp.int32(sample), jnp.max(keys) + 1,
+                                    slack=plan.slack)
+  return lo - (found & (lo > 0)).astype(jnp.uint32)  # found: the keys above lo - 1 are those at or above lo
 
 
 def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, plan: SamplePlan):
@@ -649,21 +660,23 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, can
                                          jnp.sum(jnp.where(before, tied_counts, 0))))
 
 
-def _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, above, tied, *, k: int):
-  """The k largest of the row from its buffers, all in registers: the candidates' k-th key by
-  `kth_largest`, the candidates above it and its first ties, then (when the candidates number
-  fewer than k) the threshold's first ties, then -1 up to slot k."""
+def _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, threshold, above, tied, *, k: int):
+  """The k largest of the row from its buffers, all in registers: `count_search` over the
+  candidates (every one above the threshold) for a bound with exactly k keys at or above it,
+  or for the k-th key when its ties straddle k (then its first ties by position), then (when
+  the candidates number fewer than k) the threshold's first ties, then -1 up to slot k."""
   # cand_ref [capacity] u32 ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ; out_ref [k] i32
   capacity, k_pow2 = cand_ref.shape[0], tie_pos_ref.shape[0]
   inside = jnp.arange(capacity, dtype=jnp.int32) < above
   keys = jnp.where(inside, cand_ref[...], jnp.uint32(0))
   taken = jnp.minimum(above, k)
-  tau = kth_largest(keys, taken, valid=inside)
-  over = keys > tau
-  at = inside & (keys == tau)
-  wanted = taken - jnp.sum(over.astype(jnp.int32))  # ties at tau to take, first by position
-  take = lax.cond(jnp.sum(at.astype(jnp.int32)) <= wanted, lambda: over | at,
-                  lambda: over | (at & (_exclusive_cumsum(at.astype(jnp.int32)) < wanted)))
+  lo, hi, _, c_hi, found = count_search(keys, taken, threshold + 1, above, jnp.max(keys) + 1)
+
+  def straddling_ties():  # lo is the k-th key: the keys above it, then its first ties
+    at = keys == lo
+    return (keys >= hi) | (at & (_exclusive_cumsum(at.astype(jnp.int32)) < taken - c_hi))
+
+  take = lax.cond(found, lambda: keys >= lo, straddling_ties)
   slot = _exclusive_cumsum(take.astype(jnp.int32))
   pltriton.store(out_ref.at[jnp.where(take, slot, k)], cand_pos_ref[...], mask=take)
   j = jnp.arange(k_pow2, dtype=jnp.int32)
@@ -692,7 +705,8 @@ def _sampled_select_kernel(cand_ref, cand_pos_ref, tie_pos_ref, row_ref, thresho
     _select_into(out_ref, keys, positions, n, jnp.uint32(0), jnp.int32(k), first_digit=0,
                  filled=jnp.int32(0), k=k, block=block)
 
-  lax.cond(fast, lambda: _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, above, tied, k=k),
+  lax.cond(fast, lambda: _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, threshold, above, tied,
+                                                 k=k),
            whole_row)
   fallback_ref[...] = 1 - fast.astype(jnp.int32)
 
@@ -711,6 +725,8 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   per_row = pl.BlockSpec((None,), lambda r, *_: (r,))
   per_program = pl.BlockSpec((None, None), lambda r, s: (r, s))
   own_threshold = rows * splits <= SMS  # else one program per row derives it first
+  few = rows <= FEW_ROWS and plan.capacity <= 8 * 32 * KEYS_PER_THREAD
+  select_warps = config.select_warps or (8 if few else 16)
   if own_threshold:
     source, source_spec = scores, row_spec(n)
   else:
@@ -720,7 +736,7 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
         in_specs=[row_spec(n)],
         out_specs=per_row,
         out_shape=jax.ShapeDtypeStruct((rows,), jnp.uint32),
-        compiler_params=_params(config, config.select_warps),
+        compiler_params=_params(config, select_warps),
         interpret=interpret,
         name="topk_sample_threshold",
     )(scores), per_row
@@ -732,7 +748,7 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
       out_specs=[per_program] * 3,
       out_shape=[jax.ShapeDtypeStruct((rows, splits), jnp.uint32),
                  *[jax.ShapeDtypeStruct((rows, splits), jnp.int32)] * 2],
-      compiler_params=_params(config, config.select_warps if own_threshold else None),
+      compiler_params=_params(config, select_warps if own_threshold else None),
       interpret=interpret,
       name="topk_sample_count",
   )(scores, source)
@@ -756,7 +772,7 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
                 *[row_spec(splits)] * 3],
       out_specs=[row_spec(k), per_row],
       out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)],
-      compiler_params=_params(config, config.select_warps),
+      compiler_params=_params(config, select_warps),
       interpret=interpret,
       name="topk_sampled_select",
   )(cand, cand_pos, tie_pos, scores, threshold, above, tied)

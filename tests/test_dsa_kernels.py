@@ -139,27 +139,33 @@ def test_topk_k_equals_n():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kth_largest_count_search(seed):
-  """The in-register count search (plain jnp here) against a sort: exact ranks over distinct,
-  tied and clustered keys with invalid slots, and the slack window's guarantee."""
+def test_count_search_brackets_the_rank(seed):
+  """The in-register count search (plain jnp here) against a sort, over distinct, tied and
+  clustered keys with invalid (zero) slots, from the bracket the kernels start from (every
+  valid key at or above lo; none at or above hi): when found, rank to rank + slack keys lie at
+  or above lo; otherwise lo is the rank-th key, its ties straddle the window, and hi = lo + 1;
+  the returned counts are the true ones either way."""
   rng = _rng(seed)
   m = 512
-  search = jax.jit(topk.kth_largest, static_argnames="slack")
-  for keys in (rng.integers(1, 2 ** 32, m, dtype=np.uint64), rng.integers(1, 6, m),
+  search = jax.jit(topk.count_search, static_argnames="slack")
+  for keys in (rng.integers(1, 2 ** 32 - 1, m, dtype=np.uint64), rng.integers(1, 6, m),
                0x80000000 + rng.integers(0, 2 ** 12, m)):
     valid = rng.random(m) < 0.7
     keys = np.where(valid, keys, 0).astype(np.uint32)
     ranked = np.sort(keys[valid])[::-1]
+    at_or_above = lambda t: int(np.sum(ranked >= t))
     for rank in (1, 7, len(ranked) // 2, len(ranked)):
-      got = search(jnp.asarray(keys), jnp.int32(rank), jnp.asarray(valid))
-      assert int(got) == int(ranked[rank - 1])
-      for slack in (3, 40):
-        got = int(search(jnp.asarray(keys), jnp.int32(rank), jnp.asarray(valid), slack=slack))
-        at_or_above = int(np.sum(ranked >= got))
-        assert got in ranked and at_or_above >= rank
-        # Within the window unless the rank-th key's ties straddle it (then exactly that key).
-        assert at_or_above <= rank + slack or got == ranked[rank - 1]
-  assert int(search(jnp.zeros(8, jnp.uint32), jnp.int32(0))) == 2 ** 32 - 1
+      for slack in (0, 3, 40):
+        lo, hi, c_lo, c_hi, found = (int(v) for v in search(
+            jnp.asarray(keys), jnp.int32(rank), jnp.uint32(1), jnp.int32(len(ranked)),
+            jnp.uint32(ranked[0]) + 1, slack=slack))
+        assert (c_lo, c_hi) == (at_or_above(lo), at_or_above(hi))
+        if found:
+          assert rank <= c_lo <= rank + slack
+        else:
+          assert hi == lo + 1 and lo == ranked[rank - 1] and c_lo > rank + slack
+  # No candidates (the select's rows with none above the threshold): found at once.
+  assert bool(search(jnp.zeros(8, jnp.uint32), jnp.int32(0), jnp.uint32(1), jnp.int32(0), jnp.uint32(1))[-1])
 
 
 SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
