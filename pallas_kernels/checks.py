@@ -93,14 +93,17 @@ def bf16_parts(x: jax.Array) -> list[jax.Array]:
   return parts
 
 
-def parts_dot(parts: list[jax.Array], rhs: jax.Array, dimension_numbers) -> jax.Array:
-  """sum_i dot(parts[i], rhs) with fp32 accumulation, smallest term first, for a bf16 rhs.
+def parts_dot(parts: list[jax.Array], other: jax.Array, dimension_numbers, *,
+              parts_on_right: bool = False) -> jax.Array:
+  """sum_i dot(parts[i], other) (or dot(other, parts[i])) with fp32 accumulation, smallest term
+  first, for a bf16 `other`.
 
   Each term's products are exact (8 x 8 bits), so over `bf16_parts` of an fp32 operand this is
   an fp32 dot up to summation order, on bf16 tensor cores (one MMA per term).
   """
   out = None
   for part in reversed(parts):
-    term = lax.dot_general(part, rhs, dimension_numbers, preferred_element_type=jnp.float32)
+    lhs, rhs = (other, part) if parts_on_right else (part, other)
+    term = lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32)
     out = term if out is None else out + term
   return out

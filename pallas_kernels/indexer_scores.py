@@ -34,12 +34,13 @@ from jax.experimental.pallas import triton as pltriton
 from glmjax import dsa
 from glmjax.cache.paged import gather_pages
 from pallas_kernels import topk
-from pallas_kernels.checks import (bf16_parts, check_launch, check_page_table, check_paged, check_splits,
+from pallas_kernels.checks import (bf16_parts, check_choice, check_launch, check_page_table, check_paged, check_splits,
                                    check_tile, is_pow2, parts_dot, resolve_interpret)
 
 # Query tokens per program (the kernel unrolls them); more tokens (prefill) form more groups.
 QUERY_GROUP = 8
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
+ORIENTATIONS = ("heads", "keys")  # IndexerScoresConfig.orientation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,20 +51,27 @@ class IndexerScoresConfig:
   num_splits: programs per sequence (power of two <= 128); None picks about two per SM.
   num_warps / num_stages: Triton launch parameters (stages pipeline the key gathers; 8 warps
     keep T x H x Di bf16 queries, 40 KB at T=5, in registers across the key loop).
+  orientation: which operand is the MMA's rows. "heads": logits [H, block_k] per query token,
+    the head sum a reduction over rows, which the program's warps share (through shared
+    memory, once per token and block). "keys": logits [block_k, H], the keys as rows, so each
+    warp owns whole rows and sums its heads in registers and a few lane shuffles; the key tile
+    is the shared left operand of every token's dot.
   """
   block_k: int = 128
   num_splits: int | None = None
   num_warps: int = 8
   num_stages: int = 2
+  orientation: str = "heads"
 
   def __post_init__(self):
     check_tile("IndexerScoresConfig", "block_k", self.block_k, _MIN_MMA)
     check_splits("IndexerScoresConfig", self.num_splits, topk.MAX_SPLITS)
     check_launch("IndexerScoresConfig", self.num_warps, self.num_stages)
+    check_choice("IndexerScoresConfig", "orientation", self.orientation, ORIENTATIONS)
 
 
 def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, heads: int, n: int, chunk: int,
-                   block_k: int, page_size: int, fp8: bool, histogram: bool):
+                   block_k: int, page_size: int, fp8: bool, histogram: bool, keys_major: bool):
   """Scores of one sequence's key chunk for a group of Tg query tokens (+ digit-0 histograms)."""
   # q_ref [Tg, Hp, Di] bf16|f32 ; w_ref [Tg, Hp] f32: blocks of H heads, those past H read as 0
   # pos_ref [Tg] i32 ; pt_ref [max_pages] i32
@@ -97,8 +105,13 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
       scale = scale_ref[page, slot, jnp.zeros_like(slot)] * scale  # [bk] power of two * Di^-0.5
     new_hists = []
     for t in range(num_t):
-      logits = parts_dot(queries[t], keys, (((1,), (1,)), ((), ())))  # [Hp, bk]
-      score = jnp.sum(jnp.maximum(logits * scale, 0.0) * weights[t][:, None], axis=0)
+      if keys_major:
+        logits = parts_dot(queries[t], keys, (((1,), (1,)), ((), ())), parts_on_right=True)  # [bk, Hp]
+        key_scale = scale[:, None] if fp8 else scale
+        score = jnp.sum(jnp.maximum(logits * key_scale, 0.0) * weights[t][None, :], axis=1)
+      else:
+        logits = parts_dot(queries[t], keys, (((1,), (1,)), ((), ())))  # [Hp, bk]
+        score = jnp.sum(jnp.maximum(logits * scale, 0.0) * weights[t][:, None], axis=0)
       score = jnp.where(inside & (tok <= positions[t]), score, -jnp.inf)
       pltriton.store(o_ref.at[jnp.int32(t), pl.ds(i * block_k, block_k)], score, mask=inside)
       if histogram:
@@ -181,7 +194,8 @@ def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, nu
     out_shape += [jax.ShapeDtypeStruct((b, tp, splits, topk.BINS), jnp.float32),
                   jax.ShapeDtypeStruct(tot.shape, jnp.float32)]
   kernel = functools.partial(_scores_kernel, num_t=tg, heads=h, n=num_keys, chunk=chunk, block_k=block_k,
-                             page_size=index_k.shape[1], fp8=fp8, histogram=tot is not None)
+                             page_size=index_k.shape[1], fp8=fp8, histogram=tot is not None,
+                             keys_major=config.orientation == "keys")
   out = pl.pallas_call(
       kernel,
       grid=(b, tp // tg, splits),

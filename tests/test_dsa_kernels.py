@@ -7,6 +7,8 @@ reference's largest magnitude: 1e-5 for fp32 queries (the kernel splits q and p 
 terms: fp32 up to summation order), 1e-2 for bf16 queries (p rounded to bf16, as FlashMLA).
 """
 
+import dataclasses
+import functools
 import warnings
 
 import jax
@@ -16,7 +18,7 @@ import pytest
 
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from pallas_kernels.checks import bf16_parts
-from pallas_kernels.indexer_scores import (IndexerScoresConfig, indexer_scores,
+from pallas_kernels.indexer_scores import (ORIENTATIONS, IndexerScoresConfig, indexer_scores,
                                            indexer_scores_reference)
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
 from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode,
@@ -254,18 +256,21 @@ def _indexer_inputs(seed: int, t: int, fp8: bool, q_dtype=jnp.bfloat16, heads: i
 
 @pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_indexer_scores_matches_reference(t, fp8):
+@pytest.mark.parametrize("orientation", ORIENTATIONS)
+def test_indexer_scores_matches_reference(t, fp8, orientation):
   args = _indexer_inputs(10 + t, t, fp8)
-  got = indexer_scores(*args, num_keys=NUM_KEYS, config=SMALL_SCORES)
+  config = dataclasses.replace(SMALL_SCORES, orientation=orientation)
+  got = indexer_scores(*args, num_keys=NUM_KEYS, config=config)
   ref = indexer_scores_reference(*args, num_keys=NUM_KEYS)
   assert got.shape == (len(LENGTHS), t, NUM_KEYS)
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-def test_indexer_scores_fp32_queries_default_config():
+@pytest.mark.parametrize("orientation", ORIENTATIONS)
+def test_indexer_scores_fp32_queries_default_tiles(orientation):
   # T=10 > the 8-token query group (prefill chunks): two groups, the second padded.
   args = _indexer_inputs(20, 10, fp8=False, q_dtype=jnp.float32)
-  got = indexer_scores(*args, num_keys=NUM_KEYS)
+  got = indexer_scores(*args, num_keys=NUM_KEYS, config=IndexerScoresConfig(orientation=orientation))
   ref = indexer_scores_reference(*args, num_keys=NUM_KEYS)
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
@@ -413,7 +418,8 @@ def test_invalid_inputs_raise():
     lambda: TopKConfig(num_splits=256), lambda: TopKConfig(method="sort"), lambda: TopKConfig(sample=100),
     lambda: TopKConfig(scan_block=24), lambda: TopKConfig(select_warps=3),
     lambda: IndexerScoresConfig(block_k=8),
-    lambda: IndexerScoresConfig(num_warps=3), lambda: SparseMLAConfig(block_n=48),
+    lambda: IndexerScoresConfig(num_warps=3), lambda: IndexerScoresConfig(orientation="rows"),
+    lambda: SparseMLAConfig(block_n=48),
     lambda: SparseMLAConfig(num_splits=0), lambda: SparseMLAConfig(combine="atomic")])
 def test_invalid_configs_raise(make):
   with pytest.raises(ValueError):
@@ -446,6 +452,8 @@ def test_lowers_for_h200():
       (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False),
        (s((1, 5, 4, 128), bf16), s((1, 5, 4), f32), *idx_args[2:])),
       (lambda *a: indexer_topk(*a, num_keys=num_keys, k=2048, interpret=False), idx_args),
+      *[(functools.partial(indexer_scores, num_keys=num_keys, config=IndexerScoresConfig(orientation=o),
+                           interpret=False), idx_args) for o in ORIENTATIONS],
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, interpret=False), mla_args),
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, config=SparseMLAConfig(combine="pallas"),
                                     interpret=False), mla_args)]
