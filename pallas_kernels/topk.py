@@ -55,10 +55,10 @@ counts the keys at or above a trial, all held in registers), in three or four la
    first ties by position then complete the set), and they and T's ties fill the slots; otherwise (a sample more than 4 sigma off, or a row of
    many equal keys above its k-th) the radix select's histograms over the whole row. Exact
    either way.
-Measured on the H200 (BENCHMARKS.md run 16, kernels' own time from a profile): one row 24 us
-against the radix select's 28, 64 rows 64-86 against 362, 5 rows of 81,920 29 against 42, and
-rows whose k-th score is a ReLU zero 23-29 us where the radix select, whose candidates are then
-most of the row, takes 187-265 us.
+Measured on the H200 (kernels' own time from a profile): one row 19.2-19.3 us, 64 rows
+58.2-61.2, rows whose k-th score is a ReLU zero 16.0 (one) and 68.3 (64) (BENCHMARKS.md run
+17); the radix select took 28, 362 and, on the ReLU rows, whose candidates are then most of the
+row, 187-265 us (run 16).
 
 Output order: the set, as two ascending runs (radix: the keys above P, then the chosen candidates;
 sampled: the chosen candidates, then T's ties), then -1 for slots beyond the row's valid entries. Sorting
