@@ -27,7 +27,7 @@ from glmjax.bench import agreement, bandwidth_tbs, kernel_breakdown, time_device
 from glmjax.cache import paged
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from glmjax.footprint import H200_BANDWIDTH
-from pallas_kernels.indexer_scores import IndexerScoresConfig, indexer_scores, indexer_scores_reference
+from pallas_kernels.indexer_scores import ORIENTATIONS, IndexerScoresConfig, indexer_scores, indexer_scores_reference
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
 from pallas_kernels.paged_write import paged_write
 from pallas_kernels.sparse_mla import SparseMLAConfig, sparse_mla_decode, sparse_mla_decode_reference
@@ -213,8 +213,8 @@ def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   mla_args, _ = _mla_case(s, context, t, False, jax.random.key(2))
   grids = {
       "indexer_scores": (functools.partial(indexer_scores, num_keys=context), idx_args,
-                         [IndexerScoresConfig(block_k=bk, num_splits=sp, num_warps=w, num_stages=st)
-                          for bk in (64, 128, 256) for sp in (64, 128) for w in (4, 8) for st in (2, 3)]),
+                         [IndexerScoresConfig(block_k=bk, num_warps=w, num_stages=st, orientation=o)
+                          for o in ORIENTATIONS for bk in (64, 128, 256) for w in (4, 8) for st in (2, 3)]),
       "sparse_mla_decode": (functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE), mla_args,
                             [SparseMLAConfig(block_n=bn, num_splits=sp, num_warps=w)
                              for bn in (16, 32, 64) for sp in (None, 64) for w in (4, 8)]),

@@ -1,7 +1,8 @@
 """Kernel switches as absl flags, shared by the experiments that build a Runtime (replay,
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
 default), and --dense_matmul, --cache_write, --moe_routing with the DSA kernels' --topk_method,
---indexer_queries, --attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
+--indexer_orientation, --indexer_queries, --attention_queries (`define`); glmjax.runtime.Runtime's
+fields of those names."""
 
 from typing import Callable
 
@@ -9,6 +10,7 @@ from absl import flags
 
 from glmjax.quant import DENSE_IMPLS
 from glmjax.runtime import CACHE_WRITES, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES
+from pallas_kernels.indexer_scores import ORIENTATIONS
 from pallas_kernels.topk import METHODS
 
 
@@ -31,9 +33,12 @@ def define() -> Callable[[], dict[str, str]]:
   routing = flags.DEFINE_enum("moe_routing", "table", list(MOE_ROUTINGS),
                               "the grouped MoE kernels' expert lookup: table (XLA) or scan (in-kernel)")
   topk = flags.DEFINE_enum("topk_method", "sampled", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
+  orientation = flags.DEFINE_enum("indexer_orientation", "keys", list(ORIENTATIONS),
+                                  "the Pallas indexer scores kernel's MMA rows: keys (head sums within a warp) "
+                                  "or heads (across warps)")
   indexer = flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES), "precision of the indexer's queries")
   attention = flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
                                 "precision of the decode attention's queries (bfloat16: FlashMLA's numerics)")
   return lambda: dict(dense_matmul=dense.value, cache_write=write.value, moe_routing=routing.value,
-                      topk_method=topk.value, indexer_queries=indexer.value,
+                      topk_method=topk.value, indexer_orientation=orientation.value, indexer_queries=indexer.value,
                       attention_queries=attention.value)

@@ -144,7 +144,8 @@ class MLAttention(nn.Module):
     if idx is not None:
       q_idx, w_idx, _ = idx
       prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,
-                                  runtime.attention, runtime.topk_ties, runtime.topk_method)
+                                  runtime.attention, runtime.topk_ties, runtime.topk_method,
+                                  runtime.indexer_orientation)
     queries = jnp.dtype(runtime.attention_queries)
     o_latent = dsa.cached_attention(q_latent.astype(queries), q_pe.astype(queries), layer, cache.page_table,
                                     positions, prev_topk, c.softmax_scale, runtime.attention)

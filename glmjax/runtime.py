@@ -37,6 +37,9 @@ class Runtime:
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
   "sampled", the default, or "radix"; both exact).
+  indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
+  "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
+  reduced across warps); the same scores up to the order of fp32 sums.
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
@@ -55,6 +58,7 @@ class Runtime:
   moe_routing: str = "table"
   topk_ties: str = "index"
   topk_method: str = "sampled"
+  indexer_orientation: str = "keys"
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
 
@@ -74,9 +78,12 @@ class Runtime:
     for name in ("indexer_queries", "attention_queries"):
       if getattr(self, name) not in QUERY_DTYPES:
         raise ValueError(f"{name} must be one of {QUERY_DTYPES}, got {getattr(self, name)!r}")
-    from pallas_kernels.topk import METHODS  # the kernels import glmjax: imported when needed
+    from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed
+    from pallas_kernels.topk import METHODS
     if self.topk_method not in METHODS:
       raise ValueError(f"topk_method must be one of {METHODS}, got {self.topk_method!r}")
+    if self.indexer_orientation not in ORIENTATIONS:
+      raise ValueError(f"indexer_orientation must be one of {ORIENTATIONS}, got {self.indexer_orientation!r}")
 
   @property
   def linear_impls(self) -> dict[str, str]:
@@ -93,8 +100,8 @@ class Runtime:
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
                  matmul: str = "xla", dense_matmul: str = "xla", cache_write: str = "xla",
-                 moe_routing: str = "table", topk_method: str = "sampled", indexer_queries: str = "float32",
-                 attention_queries: str = "float32") -> Runtime:
+                 moe_routing: str = "table", topk_method: str = "sampled", indexer_orientation: str = "keys",
+                 indexer_queries: str = "float32", attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
   if index_share == "on":
@@ -108,4 +115,5 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
                  dense_matmul=dense_matmul, cache_write=cache_write, moe_routing=moe_routing,
-                 topk_method=topk_method, indexer_queries=indexer_queries, attention_queries=attention_queries)
+                 topk_method=topk_method, indexer_orientation=indexer_orientation, indexer_queries=indexer_queries,
+                 attention_queries=attention_queries)

@@ -55,8 +55,8 @@ def _record_pallas_calls(monkeypatch) -> list[tuple]:
   def record(kind, ref, static, got, *inputs):
     calls.append((kind, ref, static, *jax.tree.map(np.array, (got, inputs))))
 
-  def topk(q, weights, layer, page_table, positions, k, impl, ties="index", method="sampled"):
-    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties, method)
+  def topk(q, weights, layer, page_table, positions, k, impl, ties="index", method="sampled", orientation="keys"):
+    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties, method, orientation)
     jax.debug.callback(functools.partial(record, "topk", ref_topk, (k, "sparse", ties)),
                        got, q, weights, layer, page_table, positions)
     return got
