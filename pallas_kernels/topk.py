@@ -52,9 +52,9 @@ counts the keys at or above a trial, all held in registers), in three or four la
 4. select, one program per row: if the buffer did not overflow and it with T's ties holds k
    keys (or T = 0: every valid key is a candidate), `count_search` over the buffer in
    registers finds a bound with exactly k candidates at or above it (or the k-th key, whose
-   first ties by position then complete the set), and they and T's ties fill the slots; otherwise (a sample more than 4 sigma off, or a row of
-   many equal keys above its k-th) the radix select's histograms over the whole row. Exact
-   either way.
+   first ties by position then complete the set), and they and T's ties fill the slots;
+   otherwise (a sample more than 4 sigma off, or a row of many equal keys above its k-th) the
+   radix select's histograms over the whole row. Exact either way.
 Measured on the H200 (kernels' own time from a profile): one row 19.2-19.3 us, 64 rows
 58.2-61.2, rows whose k-th score is a ReLU zero 16.0 (one) and 68.3 (64) (BENCHMARKS.md run
 17); the radix select took 28, 362 and, on the ReLU rows, whose candidates are then most of the
@@ -705,9 +705,9 @@ def _sampled_select_kernel(cand_ref, cand_pos_ref, tie_pos_ref, row_ref, thresho
     _select_into(out_ref, keys, positions, n, jnp.uint32(0), jnp.int32(k), first_digit=0,
                  filled=jnp.int32(0), k=k, block=block)
 
-  lax.cond(fast, lambda: _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, threshold, above, tied,
-                                                 k=k),
-           whole_row)
+  candidates = functools.partial(_select_candidates, out_ref, cand_ref, cand_pos_ref, tie_pos_ref, threshold,
+                                 above, tied, k=k)
+  lax.cond(fast, candidates, whole_row)
   fallback_ref[...] = 1 - fast.astype(jnp.int32)
 
 
