@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.bench import agreement, bandwidth_tbs, kernel_breakdown, time_device, time_device_carry
+from glmjax.bench import (agreement, bandwidth_tbs, kernel_breakdown, loop_breakdown, own_kernel_us, time_device,
+                          time_device_carry)
 from glmjax.cache import paged
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from glmjax.footprint import H200_BANDWIDTH
@@ -56,6 +57,7 @@ def _row(kernel: str, case: str, fn: Callable, ref: Callable, args: tuple, num_b
              **agreement(fn(*args), ref(*args)))
   if breakdown:  # per-launch device time of the kernel path, from a profile
     row["kernels"] = kernel_breakdown(fn, *args)
+    row["own_us"] = own_kernel_us(row["kernels"], loop_breakdown(*args))
   return row
 
 
@@ -134,8 +136,10 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
              query_dtypes: Sequence[str] = ("float32",),
              mla_combines: Sequence[str] = ("xla",)) -> Iterator[dict[str, Any]]:
   """Yields one dict per (kernel, case) as it is measured: us, xla_us, speedup, bytes, floor_us,
-  tbs (achieved TB/s); with `breakdown` also `kernels`, glmjax.bench.kernel_breakdown of the
-  kernel path. contexts / query_tokens: override the shape set's (empty: keep). topk_methods:
+  tbs (achieved TB/s); with `breakdown` also own_us (the path's kernels alone, without the
+  timing loop's launch gaps and bookkeeping: glmjax.bench.own_kernel_us) and `kernels`,
+  glmjax.bench.kernel_breakdown of the kernel path. contexts / query_tokens: override the shape
+  set's (empty: keep). topk_methods:
   the top-k algorithms timed (indexer_topk and topk_indices rows, one per method; a method
   other than radix is named in the kernel column). query_dtypes: the dtypes of the queries fed
   to the indexer and attention kernels (float32: three bf16 MMA terms; bfloat16: one), likewise

@@ -147,3 +147,17 @@ def kernel_breakdown(fn: Callable[..., Any], *args: Any, iters: int = 20) -> lis
       jax.block_until_ready(program(args))
     times = device_kernel_times(trace_dir)
   return sorted(((name, n / iters, us / iters) for name, (n, us, _) in times.items()), key=lambda r: -r[2])
+
+
+def loop_breakdown(*args: Any, iters: int = 20) -> list[tuple[str, float, float]]:
+  """kernel_breakdown of the timing loop alone, over a call that returns its first argument:
+  the loop's own bookkeeping kernels (its counter, the accumulator add), for `own_kernel_us`."""
+  return kernel_breakdown(lambda *a: a[0], *args, iters=iters)
+
+
+def own_kernel_us(kernels: list[tuple[str, float, float]], loop: list[tuple[str, float, float]]) -> float:
+  """Per-call device time of a kernel path's own kernels: its kernel_breakdown less the timing
+  loop's bookkeeping (`loop_breakdown` on the same arguments), kernel by kernel name. Launch
+  gaps are in neither: time_device minus this is what the gaps and the loop cost."""
+  bookkeeping = {name: us for name, _, us in loop}
+  return sum(max(0.0, us - bookkeeping.get(name, 0.0)) for name, _, us in kernels)

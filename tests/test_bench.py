@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glmjax.bench import agreement, device_kernel_times, kernel_breakdown, time_device
+from glmjax.bench import agreement, device_kernel_times, kernel_breakdown, own_kernel_us, time_device
 
 
 def _write_trace(directory, events):
@@ -46,6 +46,16 @@ def test_kernel_breakdown_runs_a_profile_and_time_device_is_positive():
   # The CPU backend's trace has no device events: the breakdown is empty, not an error.
   assert kernel_breakdown(lambda a: jnp.sin(a) @ a, x, iters=2) == []
   assert time_device(lambda a: jnp.sin(a) @ a, x, iters=2, repeats=1) > 0
+
+
+def test_own_kernel_us_takes_away_the_timing_loops_bookkeeping():
+  """The loop's counter and accumulator kernels (measured alone) come off by name, never below
+  zero; the path's own kernels, including one the loop lacks, stay."""
+  path = [("topk_select", 1.0, 10.0), ("loop_add_fusion", 1.0, 1.2), ("loop_add_fusion_1", 1.0, 0.7),
+          ("topk_count", 1.0, 6.5)]
+  loop = [("loop_add_fusion", 1.0, 1.1), ("loop_add_fusion_1", 1.0, 0.9), ("set_while_condition", 0.1, 0.1)]
+  assert own_kernel_us(path, loop) == pytest.approx(10.0 + 0.1 + 6.5)
+  assert own_kernel_us(path, []) == pytest.approx(18.4)
 
 
 def test_agreement_compares_index_sets_and_float_errors():
