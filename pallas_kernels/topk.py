@@ -41,8 +41,8 @@ counts the keys at or above a trial, all held in registers), in three or four la
 1. threshold: the row's strided sample (every n / `sample`-th score; 4096 by default) gives a
    key T with r_lo to r_lo + slack sample keys above it (r_lo: the sample rank of the
    row's k-th score plus 4 sigma, `sample_plan`). Where the row's programs fit on the SMs at
-   once (few rows) each count program derives T itself; otherwise one program per row does,
-   in a launch of its own.
+   once (up to FEW_ROWS rows their splits shrink until they do) each count program derives T
+   itself; otherwise one program per row does, in a launch of its own.
 2. count, grid (rows, splits): every program counts the keys of its chunk above T and equal to
    T: two compares and adds a score.
 3. compaction, same grid: the keys above T, in index order (offsets from the chunks' counts),
@@ -97,7 +97,7 @@ TARGET_PROGRAMS = 2 * SMS  # two programs per SM
 MAX_SPLITS = 128
 METHODS = ("sampled", "radix")
 SAMPLE = 4096  # scores per row in the sampled method's sample
-FEW_ROWS = 8  # rows up to which the sampled select's programs take 8 warps (TopKConfig.select_warps)
+FEW_ROWS = 8  # rows up to which the sampled select takes 8 warps and the counts fit on the SMs
 KEYS_PER_THREAD = 32  # ... where its candidates come to at most this many a thread
 MAX_CANDIDATES = 16384  # the sampled select's buffer, held in registers: 32 keys a thread at 16 warps
 _NO_KEY = 0xFFFFFFFF  # above every key (order_key(+inf) is 0xFF800000)
@@ -711,13 +711,22 @@ def _sampled_select_kernel(cand_ref, cand_pos_ref, tie_pos_ref, row_ref, thresho
   fallback_ref[...] = 1 - fast.astype(jnp.int32)
 
 
+def few_row_splits(rows: int, splits: int) -> int:
+  """Up to FEW_ROWS rows, the splits halved until the rows' programs fit on the SMs at once, so
+  that they derive the threshold themselves: one launch fewer (5 rows of 81,920: 32 splits and a
+  threshold launch 41.7 us, 16 splits without it 41.3, BENCHMARKS.md run 17)."""
+  while rows <= FEW_ROWS and rows * splits > SMS and splits > 1:
+    splits //= 2
+  return splits
+
+
 def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKConfig,
                    interpret: bool) -> tuple[jax.Array, jax.Array]:
   """The sampled method on [rows, n] scores: (int32 [rows, k] top-k set as two ascending runs of
   positions, then -1; int32 [rows] 1 where the row fell back to the select over the whole row)."""
   rows, n = scores.shape
   block = config.scan_block
-  splits = config.num_splits or row_splits(rows, n, block)
+  splits = config.num_splits or few_row_splits(rows, row_splits(rows, n, block))
   chunk = split_chunk(n, splits, block)
   k_pow2 = pl.next_power_of_2(k)
   chunk_spec = pl.BlockSpec((None, chunk), lambda r, s: (r, s))

@@ -25,6 +25,7 @@ from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode,
                                        sparse_mla_decode_reference)
 from pallas_kernels import topk
 from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
+from tests.test_quant_model import kernel_launches
 
 PAGE = 16
 MAX_PAGES = 12  # num_keys = 192
@@ -225,6 +226,17 @@ def test_sampled_topk_falls_back_when_the_sample_misleads():
   assert fallback.all()
   ref = np.asarray(topk_indices_reference(jnp.asarray(x), k))
   np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(ref, axis=1))
+
+
+def test_sampled_topk_few_rows_take_one_launch_fewer():
+  """Up to FEW_ROWS rows, the splits shrink until the programs fit on the SMs, which then derive
+  the threshold themselves: count, compaction and select (3 launches); 64 rows keep the
+  threshold's own launch (4). Five rows of 81,920 is a speculative decode step at 80K."""
+  launches = lambda rows, n: kernel_launches(jax.make_jaxpr(lambda x: topk_indices(x, 2048))(
+      jax.ShapeDtypeStruct((rows, n), jnp.float32)).jaxpr)
+  assert launches(5, 81920) == launches(1, 131072) == launches(8, 131072) == 3
+  assert launches(64, 131072) == 4
+  assert topk.few_row_splits(5, 32) == 16 and topk.few_row_splits(64, 8) == 8
 
 
 def test_sampled_method_through_topk_indices():
