@@ -621,20 +621,30 @@ def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_r
   above_ref[...], tied_ref[...] = lax.fori_loop(0, chunk // block, body, (jnp.int32(0), jnp.int32(0)))
 
 
-def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, cand_pos_ref, tie_pos_ref, *,
-                    n: int, k: int, chunk: int, block: int, splits: int, capacity: int):
+def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, cand_pos_ref, tie_pos_ref,
+                    row_threshold_ref, row_above_ref, row_tied_ref, *, n: int, k: int, chunk: int, block: int,
+                    splits: int, capacity: int):
   """This chunk's keys above the threshold -> the row's candidate buffer, and its keys equal to
   the threshold that are among the row's first (k - keys above) of them -> the tie buffer; both
   in index order (the chunks' counts give each chunk its offsets). Candidates past `capacity`
-  are dropped (the select then falls back)."""
+  are dropped (the select then falls back). The row's first program also writes the row's
+  threshold and totals, so the select starts from three scalars, not three reductions."""
   # chunk_ref [chunk] f32 ; threshold_ref [] u32 (this program's) ; above_ref, tied_ref [splits] i32
   # (the row's) ; cand_ref [capacity] u32 keys ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 (the row's)
+  # row_threshold_ref [] u32 ; row_above_ref, row_tied_ref [] i32 (the row's)
   s = pl.program_id(1)
   threshold = threshold_ref[...]
   above_counts, tied_counts = above_ref[...], tied_ref[...]
   before = jnp.arange(splits, dtype=jnp.int32) < s
-  ties_wanted = k - jnp.sum(above_counts)  # <= 0 when the keys above fill k
+  above_total = jnp.sum(above_counts)
+  ties_wanted = k - above_total  # <= 0 when the keys above fill k
   start = s * chunk
+
+  @pl.when(s == 0)
+  def _():
+    row_threshold_ref[...] = threshold
+    row_above_ref[...] = above_total
+    row_tied_ref[...] = jnp.sum(tied_counts)
 
   def body(i, offsets):
     slot0, tie0 = offsets
@@ -694,10 +704,8 @@ def _sampled_select_kernel(cand_ref, cand_pos_ref, tie_pos_ref, row_ref, thresho
   more than 4 sigma off, or a row of many equal scores above the k-th) the histogram select
   over the whole row: exact either way."""
   # cand_ref [capacity] u32 ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ; row_ref [n] f32
-  # threshold_ref, above_ref, tied_ref [splits] u32, i32, i32 (the row's programs') ; out_ref [k] i32
-  # fallback_ref [] i32
-  threshold = jnp.max(threshold_ref[...])  # every program of the row derived the same
-  above, tied = jnp.sum(above_ref[...]), jnp.sum(tied_ref[...])
+  # threshold_ref [] u32, above_ref, tied_ref [] i32 (the row's) ; out_ref [k] i32 ; fallback_ref [] i32
+  threshold, above, tied = threshold_ref[...], above_ref[...], tied_ref[...]
   fast = (above <= cand_ref.shape[0]) & ((above + tied >= k) | (threshold == 0))
 
   def whole_row():
@@ -761,15 +769,17 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
       interpret=interpret,
       name="topk_sample_count",
   )(scores, source)
-  cand, cand_pos, tie_pos = pl.pallas_call(
+  cand, cand_pos, tie_pos, threshold, above, tied = pl.pallas_call(
       functools.partial(_compact_kernel, n=n, k=k, chunk=chunk, block=block, splits=splits,
                         capacity=plan.capacity),
       grid=(rows, splits),
       in_specs=[chunk_spec, per_program, row_spec(splits), row_spec(splits)],
-      out_specs=[row_spec(plan.capacity)] * 2 + [row_spec(k_pow2)],
+      out_specs=[row_spec(plan.capacity)] * 2 + [row_spec(k_pow2)] + [per_row] * 3,
       out_shape=[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32),
                  jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32),
-                 jax.ShapeDtypeStruct((rows, k_pow2), jnp.int32)],
+                 jax.ShapeDtypeStruct((rows, k_pow2), jnp.int32),
+                 jax.ShapeDtypeStruct((rows,), jnp.uint32),
+                 *[jax.ShapeDtypeStruct((rows,), jnp.int32)] * 2],
       compiler_params=_params(config),
       interpret=interpret,
       name="topk_compact",
@@ -778,7 +788,7 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
       functools.partial(_sampled_select_kernel, k=k, n=n, block=config.block),
       grid=(rows,),
       in_specs=[row_spec(plan.capacity), row_spec(plan.capacity), row_spec(k_pow2), row_spec(n),
-                *[row_spec(splits)] * 3],
+                *[per_row] * 3],
       out_specs=[row_spec(k), per_row],
       out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)],
       compiler_params=_params(config, select_warps),
