@@ -604,34 +604,39 @@ def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, plan: Sampl
 
 def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_ref, *, n: int, chunk: int,
                          block: int, sample: int, plan: SamplePlan, own_threshold: bool):
-  """This chunk's numbers of keys above the row's threshold and equal to it. own_threshold:
-  the program derives the threshold from the row's sample itself (every program of the row
-  the same one), which saves a launch where the row's programs fit on the SMs at once."""
+  """This chunk's numbers of keys above the row's threshold and equal to it; the row's first
+  program also writes the threshold for the later launches. own_threshold: the program derives
+  the threshold from the row's sample itself (every program of the row the same one), which
+  saves a launch where the row's programs fit on the SMs at once."""
   # chunk_ref [chunk] f32 ; source_ref [n] f32 (the whole row) if own_threshold else [] u32 (the
-  # row's threshold) ; threshold_ref [] u32 ; above_ref, tied_ref [] i32 (this program's)
+  # row's threshold) ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [] i32 (this program's)
   threshold = _sample_threshold(source_ref, sample=sample, plan=plan) if own_threshold else source_ref[...]
-  start = pl.program_id(1) * chunk
+  s = pl.program_id(1)
+  start = s * chunk
 
   def body(i, counts):
     _, inside, score = _chunk_scores(chunk_ref, i, start=start, n=n, block=block)
     above, tied = _against(order_key(score), inside, threshold)
     return counts[0] + jnp.sum(above.astype(jnp.int32)), counts[1] + jnp.sum(tied.astype(jnp.int32))
 
-  threshold_ref[...] = threshold
+  @pl.when(s == 0)
+  def _():
+    threshold_ref[...] = threshold
+
   above_ref[...], tied_ref[...] = lax.fori_loop(0, chunk // block, body, (jnp.int32(0), jnp.int32(0)))
 
 
 def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, cand_pos_ref, tie_pos_ref,
-                    row_threshold_ref, row_above_ref, row_tied_ref, *, n: int, k: int, chunk: int, block: int,
-                    splits: int, capacity: int):
+                    row_above_ref, row_tied_ref, *, n: int, k: int, chunk: int, block: int, splits: int,
+                    capacity: int):
   """This chunk's keys above the threshold -> the row's candidate buffer, and its keys equal to
   the threshold that are among the row's first (k - keys above) of them -> the tie buffer; both
   in index order (the chunks' counts give each chunk its offsets). Candidates past `capacity`
   are dropped (the select then falls back). The row's first program also writes the row's
-  threshold and totals, so the select starts from three scalars, not three reductions."""
-  # chunk_ref [chunk] f32 ; threshold_ref [] u32 (this program's) ; above_ref, tied_ref [splits] i32
+  totals, so the select starts from scalars, not reductions."""
+  # chunk_ref [chunk] f32 ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [splits] i32
   # (the row's) ; cand_ref [capacity] u32 keys ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 (the row's)
-  # row_threshold_ref [] u32 ; row_above_ref, row_tied_ref [] i32 (the row's)
+  # row_above_ref, row_tied_ref [] i32 (the row's)
   s = pl.program_id(1)
   threshold = threshold_ref[...]
   above_counts, tied_counts = above_ref[...], tied_ref[...]
@@ -642,7 +647,6 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, can
 
   @pl.when(s == 0)
   def _():
-    row_threshold_ref[...] = threshold
     row_above_ref[...] = above_total
     row_tied_ref[...] = jnp.sum(tied_counts)
 
@@ -762,23 +766,22 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
                         own_threshold=own_threshold),
       grid=(rows, splits),
       in_specs=[chunk_spec, source_spec],
-      out_specs=[per_program] * 3,
-      out_shape=[jax.ShapeDtypeStruct((rows, splits), jnp.uint32),
+      out_specs=[per_row, per_program, per_program],
+      out_shape=[jax.ShapeDtypeStruct((rows,), jnp.uint32),
                  *[jax.ShapeDtypeStruct((rows, splits), jnp.int32)] * 2],
       compiler_params=_params(config, select_warps if own_threshold else None),
       interpret=interpret,
       name="topk_sample_count",
   )(scores, source)
-  cand, cand_pos, tie_pos, threshold, above, tied = pl.pallas_call(
+  cand, cand_pos, tie_pos, row_above, row_tied = pl.pallas_call(
       functools.partial(_compact_kernel, n=n, k=k, chunk=chunk, block=block, splits=splits,
                         capacity=plan.capacity),
       grid=(rows, splits),
-      in_specs=[chunk_spec, per_program, row_spec(splits), row_spec(splits)],
-      out_specs=[row_spec(plan.capacity)] * 2 + [row_spec(k_pow2)] + [per_row] * 3,
+      in_specs=[chunk_spec, per_row, row_spec(splits), row_spec(splits)],
+      out_specs=[row_spec(plan.capacity)] * 2 + [row_spec(k_pow2)] + [per_row] * 2,
       out_shape=[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32),
                  jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32),
                  jax.ShapeDtypeStruct((rows, k_pow2), jnp.int32),
-                 jax.ShapeDtypeStruct((rows,), jnp.uint32),
                  *[jax.ShapeDtypeStruct((rows,), jnp.int32)] * 2],
       compiler_params=_params(config),
       interpret=interpret,
@@ -794,7 +797,7 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
       compiler_params=_params(config, select_warps),
       interpret=interpret,
       name="topk_sampled_select",
-  )(cand, cand_pos, tie_pos, scores, threshold, above, tied)
+  )(cand, cand_pos, tie_pos, scores, threshold, row_above, row_tied)
 
 
 def check_topk_args(n: int, k: int) -> None:
