@@ -139,9 +139,8 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
   tbs (achieved TB/s); with `breakdown` also own_us (the path's kernels alone, without the
   timing loop's launch gaps and bookkeeping: glmjax.bench.own_kernel_us) and `kernels`,
   glmjax.bench.kernel_breakdown of the kernel path. contexts / query_tokens: override the shape
-  set's (empty: keep). topk_methods:
-  the top-k algorithms timed (indexer_topk and topk_indices rows, one per method; a method
-  other than radix is named in the kernel column). query_dtypes: the dtypes of the queries fed
+  set's (empty: keep). topk_methods: the top-k algorithms timed (indexer_topk and topk_indices
+  rows, one per method; a method other than radix is named in the kernel column). query_dtypes: the dtypes of the queries fed
   to the indexer and attention kernels (float32: three bf16 MMA terms; bfloat16: one), likewise
   named. mla_combines: how sparse MLA merges its splits (SparseMLAConfig.combine), likewise."""
   s = dict(QUICK if quick else FULL)

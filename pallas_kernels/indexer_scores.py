@@ -92,7 +92,8 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
   heads_ok = jnp.arange(hp) < heads
   masked = lambda view, ok: view[...] if heads == hp else pltriton.load(view, mask=ok, other=0.0)
   queries = [bf16_parts(masked(q_ref.at[jnp.int32(t)], heads_ok[:, None])) for t in range(num_t)]
-  weights = [masked(w_ref.at[jnp.int32(t)], heads_ok) for t in range(num_t)]
+  head_axis = 1 if keys_major else 0  # logits [bk, Hp] or [Hp, bk]
+  weights = [jnp.expand_dims(masked(w_ref.at[jnp.int32(t)], heads_ok), 1 - head_axis) for t in range(num_t)]
   positions = [pos_ref[t] for t in range(num_t)]
   dims = jnp.arange(head_dim, dtype=jnp.int32)
 
@@ -106,14 +107,10 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
     if fp8:
       scale = scale_ref[page, slot, jnp.zeros_like(slot)] * scale  # [bk] power of two * Di^-0.5
     new_hists = []
+    key_scale = jnp.expand_dims(scale, head_axis) if fp8 else scale  # broadcast over the heads
     for t in range(num_t):
-      if keys_major:
-        logits = parts_dot(queries[t], keys, (((1,), (1,)), ((), ())), parts_on_right=True)  # [bk, Hp]
-        key_scale = scale[:, None] if fp8 else scale
-        score = jnp.sum(jnp.maximum(logits * key_scale, 0.0) * weights[t][None, :], axis=1)
-      else:
-        logits = parts_dot(queries[t], keys, (((1,), (1,)), ((), ())))  # [Hp, bk]
-        score = jnp.sum(jnp.maximum(logits * scale, 0.0) * weights[t][:, None], axis=0)
+      logits = parts_dot(queries[t], keys, (((1,), (1,)), ((), ())), parts_on_right=keys_major)
+      score = jnp.sum(jnp.maximum(logits * key_scale, 0.0) * weights[t], axis=head_axis)
       score = jnp.where(inside & (tok <= positions[t]), score, -jnp.inf)
       pltriton.store(o_ref.at[jnp.int32(t), pl.ds(i * block_k, block_k)], score, mask=inside)
       if histogram:
