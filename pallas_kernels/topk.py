@@ -44,8 +44,10 @@ counts the keys at or above a trial, all held in registers), in three or four la
    once (up to FEW_ROWS rows their splits shrink until they do) each count program derives T
    itself; otherwise one program per row does, in a launch of its own.
 2. count, grid (rows, splits): every program counts the keys of its chunk above T and equal to
-   T: two compares and adds a score.
-3. compaction, same grid: the keys above T, in index order (offsets from the chunks' counts),
+   T, per segment of the chunk (`scan_lanes`: 16 of a 2048-score step, one warp's loads each),
+   in registers, reduced once at the end: two compares and adds a score.
+3. compaction, same grid: the keys above T, in index order (offsets from the segments' counts,
+   each segment scanned inside its warp),
    go to a per-row buffer of about twice their expected number (8K keys at k=2048 of 131,072);
    when the keys above T number fewer than k, the first (k - that many) keys equal to T by
    position go to a tie buffer (ReLU-summed indexer scores: T is often their exact zero).
@@ -55,10 +57,10 @@ counts the keys at or above a trial, all held in registers), in three or four la
    first ties by position then complete the set), and they and T's ties fill the slots;
    otherwise (a sample more than 4 sigma off, or a row of many equal keys above its k-th) the
    radix select's histograms over the whole row. Exact either way.
-Measured on the H200 (kernels' own time from a profile): one row 19.2-19.3 us, 64 rows
-58.2-61.2, rows whose k-th score is a ReLU zero 16.0 (one) and 68.3 (64) (BENCHMARKS.md run
-17); the radix select took 28, 362 and, on the ReLU rows, whose candidates are then most of the
-row, 187-265 us (run 16).
+Measured on the H200 (kernels' own time from a profile): one row 19.4 us, 64 rows 57.7 (the
+chunk scanned whole every step: 61.3-61.7 in the same call), rows whose k-th score is a ReLU
+zero 16.0 (one) and 63.0 (64) (BENCHMARKS.md run 18); the radix select took 28, 362 and, on the
+ReLU rows, whose candidates are then most of the row, 187-265 us (run 16).
 
 Output order: the set, as two ascending runs (radix: the keys above P, then the chosen candidates;
 sampled: the chosen candidates, then T's ties), then -1 for slots beyond the row's valid entries. Sorting
@@ -100,6 +102,7 @@ SAMPLE = 4096  # scores per row in the sampled method's sample
 FEW_ROWS = 8  # rows up to which the sampled select takes 8 warps and the counts fit on the SMs
 KEYS_PER_THREAD = 32  # ... where its candidates come to at most this many a thread
 MAX_CANDIDATES = 16384  # the sampled select's buffer, held in registers: 32 keys a thread at 16 warps
+LANE_WIDTH = 128  # scores a warp loads in one 128-bit load a thread
 _NO_KEY = 0xFFFFFFFF  # above every key (order_key(+inf) is 0xFF800000)
 _LARGEST_BELOW_2_32 = 4294967040.0  # the largest float32 under 2^32: a float stride that fits uint32
 
@@ -116,6 +119,11 @@ class TopKConfig:
     the radix select) or "radix" (four digit passes); module docstring.
   scan_block: scores per loop step of the sampled method's count and compaction passes (power of
     two >= 16): a compare a score, so large tiles keep enough loads in flight.
+  scan_lanes: segments a program's chunk is cut into for the sampled method's count and
+    compaction, each read scan_block / scan_lanes scores a step and scanned on its own. None:
+    segments of LANE_WIDTH scores a step (16 of a 2048 block), whose scans stay inside a warp;
+    1 scans the whole block across the program's warps every step (64 rows of 131,072: count
+    9.6 us against 11.5, compaction 23.7 against 25.7, BENCHMARKS.md run 18).
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
@@ -129,6 +137,7 @@ class TopKConfig:
   sample: int = SAMPLE
   scan_block: int = 2048
   select_warps: int | None = None
+  scan_lanes: int | None = None
 
   def __post_init__(self):
     check_tile("TopKConfig", "block", self.block)
@@ -139,6 +148,15 @@ class TopKConfig:
       check_launch("TopKConfig", self.select_warps)
     check_choice("TopKConfig", "method", self.method, METHODS)
     check_tile("TopKConfig", "sample", self.sample)
+    if self.scan_lanes is not None and (self.scan_lanes < 1 or self.scan_block % self.scan_lanes
+                                        or self.scan_lanes & (self.scan_lanes - 1)):
+      raise ValueError(f"TopKConfig.scan_lanes must be a power of two dividing scan_block "
+                       f"({self.scan_block}), got {self.scan_lanes}")
+
+  @property
+  def lanes(self) -> int:
+    """scan_lanes, by default segments of one warp's 128-bit loads (LANE_WIDTH scores)."""
+    return self.scan_lanes or max(1, self.scan_block // LANE_WIDTH)
 
 
 def row_splits(rows: int, n: int, granule: int) -> int:
@@ -274,8 +292,8 @@ def _split_counts(ge_ref, digit: jax.Array, splits: int) -> jax.Array:
   return jnp.where(digit < BINS, counts, 0)
 
 
-def _exclusive_cumsum(x: jax.Array) -> jax.Array:
-  return jnp.cumsum(x) - x
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+  return jnp.cumsum(x, axis=axis) - x
 
 
 def _gather_kernel(scores_ref, tot_ref, ge0_ref, ge1_ref, out_ref, cand_ref, cand_pos_ref, lo_ref,
@@ -602,76 +620,93 @@ def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, plan: Sampl
   threshold_ref[...] = _sample_threshold(row_ref, sample=sample, plan=plan)
 
 
-def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_ref, *, n: int, chunk: int,
-                         block: int, sample: int, plan: SamplePlan, own_threshold: bool):
-  """This chunk's numbers of keys above the row's threshold and equal to it; the row's first
+def _lane_tile(chunk_ref, i, *, start, n: int, lanes: int, width: int):
+  """Step i of a program's chunk cut into `lanes` contiguous segments, each read `width` scores a
+  step: (positions, in-row mask, scores -inf past the row), each [lanes, width]."""
+  stride = chunk_ref.shape[0] // lanes
+  offsets = (jnp.arange(lanes, dtype=jnp.int32)[:, None] * stride + i * width
+             + jnp.arange(width, dtype=jnp.int32)[None, :])
+  pos = start + offsets
+  inside = pos < n
+  return pos, inside, pltriton.load(chunk_ref.at[offsets], mask=inside, other=-jnp.inf)
+
+
+def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_ref, *, n: int, lanes: int,
+                         width: int, sample: int, plan: SamplePlan, own_threshold: bool):
+  """Per segment of this chunk (`_lane_tile`), the numbers of keys above the row's threshold and
+  equal to it, summed over the chunk in registers and reduced once at the end; the row's first
   program also writes the threshold for the later launches. own_threshold: the program derives
   the threshold from the row's sample itself (every program of the row the same one), which
   saves a launch where the row's programs fit on the SMs at once."""
   # chunk_ref [chunk] f32 ; source_ref [n] f32 (the whole row) if own_threshold else [] u32 (the
-  # row's threshold) ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [] i32 (this program's)
+  # row's threshold) ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [lanes] i32 (this program's)
   threshold = _sample_threshold(source_ref, sample=sample, plan=plan) if own_threshold else source_ref[...]
   s = pl.program_id(1)
-  start = s * chunk
+  start = s * chunk_ref.shape[0]
 
   def body(i, counts):
-    _, inside, score = _chunk_scores(chunk_ref, i, start=start, n=n, block=block)
+    _, inside, score = _lane_tile(chunk_ref, i, start=start, n=n, lanes=lanes, width=width)
     above, tied = _against(order_key(score), inside, threshold)
-    return counts[0] + jnp.sum(above.astype(jnp.int32)), counts[1] + jnp.sum(tied.astype(jnp.int32))
+    return counts[0] + above.astype(jnp.int32), counts[1] + tied.astype(jnp.int32)
 
   @pl.when(s == 0)
   def _():
     threshold_ref[...] = threshold
 
-  above_ref[...], tied_ref[...] = lax.fori_loop(0, chunk // block, body, (jnp.int32(0), jnp.int32(0)))
+  zeros = jnp.zeros((lanes, width), jnp.int32)
+  above, tied = lax.fori_loop(0, chunk_ref.shape[0] // (lanes * width), body, (zeros, zeros))
+  above_ref[...], tied_ref[...] = jnp.sum(above, axis=1), jnp.sum(tied, axis=1)
 
 
 def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, cand_pos_ref, tie_pos_ref,
-                    row_above_ref, row_tied_ref, *, n: int, k: int, chunk: int, block: int, splits: int,
-                    capacity: int):
+                    row_above_ref, row_tied_ref, *, n: int, k: int, lanes: int, width: int, capacity: int):
   """This chunk's keys above the threshold -> the row's candidate buffer, and its keys equal to
   the threshold that are among the row's first (k - keys above) of them -> the tie buffer; both
-  in index order (the chunks' counts give each chunk its offsets). Candidates past `capacity`
-  are dropped (the select then falls back). The row's first program also writes the row's
-  totals, so the select starts from scalars, not reductions."""
-  # chunk_ref [chunk] f32 ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [splits] i32
-  # (the row's) ; cand_ref [capacity] u32 keys ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 (the row's)
-  # row_above_ref, row_tied_ref [] i32 (the row's)
+  in index order. Each segment of the chunk (`_lane_tile`) starts at the offset that the counts
+  of the segments before it give and scans its own scores: with lanes of one warp's width, the
+  scans need no exchange between warps. Candidates past `capacity` are dropped (the select then
+  falls back). The row's first program also writes the row's totals, so the select starts
+  from scalars, not reductions."""
+  # chunk_ref [chunk] f32 ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [segments] i32
+  # (the row's, segment = program * lanes + lane) ; cand_ref [capacity] u32 keys ; cand_pos_ref
+  # [capacity] i32 ; tie_pos_ref [k_pow2] i32 (the row's) ; row_above_ref, row_tied_ref [] i32
   s = pl.program_id(1)
   threshold = threshold_ref[...]
   above_counts, tied_counts = above_ref[...], tied_ref[...]
-  before = jnp.arange(splits, dtype=jnp.int32) < s
   above_total = jnp.sum(above_counts)
   ties_wanted = k - above_total  # <= 0 when the keys above fill k
-  start = s * chunk
 
   @pl.when(s == 0)
   def _():
     row_above_ref[...] = above_total
     row_tied_ref[...] = jnp.sum(tied_counts)
 
-  def body(i, offsets):
-    slot0, tie0 = offsets
-    pos, inside, score = _chunk_scores(chunk_ref, i, start=start, n=n, block=block)
+  def offsets(counts_ref, counts):  # [lanes]: the counts of every segment before each of mine
+    earlier = jnp.sum(jnp.where(jnp.arange(counts.shape[0], dtype=jnp.int32) < s * lanes, counts, 0))
+    return earlier + _exclusive_cumsum(counts_ref[pl.ds(s * lanes, lanes)])
+
+  def body(i, carry):
+    slot0, tie0 = carry
+    pos, inside, score = _lane_tile(chunk_ref, i, start=s * chunk_ref.shape[0], n=n, lanes=lanes, width=width)
     key = order_key(score)
     above, tied = _against(key, inside, threshold)
     above_i, tied_i = above.astype(jnp.int32), tied.astype(jnp.int32)
-    slot = slot0 + _exclusive_cumsum(above_i)
+    slot = slot0[:, None] + _exclusive_cumsum(above_i, axis=1)
     fits = above & (slot < capacity)
     pltriton.store(cand_ref.at[jnp.where(fits, slot, capacity)], key, mask=fits)
     pltriton.store(cand_pos_ref.at[jnp.where(fits, slot, capacity)], pos, mask=fits)
 
     def store_ties():
-      tie_rank = tie0 + _exclusive_cumsum(tied_i)
+      tie_rank = tie0[:, None] + _exclusive_cumsum(tied_i, axis=1)
       first = tied & (tie_rank < ties_wanted)
       pltriton.store(tie_pos_ref.at[jnp.where(first, tie_rank, k)], pos, mask=first)
-      return tie0 + jnp.sum(tied_i)
+      return tie0 + jnp.sum(tied_i, axis=1)
 
     # Usually the keys above fill k and no tie is wanted: skip the second scan.
-    return slot0 + jnp.sum(above_i), lax.cond(ties_wanted > 0, store_ties, lambda: tie0)
+    return slot0 + jnp.sum(above_i, axis=1), lax.cond(ties_wanted > 0, store_ties, lambda: tie0)
 
-  lax.fori_loop(0, chunk // block, body, (jnp.sum(jnp.where(before, above_counts, 0)),
-                                         jnp.sum(jnp.where(before, tied_counts, 0))))
+  lax.fori_loop(0, chunk_ref.shape[0] // (lanes * width), body,
+                (offsets(above_ref, above_counts), offsets(tied_ref, tied_counts)))
 
 
 def _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, threshold, above, tied, *, k: int):
@@ -744,7 +779,6 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   chunk_spec = pl.BlockSpec((None, chunk), lambda r, s: (r, s))
   row_spec = lambda width: pl.BlockSpec((None, width), lambda r, *_: (r, 0))
   per_row = pl.BlockSpec((None,), lambda r, *_: (r,))
-  per_program = pl.BlockSpec((None, None), lambda r, s: (r, s))
   own_threshold = rows * splits <= SMS  # else one program per row derives it first
   few = rows <= FEW_ROWS and plan.capacity <= 8 * 32 * KEYS_PER_THREAD
   select_warps = config.select_warps or (8 if few else 16)
@@ -761,23 +795,25 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
         interpret=interpret,
         name="topk_sample_threshold",
     )(scores), per_row
+  lanes = config.lanes
+  segments = splits * lanes  # of a row: a program's lanes, program by program
+  tile = dict(n=n, lanes=lanes, width=block // lanes)
+  per_program = pl.BlockSpec((None, lanes), lambda r, s: (r, s))
   threshold, above, tied = pl.pallas_call(
-      functools.partial(_sample_count_kernel, n=n, chunk=chunk, block=block, sample=config.sample, plan=plan,
-                        own_threshold=own_threshold),
+      functools.partial(_sample_count_kernel, **tile, sample=config.sample, plan=plan, own_threshold=own_threshold),
       grid=(rows, splits),
       in_specs=[chunk_spec, source_spec],
       out_specs=[per_row, per_program, per_program],
       out_shape=[jax.ShapeDtypeStruct((rows,), jnp.uint32),
-                 *[jax.ShapeDtypeStruct((rows, splits), jnp.int32)] * 2],
+                 *[jax.ShapeDtypeStruct((rows, segments), jnp.int32)] * 2],
       compiler_params=_params(config, select_warps if own_threshold else None),
       interpret=interpret,
       name="topk_sample_count",
   )(scores, source)
   cand, cand_pos, tie_pos, row_above, row_tied = pl.pallas_call(
-      functools.partial(_compact_kernel, n=n, k=k, chunk=chunk, block=block, splits=splits,
-                        capacity=plan.capacity),
+      functools.partial(_compact_kernel, **tile, k=k, capacity=plan.capacity),
       grid=(rows, splits),
-      in_specs=[chunk_spec, per_row, row_spec(splits), row_spec(splits)],
+      in_specs=[chunk_spec, per_row, row_spec(segments), row_spec(segments)],
       out_specs=[row_spec(plan.capacity)] * 2 + [row_spec(k_pow2)] + [per_row] * 2,
       out_shape=[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32),
                  jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32),

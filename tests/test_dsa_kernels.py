@@ -174,27 +174,30 @@ def test_count_search_brackets_the_rank(seed):
 SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
 
 
-def _sampled(scores, k):
-  plan = topk.sample_plan(scores.shape[-1], k, SAMPLED.sample)
+def _sampled(scores, k, lanes=None):
+  config = dataclasses.replace(SAMPLED, scan_lanes=lanes)
+  plan = topk.sample_plan(scores.shape[-1], k, config.sample)
   assert plan is not None
-  got, fallback = topk.sampled_select(scores, k, plan, config=SAMPLED, interpret=True)
+  got, fallback = topk.sampled_select(scores, k, plan, config=config, interpret=True)
   return np.asarray(got), np.asarray(fallback)
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "close"])
-def test_sampled_topk_matches_reference(kind):
+@pytest.mark.parametrize("kind,lanes", [("normal", 1), ("normal", 4), ("ties", 4), ("close", 1)])
+def test_sampled_topk_matches_reference(kind, lanes):
   """The sampled method at awkward sizes (n not a multiple of the block or the sample), rows
   with every entry valid, many, exactly k, fewer than k (the threshold is then 0: every valid
   score is a candidate) and none. "close" rows share one 16-bit key prefix: the full-key
-  threshold still separates them, so no row falls back."""
+  threshold still separates them, so no row falls back. Count and compaction scan their chunks
+  as one block a step (lanes=1) or as 4 segments (positions in index order either way)."""
   n, k = 4099, 61
   scores = _score_rows(_rng(4), (n, 3000, k, 40, 0), n, kind)
-  got, fallback = _sampled(scores, k)
+  got, fallback = _sampled(scores, k, lanes)
   _assert_same_sets(got, np.asarray(topk_indices_reference(scores, k)))
   np.testing.assert_array_equal(fallback, 0)
 
 
-def test_sampled_topk_threshold_on_a_mass_of_ties():
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_sampled_topk_threshold_on_a_mass_of_ties(lanes):
   """ReLU-summed indexer scores: fewer positive scores than k and a mass of exact zeros, so the
   threshold lands on +0.0. The candidates (the positives) and the first zeros by position form
   the answer without the fallback; a row whose threshold falls among distinct negatives (zeros
@@ -206,7 +209,7 @@ def test_sampled_topk_threshold_on_a_mass_of_ties():
   rows[0, rng.permutation(n)[:900]] = -rng.uniform(0.1, 2.0, 900)
   rows[1] = -rng.uniform(0.1, 2.0, n)
   rows[1, rng.permutation(n)[:20]] = 0.0
-  got, fallback = _sampled(jnp.asarray(rows), k)
+  got, fallback = _sampled(jnp.asarray(rows), k, lanes)
   np.testing.assert_array_equal(fallback, 0)
   _assert_same_sets(got, np.asarray(topk_indices_reference(jnp.asarray(rows), k)))
   positives, zeros = np.flatnonzero(rows[0] > 0), np.flatnonzero(rows[0] == 0)
@@ -428,7 +431,7 @@ def test_invalid_inputs_raise():
 @pytest.mark.parametrize("make", [
     lambda: TopKConfig(block=24), lambda: TopKConfig(num_splits=3),
     lambda: TopKConfig(num_splits=256), lambda: TopKConfig(method="sort"), lambda: TopKConfig(sample=100),
-    lambda: TopKConfig(scan_block=24), lambda: TopKConfig(select_warps=3),
+    lambda: TopKConfig(scan_block=24), lambda: TopKConfig(select_warps=3), lambda: TopKConfig(scan_lanes=3),
     lambda: IndexerScoresConfig(block_k=8),
     lambda: IndexerScoresConfig(num_warps=3), lambda: IndexerScoresConfig(orientation="rows"),
     lambda: SparseMLAConfig(block_n=48),
