@@ -57,9 +57,10 @@ counts the keys at or above a trial, all held in registers), in three or four la
    first ties by position then complete the set), and they and T's ties fill the slots;
    otherwise (a sample more than 4 sigma off, or a row of many equal keys above its k-th) the
    radix select's histograms over the whole row. Exact either way.
-Measured on the H200 (kernels' own time from a profile): one row 19.4 us, 64 rows 57.7 (the
-chunk scanned whole every step: 61.3-61.7 in the same call), rows whose k-th score is a ReLU
-zero 16.0 (one) and 63.0 (64) (BENCHMARKS.md run 18); the radix select took 28, 362 and, on the
+Measured on the H200 (kernels' own time from a profile): one row 17.5-19.7 us (the search's
+steps vary with the row), 64 rows 54.5-57.7 (the chunk scanned whole every step: 61.3-61.7 in
+the same call), rows whose k-th score is a ReLU zero 16.0 (one) and 61.6-63.0 (64), with
+launch gaps 41.6 and 68.0 (BENCHMARKS.md run 18); the radix select took 28, 362 and, on the
 ReLU rows, whose candidates are then most of the row, 187-265 us (run 16).
 
 Output order: the set, as two ascending runs (radix: the keys above P, then the chosen candidates;
