@@ -47,7 +47,7 @@ counts the keys at or above a trial, all held in registers), in three or four la
    T, per segment of the chunk (`scan_lanes`: 16 of a 2048-score step, one warp's loads each),
    in registers, reduced once at the end: two compares and adds a score.
 3. compaction, same grid: the keys above T, in index order (offsets from the segments' counts,
-   each segment scanned inside its warp),
+   each segment scanned inside its warp; with `candidate_keys=False` positions only),
    go to a per-row buffer of about twice their expected number (8K keys at k=2048 of 131,072);
    when the keys above T number fewer than k, the first (k - that many) keys equal to T by
    position go to a tie buffer (ReLU-summed indexer scores: T is often their exact zero).
@@ -125,6 +125,10 @@ class TopKConfig:
     segments of LANE_WIDTH scores a step (16 of a 2048 block), whose scans stay inside a warp;
     1 scans the whole block across the program's warps every step (64 rows of 131,072: count
     9.6 us against 11.5, compaction 23.7 against 25.7, BENCHMARKS.md run 18).
+  candidate_keys: the sampled compaction stores each candidate's key beside its position
+    (True), or only the position, the select then gathering the keys from the row (False: one
+    scattered store a candidate fewer; with the stores timed alone, 64 rows' compaction 17.3 us
+    against 23.8, BENCHMARKS.md run 18; the select's gather not yet timed).
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
@@ -139,6 +143,7 @@ class TopKConfig:
   scan_block: int = 2048
   select_warps: int | None = None
   scan_lanes: int | None = None
+  candidate_keys: bool = True
 
   def __post_init__(self):
     check_tile("TopKConfig", "block", self.block)
@@ -659,8 +664,8 @@ def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_r
   above_ref[...], tied_ref[...] = jnp.sum(above, axis=1), jnp.sum(tied, axis=1)
 
 
-def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, cand_pos_ref, tie_pos_ref,
-                    row_above_ref, row_tied_ref, *, n: int, k: int, lanes: int, width: int, capacity: int):
+def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *outs, n: int, k: int, lanes: int, width: int,
+                    capacity: int, candidate_keys: bool):
   """This chunk's keys above the threshold -> the row's candidate buffer, and its keys equal to
   the threshold that are among the row's first (k - keys above) of them -> the tie buffer; both
   in index order. Each segment of the chunk (`_lane_tile`) starts at the offset that the counts
@@ -669,8 +674,11 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, can
   falls back). The row's first program also writes the row's totals, so the select starts
   from scalars, not reductions."""
   # chunk_ref [chunk] f32 ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [segments] i32
-  # (the row's, segment = program * lanes + lane) ; cand_ref [capacity] u32 keys ; cand_pos_ref
-  # [capacity] i32 ; tie_pos_ref [k_pow2] i32 (the row's) ; row_above_ref, row_tied_ref [] i32
+  # (the row's, segment = program * lanes + lane) ; outs: cand_ref [capacity] u32 keys (where
+  # candidate_keys), cand_pos_ref [capacity] i32, tie_pos_ref [k_pow2] i32 (the row's),
+  # row_above_ref, row_tied_ref [] i32
+  cand_ref, (cand_pos_ref, tie_pos_ref, row_above_ref, row_tied_ref) = (
+      (outs[0], outs[1:]) if candidate_keys else (None, outs))
   s = pl.program_id(1)
   threshold = threshold_ref[...]
   above_counts, tied_counts = above_ref[...], tied_ref[...]
@@ -694,7 +702,8 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, can
     above_i, tied_i = above.astype(jnp.int32), tied.astype(jnp.int32)
     slot = slot0[:, None] + _exclusive_cumsum(above_i, axis=1)
     fits = above & (slot < capacity)
-    pltriton.store(cand_ref.at[jnp.where(fits, slot, capacity)], key, mask=fits)
+    if cand_ref is not None:
+      pltriton.store(cand_ref.at[jnp.where(fits, slot, capacity)], key, mask=fits)
     pltriton.store(cand_pos_ref.at[jnp.where(fits, slot, capacity)], pos, mask=fits)
 
     def store_ties():
@@ -710,15 +719,16 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, cand_ref, can
                 (offsets(above_ref, above_counts), offsets(tied_ref, tied_counts)))
 
 
-def _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, threshold, above, tied, *, k: int):
+def _select_candidates(out_ref, candidate_keys, cand_pos_ref, tie_pos_ref, threshold, above, tied, *, k: int):
   """The k largest of the row from its buffers, all in registers: `count_search` over the
   candidates (every one above the threshold) for a bound with exactly k keys at or above it,
   or for the k-th key when its ties straddle k (then its first ties by position), then (when
   the candidates number fewer than k) the threshold's first ties, then -1 up to slot k."""
-  # cand_ref [capacity] u32 ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ; out_ref [k] i32
-  capacity, k_pow2 = cand_ref.shape[0], tie_pos_ref.shape[0]
+  # candidate_keys(inside) -> u32 [capacity] ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ;
+  # out_ref [k] i32
+  capacity, k_pow2 = cand_pos_ref.shape[0], tie_pos_ref.shape[0]
   inside = jnp.arange(capacity, dtype=jnp.int32) < above
-  keys = jnp.where(inside, cand_ref[...], jnp.uint32(0))
+  keys = jnp.where(inside, candidate_keys(inside), jnp.uint32(0))
   taken = jnp.minimum(above, k)
   lo, hi, _, c_hi, found = count_search(keys, taken, threshold + 1, above, jnp.max(keys) + 1)
 
@@ -737,23 +747,30 @@ def _select_candidates(out_ref, cand_ref, cand_pos_ref, tie_pos_ref, threshold, 
   pltriton.store(out_ref.at[jnp.where(empty, j, k)], jnp.full((k_pow2,), -1, jnp.int32), mask=empty)
 
 
-def _sampled_select_kernel(cand_ref, cand_pos_ref, tie_pos_ref, row_ref, threshold_ref, above_ref, tied_ref,
-                           out_ref, fallback_ref, *, k: int, n: int, block: int):
+def _sampled_select_kernel(*refs, k: int, n: int, block: int, candidate_keys: bool):
   """Top k from the buffers when they hold it: the candidates fit, and they with the threshold's
   ties reach k (or the threshold is 0: every valid key is a candidate). Otherwise (a sample
   more than 4 sigma off, or a row of many equal scores above the k-th) the histogram select
   over the whole row: exact either way."""
-  # cand_ref [capacity] u32 ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ; row_ref [n] f32
-  # threshold_ref [] u32, above_ref, tied_ref [] i32 (the row's) ; out_ref [k] i32 ; fallback_ref [] i32
+  # refs: cand_ref [capacity] u32 (where candidate_keys) ; cand_pos_ref [capacity] i32 ; tie_pos_ref
+  # [k_pow2] i32 ; row_ref [n] f32 ; threshold_ref [] u32, above_ref, tied_ref [] i32 (the row's) ;
+  # out_ref [k] i32 ; fallback_ref [] i32
+  cand_ref, (cand_pos_ref, tie_pos_ref, row_ref, threshold_ref, above_ref, tied_ref, out_ref, fallback_ref) = (
+      (refs[0], refs[1:]) if candidate_keys else (None, refs))
   threshold, above, tied = threshold_ref[...], above_ref[...], tied_ref[...]
-  fast = (above <= cand_ref.shape[0]) & ((above + tied >= k) | (threshold == 0))
+  fast = (above <= cand_pos_ref.shape[0]) & ((above + tied >= k) | (threshold == 0))
 
   def whole_row():
     keys, positions = _block_loader(row_ref, None, n, block)
     _select_into(out_ref, keys, positions, n, jnp.uint32(0), jnp.int32(k), first_digit=0,
                  filled=jnp.int32(0), k=k, block=block)
 
-  candidates = functools.partial(_select_candidates, out_ref, cand_ref, cand_pos_ref, tie_pos_ref, threshold,
+  def keys(inside):  # the candidates' keys: stored, or gathered from the row by position
+    if cand_ref is not None:
+      return cand_ref[...]
+    return order_key(pltriton.load(row_ref.at[cand_pos_ref[...]], mask=inside, other=-jnp.inf))
+
+  candidates = functools.partial(_select_candidates, out_ref, keys, cand_pos_ref, tie_pos_ref, threshold,
                                  above, tied, k=k)
   lax.cond(fast, candidates, whole_row)
   fallback_ref[...] = 1 - fast.astype(jnp.int32)
@@ -811,12 +828,13 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
       interpret=interpret,
       name="topk_sample_count",
   )(scores, source)
-  cand, cand_pos, tie_pos, row_above, row_tied = pl.pallas_call(
-      functools.partial(_compact_kernel, **tile, k=k, capacity=plan.capacity),
+  stored = config.candidate_keys  # the candidates' keys (u32), in a buffer of their own
+  buffers = pl.pallas_call(
+      functools.partial(_compact_kernel, **tile, k=k, capacity=plan.capacity, candidate_keys=stored),
       grid=(rows, splits),
       in_specs=[chunk_spec, per_row, row_spec(segments), row_spec(segments)],
-      out_specs=[row_spec(plan.capacity)] * 2 + [row_spec(k_pow2)] + [per_row] * 2,
-      out_shape=[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32),
+      out_specs=[row_spec(plan.capacity)] * (1 + stored) + [row_spec(k_pow2)] + [per_row] * 2,
+      out_shape=[*[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32)] * stored,
                  jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32),
                  jax.ShapeDtypeStruct((rows, k_pow2), jnp.int32),
                  *[jax.ShapeDtypeStruct((rows,), jnp.int32)] * 2],
@@ -825,16 +843,15 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
       name="topk_compact",
   )(scores, threshold, above, tied)
   return pl.pallas_call(
-      functools.partial(_sampled_select_kernel, k=k, n=n, block=config.block),
+      functools.partial(_sampled_select_kernel, k=k, n=n, block=config.block, candidate_keys=stored),
       grid=(rows,),
-      in_specs=[row_spec(plan.capacity), row_spec(plan.capacity), row_spec(k_pow2), row_spec(n),
-                *[per_row] * 3],
+      in_specs=[row_spec(plan.capacity)] * (1 + stored) + [row_spec(k_pow2), row_spec(n), *[per_row] * 3],
       out_specs=[row_spec(k), per_row],
       out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)],
       compiler_params=_params(config, select_warps),
       interpret=interpret,
       name="topk_sampled_select",
-  )(cand, cand_pos, tie_pos, scores, threshold, row_above, row_tied)
+  )(*buffers[:-2], scores, threshold, *buffers[-2:])
 
 
 def check_topk_args(n: int, k: int) -> None:

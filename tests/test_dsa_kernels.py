@@ -174,30 +174,32 @@ def test_count_search_brackets_the_rank(seed):
 SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
 
 
-def _sampled(scores, k, lanes=None):
-  config = dataclasses.replace(SAMPLED, scan_lanes=lanes)
+def _sampled(scores, k, lanes=None, keys=True):
+  config = dataclasses.replace(SAMPLED, scan_lanes=lanes, candidate_keys=keys)
   plan = topk.sample_plan(scores.shape[-1], k, config.sample)
   assert plan is not None
   got, fallback = topk.sampled_select(scores, k, plan, config=config, interpret=True)
   return np.asarray(got), np.asarray(fallback)
 
 
-@pytest.mark.parametrize("kind,lanes", [("normal", 1), ("normal", 4), ("ties", 4), ("close", 1)])
-def test_sampled_topk_matches_reference(kind, lanes):
+@pytest.mark.parametrize("kind,lanes,keys", [("normal", 1, True), ("normal", 4, True), ("ties", 4, True),
+                                             ("close", 1, True), ("normal", 4, False), ("ties", 1, False)])
+def test_sampled_topk_matches_reference(kind, lanes, keys):
   """The sampled method at awkward sizes (n not a multiple of the block or the sample), rows
   with every entry valid, many, exactly k, fewer than k (the threshold is then 0: every valid
   score is a candidate) and none. "close" rows share one 16-bit key prefix: the full-key
   threshold still separates them, so no row falls back. Count and compaction scan their chunks
-  as one block a step (lanes=1) or as 4 segments (positions in index order either way)."""
+  as one block a step (lanes=1) or as 4 segments (positions in index order either way); the
+  select reads the candidates' stored keys or gathers them from the row by position."""
   n, k = 4099, 61
   scores = _score_rows(_rng(4), (n, 3000, k, 40, 0), n, kind)
-  got, fallback = _sampled(scores, k, lanes)
+  got, fallback = _sampled(scores, k, lanes, keys)
   _assert_same_sets(got, np.asarray(topk_indices_reference(scores, k)))
   np.testing.assert_array_equal(fallback, 0)
 
 
-@pytest.mark.parametrize("lanes", [1, 4])
-def test_sampled_topk_threshold_on_a_mass_of_ties(lanes):
+@pytest.mark.parametrize("lanes,keys", [(1, True), (4, True), (4, False)])
+def test_sampled_topk_threshold_on_a_mass_of_ties(lanes, keys):
   """ReLU-summed indexer scores: fewer positive scores than k and a mass of exact zeros, so the
   threshold lands on +0.0. The candidates (the positives) and the first zeros by position form
   the answer without the fallback; a row whose threshold falls among distinct negatives (zeros
@@ -209,7 +211,7 @@ def test_sampled_topk_threshold_on_a_mass_of_ties(lanes):
   rows[0, rng.permutation(n)[:900]] = -rng.uniform(0.1, 2.0, 900)
   rows[1] = -rng.uniform(0.1, 2.0, n)
   rows[1, rng.permutation(n)[:20]] = 0.0
-  got, fallback = _sampled(jnp.asarray(rows), k, lanes)
+  got, fallback = _sampled(jnp.asarray(rows), k, lanes, keys)
   np.testing.assert_array_equal(fallback, 0)
   _assert_same_sets(got, np.asarray(topk_indices_reference(jnp.asarray(rows), k)))
   positives, zeros = np.flatnonzero(rows[0] > 0), np.flatnonzero(rows[0] == 0)
@@ -462,6 +464,9 @@ def test_lowers_for_h200():
       # One row: its programs derive the threshold themselves (no launch of its own).
       (lambda x: topk_indices(x, 2048, config=TopKConfig(method="sampled"), interpret=False),
        (s((1, 131072), f32),)),
+      # The select gathering the candidates' keys from the row.
+      (lambda x: topk_indices(x, 2048, config=TopKConfig(candidate_keys=False), interpret=False),
+       (s((64, 131072), f32),)),
       (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False), idx_args),
       # A TEP=8 rank's 4 indexer heads: the kernel masks the MMA rows past them.
       (lambda *a: indexer_scores(*a, num_keys=num_keys, interpret=False),
