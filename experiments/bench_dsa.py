@@ -228,8 +228,8 @@ def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
         functools.partial(topk_indices, k=k), (scores,),
         [TopKConfig(block=b, num_splits=sp, num_warps=w, method="radix")
          for b in (256, 512, 1024) for sp in splits for w in (4, 8)]
-        + [TopKConfig(scan_block=b, select_warps=sw, num_splits=sp)  # the sampled method
-           for b in (1024, 2048) for sw in (8, 16) for sp in (None, 16, 64)])
+        + [TopKConfig(scan_block=b, select_warps=sw, num_splits=sp, candidate_keys=ck)  # the sampled method
+           for b in (1024, 2048) for sw in (8, 16) for sp in (None, 16, 64) for ck in (True, False)])
   for kernel, (fn, args, configs) in grids.items():
     for config in configs[:2] if quick else configs:
       try:
