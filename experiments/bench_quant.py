@@ -9,7 +9,8 @@ Timing: `glmjax.bench.time_device` (many calls in one on-device loop, median). B
 weights (+ scales) an implementation must read plus the activations in and out; for the MoE,
 only the distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX decode
-(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`),
+(`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`;
+`pallas_hfma2`, at M <= 2: the GEMV on the CUDA cores' fp16x2 FMAs, pallas_kernels/nvfp4_hfma2.py),
 the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where its TMA shapes
 allow: N a multiple of 8, K of 256; not at the quick shapes), and for the MoE
 `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing). The
@@ -36,12 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.bench import agreement, bandwidth_tbs, time_device
+from glmjax.bench import agreement, bandwidth_tbs, time_device, time_own_kernels
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
-from pallas_kernels.nvfp4_matmul import DECODES, OPERANDS, MatmulConfig, default_config, nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import (DECODES, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
+                                         nvfp4_matmul)
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 
 COPY_TBS = 4.22
@@ -90,12 +92,14 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     nbytes = _nbytes(q) + act_bytes
     timed.append((fmt, "xla_dequant", timer(xla_dequant, x, q), nbytes))
     timed.append(_kernel_entry(fmt, kernel, xla_dequant, (x, q), nbytes, timer))
-    # The inline-PTX NVFP4 decode (MatmulConfig.decode) and fp16 operands (.operands), default tiles.
-    variants = ({"pallas_ptx": ("ptx", "bfloat16"), "pallas_ptx_f16": ("ptx", "float16")} if fmt == "nvfp4"
-                else {"pallas_f16": ("jnp", "float16")})
-    for impl, (decode, operands) in variants.items():
-      config = (default_config(m, n, k, decode=decode, operands=operands) if fmt == "nvfp4"
-                else default_fp8_config(m, n, k, operands=operands))
+    # The inline-PTX NVFP4 decode (MatmulConfig.decode), fp16 operands (.operands) and, up to
+    # HFMA2_MAX_ROWS rows, the CUDA cores' fp16x2 FMAs (.dot), default tiles.
+    variants = ({"pallas_ptx": dict(decode="ptx"), "pallas_ptx_f16": dict(decode="ptx", operands="float16"),
+                 **({"pallas_hfma2": dict(decode="ptx", operands="float16", dot="hfma2")}
+                    if m <= HFMA2_MAX_ROWS else {})} if fmt == "nvfp4"
+                else {"pallas_f16": dict(operands="float16")})
+    for impl, options in variants.items():
+      config = default_config(m, n, k, **options) if fmt == "nvfp4" else default_fp8_config(m, n, k, **options)
       variant = jax.jit(functools.partial(kernel, config=config))
       timed.append(_kernel_entry(fmt, variant, xla_dequant, (x, q), nbytes, timer, impl=impl))
     if fmt == "nvfp4":
@@ -237,24 +241,32 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                             routed=4 * moe["experts"] if quick else 256, **moe)
 
 
-def quant_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
-  """Benchmark rows (see the module docstring); quick: tiny shapes, few iterations."""
+QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups")
+TIMERS = {"loop": time_device, "own": time_own_kernels}
+
+
+def quant_rows(*, quick: bool = False, timer: str = "loop", cases: tuple[str, ...] = QUANT_CASES
+               ) -> Iterator[dict[str, Any]]:
+  """Benchmark rows (see the module docstring) of `cases` (QUANT_CASES), each implementation
+  timed by `timer`: "loop" (time_device: many calls in one program, launch gaps included) or
+  "own" (its own kernels' device time from a profile); quick: tiny shapes, few iterations."""
   if quick:
     timer = functools.partial(time_device, iters=2, repeats=1, warmup=1)
     gemv = [("gemv", 64, 128), ("expert_gate_up", 32, 96), ("expert_down", 96, 32)]
     moe = dict(tokens=5, top_k=2, experts=4, d=64, i=32)
   else:
-    timer = time_device
+    timer = TIMERS[timer]
     gemv = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)]
     moe = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
   for name, n, k in gemv:
-    for m in (1, 5, 8):
+    for m in (1, 5, 8) if name in cases else ():
       yield from gemv_rows(m, n, k, name=name, timer=timer)
-  yield from moe_rows(**moe, timer=timer)
-  yield from moe_rows(**moe, timer=timer, routed=4 * moe["experts"] if quick else 256)  # one TEP=8 rank's view
+  if "moe" in cases:
+    yield from moe_rows(**moe, timer=timer)
+    yield from moe_rows(**moe, timer=timer, routed=4 * moe["experts"] if quick else 256)  # one TEP=8 rank's view
   # One TEP=8 rank's projections that share an input: q_a with kv_a, the indexer's wk with
   # weights_proj, the shared expert's gate with up.
   groups = ((("q_a+kv_a", (48, 16)),) if quick else
             (("q_a+kv_a", (2048, 576)), ("wk+weights_proj", (128, 4)), ("gate+up", (2048, 2048))))
-  for name, ns in groups:
+  for name, ns in groups if "groups" in cases else ():
     yield from group_rows(5, 64 if quick else 6144, ns, name=name, timer=timer)

@@ -20,7 +20,8 @@ def define_matmul(default: str) -> flags.FlagHolder[str]:
                            "quantized matmuls: xla (dequantize, einsum), pallas (the weight-only kernels; "
                            "the grouped MoE reads only the chosen experts), pallas_ptx (pallas with the "
                            "inline-PTX NVFP4 decode), pallas_ptx_f16 (pallas_ptx with fp16 tensor-core "
-                           "operands: no bf16 conversion of the decoded weights)")
+                           "operands: no bf16 conversion of the decoded weights), pallas_hfma2 "
+                           "(pallas_ptx_f16 with one-row NVFP4 linears on the CUDA cores' fp16x2 FMAs)")
 
 
 def define() -> Callable[[], dict[str, str]]:

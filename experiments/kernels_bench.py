@@ -3,11 +3,13 @@
   python -m experiments.kernels_bench --suites=dsa,quant --output=/tmp/kernels.json
   python -m experiments.kernels_bench --suites=dsa --contexts=81920 --query_tokens=5   # the targets
   python -m experiments.kernels_bench --suites=quant --sweep   # tile and decode sweeps
+  python -m experiments.kernels_bench --suites=quant --quant_timer=own --quant_cases=gemv   # issue 6
 
 Rows come from `experiments.bench_dsa.dsa_rows` (indexer scores, top-k, sparse MLA: one TEP=8
 rank's shapes) and `experiments.bench_quant.quant_rows` (NVFP4 / FP8 weight-only GEMV and the
 grouped MoE kernel). Device time is measured as METHOD.md says (glmjax.bench.time_device: many
-calls in one on-device loop, median); XLA is measured in the same run. Each row is printed as
+calls in one on-device loop, median), or for the quant suite with --quant_timer=own by each
+implementation's own kernels in a profile (launch gaps excluded); XLA is measured in the same run. Each row is printed as
 it is measured (a long suite cut by a time limit still reports), the table at the end.
 """
 
@@ -31,6 +33,10 @@ _TOPK = flags.DEFINE_list("topk_methods", ["radix", "sampled"], "dsa: top-k algo
 _QUERIES = flags.DEFINE_list("query_dtypes", ["float32", "bfloat16"],
                              "dsa: dtypes of the queries fed to the indexer and attention kernels")
 _COMBINES = flags.DEFINE_list("mla_combines", ["xla", "pallas"], "dsa: sparse MLA split merges to time")
+_QUANT_TIMER = flags.DEFINE_enum("quant_timer", "loop", list(bench_quant.TIMERS),
+                                  "quant: loop (many calls in one program, launch gaps included) or own "
+                                  "(each implementation's own kernels' device time, from a profile)")
+_QUANT_CASES = flags.DEFINE_list("quant_cases", list(bench_quant.QUANT_CASES), "quant: which cases to run")
 _SWEEP = flags.DEFINE_bool("sweep", False, "run each suite's tile/config sweep instead of its rows")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "dsa: also profile each kernel path's launches")
 _PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
@@ -56,7 +62,8 @@ def main(_):
     raise app.UsageError(f"unknown suites {sorted(unknown)}; known: {sorted(SUITES)}")
   report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 host=platform.node(), jax=jax.__version__, suites={})
-  suites = SWEEPS if _SWEEP.value else dict(SUITES, dsa=functools.partial(
+  quant = functools.partial(bench_quant.quant_rows, timer=_QUANT_TIMER.value, cases=tuple(_QUANT_CASES.value))
+  suites = SWEEPS if _SWEEP.value else dict(SUITES, quant=quant, dsa=functools.partial(
       bench_dsa.dsa_rows, contexts=[int(c) for c in _CONTEXTS.value], query_tokens=[int(t) for t in _QUERY.value],
       breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value, query_dtypes=_QUERIES.value,
       mla_combines=_COMBINES.value))

@@ -161,3 +161,9 @@ def own_kernel_us(kernels: list[tuple[str, float, float]], loop: list[tuple[str,
   gaps are in neither: time_device minus this is what the gaps and the loop cost."""
   bookkeeping = {name: us for name, _, us in loop}
   return sum(max(0.0, us - bookkeeping.get(name, 0.0)) for name, _, us in kernels)
+
+
+def time_own_kernels(fn: Callable[..., Any], *args: Any) -> float:
+  """Seconds per call of fn(*args)'s own device kernels (`own_kernel_us`): no launch gaps, no
+  timing-loop bookkeeping. Needs device events in the trace (a GPU)."""
+  return own_kernel_us(kernel_breakdown(fn, *args), loop_breakdown(*args)) * 1e-6

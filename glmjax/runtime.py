@@ -12,7 +12,7 @@ from glmjax.quant import DENSE_IMPLS, IMPLS
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
-MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16 (glmjax.quant)
+MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2 (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_layer or its one-launch kernel
 MOE_ROUTINGS = ("table", "scan")  # how the grouped MoE kernels find the chosen experts
@@ -25,7 +25,7 @@ class Runtime:
   indexer_pattern: per decoder layer, whether it runs its own indexer (else it reuses the
   nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas
   (pallas_ptx: Pallas with the inline-PTX NVFP4 decode; pallas_ptx_f16: that with fp16
-  tensor-core operands). dense_matmul: the model's plain bf16
+  tensor-core operands; pallas_hfma2: that with one-row NVFP4 linears on the CUDA cores). dense_matmul: the model's plain bf16
   linears at decode, XLA's einsum or the split-K Pallas GEMV (pallas_kernels/bf16_matmul.py), or
   that with the projections sharing their input in one launch ("pallas_grouped": q_a with kv_a,
   the indexer's wk with weights_proj, an MLP's gate with up).

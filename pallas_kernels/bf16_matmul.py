@@ -34,9 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.checks import resolve_interpret
-from pallas_kernels.nvfp4_matmul import (NUM_SMS, MatmulConfig, check_skinny_input, dot_t, load_tile,
-                                         local_block, range_mask, row_blocks, skinny_call, skinny_rows,
-                                         split_k_loop, store_tile)
+from pallas_kernels.nvfp4_matmul import (NUM_SMS, MatmulConfig, check_skinny_input, check_tensor_core_config,
+                                         dot_t, load_tile, local_block, range_mask, row_blocks, skinny_call,
+                                         skinny_rows, split_k_loop, store_tile)
 
 MAX_SPLIT = 8
 
@@ -93,6 +93,7 @@ def _launch(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype, config: MatmulCo
   """The one launch of bf16_matmul (one weight) and bf16_matmul_group (several)."""
   (m, k), ns = x.shape, tuple(w.shape[0] for w in ws)
   config = default_bf16_config(sum(ns), k) if config is None else config
+  check_tensor_core_config(config, "bf16_matmul")
   interpret = resolve_interpret(interpret)
   block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
   kernel = functools.partial(_bf16_matmul_kernel, m=m, ns=ns, k=k, block_m=block_m, config=config)

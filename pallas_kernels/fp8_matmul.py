@@ -24,13 +24,16 @@ from jax.experimental import pallas as pl
 
 from glmjax.quant.fp8_block import BLOCK, FP8BlockWeight
 from pallas_kernels.checks import resolve_interpret
-from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, default_config, dot_t,
-                                         load_tile, operand_refs, operand_rows, range_mask, scale_rows,
-                                         skinny_call, skinny_rows, split_k_loop, store_tile)
+from pallas_kernels.nvfp4_matmul import (MatmulConfig, check_skinny_input, check_tensor_core_config,
+                                         default_config, dot_t, load_tile, operand_refs, operand_rows,
+                                         range_mask, scale_rows, skinny_call, skinny_rows, split_k_loop,
+                                         store_tile)
 
 
 def check_fp8_config(config: MatmulConfig) -> None:
-  """FP8 tiles must sit inside one scale block: block_n, block_k <= 128 (powers of two)."""
+  """FP8 tiles must sit inside one scale block: block_n, block_k <= 128 (powers of two); the
+  tensor cores multiply."""
+  check_tensor_core_config(config, "fp8_matmul")
   if config.block_n > BLOCK or config.block_k > BLOCK:
     raise ValueError(f"FP8 block scales need block_n, block_k <= {BLOCK}, got "
                      f"{config.block_n}, {config.block_k}")

@@ -48,6 +48,10 @@ converting it to bf16 (1.56 of the grouped MoE's 6.61 instructions a weight, Nsi
 BENCHMARKS.md run 12), against activations scaled per row into fp16 (`f16_rows`; the kernel
 undoes the scale on its fp32 result). Measured (run 15): the GEMV above 83.3 us against 87.1
 with bf16 operands (XLA's bf16: 117.4).
+
+dot="hfma2" (MatmulConfig) leaves the tensor cores for M <= 2: each thread decodes its weights
+in registers and multiplies them in place with fp16x2 FMAs, so nothing passes through shared
+memory (pallas_kernels/nvfp4_hfma2.py, measured there).
 """
 
 import dataclasses
@@ -64,9 +68,11 @@ from pallas_kernels.checks import check_at_least, check_choice, check_launch, ch
 
 NUM_SMS = 132         # H200; the default configs aim for >= 2 programs per SM
 MAX_ROWS = 16         # M of one tensor-core tile; larger M is compute-bound: dequantize once
+HFMA2_MAX_ROWS = 1    # rows up to which dot="hfma2" beats the tensor cores (BENCHMARKS.md run 19)
 DECODE_SCALE = 2.0 ** 14  # undoes the 2^-14 of the fp16 bit-pattern decode
 DECODES = ("jnp", "ptx")
 OPERANDS = ("bfloat16", "float16")  # the tensor cores' operand dtype (MatmulConfig.operands)
+DOTS = ("mma", "hfma2")  # tensor cores, or fp16x2 FMAs on the CUDA cores (MatmulConfig.dot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +84,10 @@ class MatmulConfig:
   num_stages: Triton's warps per program and software-pipeline depth of the K loop; decode: how
   NVFP4 tiles decode (module docstring); operands: the tensor cores' operand dtype, "bfloat16"
   or "float16" (`f16_rows`: the decoded weights skip their conversion to bf16, the activations
-  are scaled per row into fp16 by a power of two, undone on the fp32 result).
+  are scaled per row into fp16 by a power of two, undone on the fp32 result); dot: "mma" (the
+  tensor cores, M padded to 16 rows) or "hfma2" (NVFP4 only: fp16x2 FMAs on the CUDA cores, one
+  PTX program per 16-weight scale block, nvfp4_hfma2.py; it needs decode="ptx" and
+  operands="float16", which name what it does).
   """
   block_n: int = 64
   block_k: int = 256
@@ -87,6 +96,7 @@ class MatmulConfig:
   num_stages: int = 3
   decode: str = "jnp"
   operands: str = "bfloat16"
+  dot: str = "mma"
 
   def __post_init__(self):
     check_tile("MatmulConfig", "block_n", self.block_n)
@@ -95,16 +105,23 @@ class MatmulConfig:
     check_launch("MatmulConfig", self.num_warps, self.num_stages)
     check_choice("MatmulConfig", "decode", self.decode, DECODES)
     check_choice("MatmulConfig", "operands", self.operands, OPERANDS)
+    check_choice("MatmulConfig", "dot", self.dot, DOTS)
+    if self.dot == "hfma2" and (self.decode, self.operands) != ("ptx", "float16"):
+      raise ValueError(f"MatmulConfig(dot='hfma2') decodes by PTX into fp16 operands: it needs "
+                       f"decode='ptx' and operands='float16', got {self.decode!r}, {self.operands!r}")
 
 
 def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: str = "jnp",
-                   operands: str = "bfloat16") -> MatmulConfig:
+                   operands: str = "bfloat16", dot: str = "mma") -> MatmulConfig:
   """Tiles for [M, K] x [N, K] on the H200. Up to 4 rows: 64 x max_block_k weight tiles (decode
   "ptx": 32 x 512, the best of an 8-config sweep at [1, 8192] x [8192, 28672], 97.8 us against
   107.8 us for 64 x 256, BENCHMARKS.md run 10). More rows: 128 x 128, so the x tile (re-read
   from L2 by every program) stays small next to the weight tile. Then split K until there are
-  >= 2 programs per SM (or K runs out)."""
-  if m <= 4:
+  >= 2 programs per SM (or K runs out). dot="hfma2" (it implies decode="ptx" and fp16 operands):
+  32 x 512, the best of a sweep at [1, 8192] x [8192, 28672] (BENCHMARKS.md run 19)."""
+  if dot == "hfma2":
+    decode, operands = "ptx", "float16"
+  if m <= 4 or dot == "hfma2":
     block_n, block_k = (32, 512) if decode == "ptx" else (64, max_block_k)
   else:
     block_n, block_k = 128, min(128, max_block_k)
@@ -114,7 +131,7 @@ def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: st
   split = 1
   while blocks * split < 2 * NUM_SMS and steps >= 4 * split:
     split *= 2
-  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode, operands=operands)
+  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode, operands=operands, dot=dot)
 
 
 def f16_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -185,15 +202,15 @@ def dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
   return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def split_k_loop(body, *, k: int, block_m: int, config: MatmulConfig, split=None) -> jax.Array:
-  """fp32 [block_m, block_n] sum of body(step, acc) over this program's share of the K steps
-  (`split`: its index along K, default program axis 1; read it outside a `pl.when` branch, where
-  the interpreter cannot)."""
+def split_k_loop(body, *, k: int, block_m: int, config: MatmulConfig, split=None, init=None):
+  """body(step, acc) folded over this program's share of the K steps from `init` (default fp32
+  zeros [block_m, block_n]); `split`: its index along K, default program axis 1 (read it outside
+  a `pl.when` branch, where the interpreter cannot)."""
   steps = pl.cdiv(k, config.block_k)
   per_split = pl.cdiv(steps, config.split_k)
   first = (pl.program_id(1) if split is None else split) * per_split
-  return lax.fori_loop(first, jnp.minimum(first + per_split, steps), body,
-                       jnp.zeros((block_m, config.block_n), jnp.float32))
+  init = jnp.zeros((block_m, config.block_n), jnp.float32) if init is None else init
+  return lax.fori_loop(first, jnp.minimum(first + per_split, steps), body, init)
 
 
 def skinny_rows(m: int) -> int:
@@ -393,6 +410,9 @@ def scale_rows(acc: jax.Array, amax_ref, rows_ok: jax.Array | None) -> jax.Array
 
 
 def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret: bool) -> jax.Array:
+  if config.dot == "hfma2":
+    from pallas_kernels.nvfp4_hfma2 import hfma2_matmul  # it builds on this module's helpers
+    return hfma2_matmul(x, w, config, interpret)
   (m, k), n = x.shape, w.shape[0]
   bn, bk = config.block_n, config.block_k
   block_m = skinny_rows(m)
@@ -409,6 +429,12 @@ def _nvfp4_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret:
            pl.BlockSpec((bn, kp // BLOCK), lambda j, s: (j, 0)), pl.BlockSpec((1,), lambda j, s: (0,))]
   return skinny_call(kernel, [*xs, *row_amax, w.packed, w.block_scale, w.global_scale.reshape(1)], specs,
                      m=m, n=n, dtype=x.dtype, config=config, interpret=interpret, name="nvfp4_matmul")
+
+
+def check_tensor_core_config(config: MatmulConfig, name: str) -> None:
+  """The FP8 and bf16 kernels multiply on the tensor cores only: dot="hfma2" is NVFP4's."""
+  if config.dot != "mma":
+    raise ValueError(f"{name}: MatmulConfig.dot={config.dot!r} is NVFP4 only (nvfp4_matmul); use 'mma'")
 
 
 def check_skinny_input(x: jax.Array, shape: tuple[int, ...], name: str) -> None:

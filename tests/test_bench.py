@@ -111,6 +111,9 @@ def test_gemv_rows_time_every_impl_against_xla_bf16():
   assert by["bf16", "pallas"]["bytes"] == 96 * 160 * 2 + acts
   assert by["nvfp4", "pallas"]["bytes"] == 96 * 80 + 96 * 10 + 8 + acts  # codes, e4m3 scales, 2 f32
   assert by["nvfp4", "pallas"]["speedup_vs_bf16"] == pytest.approx(4.0)
+  # One row: the CUDA-core NVFP4 GEMV joins (dot="hfma2"), checked the same way.
+  one = {(r["format"], r["impl"]): r for r in gemv_rows(1, 96, 160, name="t", timer=timer)}
+  assert ("nvfp4", "pallas_hfma2") not in by and one["nvfp4", "pallas_hfma2"]["max_rel_err"] <= 1e-2
 
 
 def test_group_rows_check_the_grouped_launch_against_the_lone_ones():

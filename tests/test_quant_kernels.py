@@ -19,7 +19,7 @@ from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group, bf16_matmul_reference
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
-from pallas_kernels.nvfp4_matmul import MatmulConfig, nvfp4_matmul, nvfp4_matmul_reference
+from pallas_kernels.nvfp4_matmul import MatmulConfig, default_config, nvfp4_matmul, nvfp4_matmul_reference
 
 TOL = 1e-2
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
@@ -37,13 +37,20 @@ def inputs(seed, m: int, n: int, k: int) -> tuple[jax.Array, np.ndarray]:
   return x, (rng.standard_normal((n, k)) * rng.uniform(0.5, 2, (n, 1))).astype(np.float32)
 
 
+HFMA2 = dict(decode="ptx", operands="float16", dot="hfma2")
 # (M, K, N, config): K, N not powers of two with ragged tiles; one aligned split-K case.
 SKINNY_CASES = [(1, 272, 200, None), (3, 272, 200, None), (16, 272, 200, None),
                 (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3)),
                 (3, 272, 200, MatmulConfig(decode="ptx")),   # the interpreter runs its jnp twin
                 (16, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3, decode="ptx")),
                 (3, 272, 200, MatmulConfig(decode="ptx", operands="float16")),
-                (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3, operands="float16"))]
+                (5, 512, 96, MatmulConfig(block_n=32, block_k=128, split_k=3, operands="float16")),
+                # dot="hfma2" (the interpreter runs the PTX's twin): ragged K (17 scale blocks)
+                # and N, split K, its default tiles, several rows (each its own FMAs).
+                (1, 272, 200, MatmulConfig(block_n=32, block_k=128, **HFMA2)),
+                (2, 512, 96, MatmulConfig(block_n=32, block_k=64, split_k=3, **HFMA2)),
+                (1, 4096, 136, default_config(1, 136, 4096, dot="hfma2")),
+                (3, 272, 200, MatmulConfig(block_n=16, block_k=64, **HFMA2))]
 FP8_CASES = [(1, 300, 200, None), (3, 300, 130, None), (16, 272, 200, None),
              (5, 512, 256, MatmulConfig(block_n=64, block_k=64, split_k=2)),
              (3, 300, 130, MatmulConfig(block_n=64, block_k=128, operands="float16"))]
@@ -100,33 +107,69 @@ def test_f16_operands_take_activations_past_fp16_range(fmt):
     assert rel_err(out[row], ref[row]) <= TOL
 
 
-def _run_ptx(asm: str, word: np.ndarray) -> list[np.ndarray]:
-  """Evaluates a decode PTX program (prmt, shl, and, or on .b32 registers) on uint32 words:
-  $2 in, $0 and $1 out. An emulator of exactly the instructions the program uses, to check its
-  bit logic on the CPU (the interpreter cannot run inline PTX)."""
-  regs = {"$2": word.astype(np.uint64)}
-  value = lambda tok: regs[tok] if tok in regs else np.uint64(int(tok, 0))
-  for line in asm.replace("{", "").replace("}", "").split(";"):
-    line = line.strip()
-    if not line or line.startswith(".reg"):
+def _f16(bits: np.ndarray) -> np.ndarray:
+  return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+def _f16_bits(values: np.ndarray) -> np.ndarray:
+  return values.astype(np.float16).view(np.uint16).astype(np.uint32)
+
+
+def _f32(bits: np.ndarray) -> np.ndarray:
+  return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _f32_bits(values: np.ndarray) -> np.ndarray:
+  return values.astype(np.float32).view(np.uint32)
+
+
+def _halves(op, *regs: np.ndarray) -> np.ndarray:
+  """An fp16x2 instruction: op on both halves in float64, each rounded once to fp16."""
+  lo = op(*(_f16(r & 0xFFFF) for r in regs))
+  hi = op(*(_f16(r >> 16) for r in regs))
+  return _f16_bits(lo) | (_f16_bits(hi) << 16)
+
+
+PTX_OPS = {  # every instruction the decode PTX programs use, on uint32 register arrays
+    "prmt.b32": None,  # below: needs the selector's nibbles
+    "shl.b32": lambda a, b: a << b,
+    "shr.b32": lambda a, b: a >> b,
+    "and.b32": lambda a, b: a & b,
+    "or.b32": lambda a, b: a | b,
+    "mul.rn.f16x2": lambda a, b: _halves(lambda x, y: x * y, a, b),
+    "fma.rn.f16x2": lambda a, b, c: _halves(lambda x, y, z: x * y + z, a, b, c),
+    "cvt.f32.f16": lambda a: _f32_bits(_f16(a)),
+    "add.f32": lambda a, b: _f32_bits(_f32(a) + _f32(b)),
+    "fma.rn.f32": lambda a, b, c: _f32_bits(_f32(a) * _f32(b) + _f32(c)),
+}
+
+
+def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Evaluates a PTX program on uint32 register arrays (`inputs`: "$i" -> values) and returns
+  every register. An emulator of exactly the instructions the decode programs use (PTX_OPS),
+  to check them on the CPU: the interpreter cannot run inline PTX."""
+  regs = {name: np.asarray(v, np.uint64).astype(np.uint32) for name, v in inputs.items()}
+  value = lambda tok: regs[tok] if tok in regs else np.uint32(int(tok, 0))
+  for line in asm.replace("\n", " ").split(";"):
+    line = line.strip().removeprefix("{").strip()
+    if not line or line.startswith((".reg", "}")):
       continue
     op, args = line.split(None, 1)
+    if op == "mov.b32":  # mov.b32 {lo, hi}, h: unpack a register's halves
+      halves, src = args.rsplit(",", 1)
+      lo, hi = (t.strip() for t in halves.strip(" {}").split(","))
+      regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
+      continue
     dst, *src = [a.strip() for a in args.split(",")]
     a = [value(x) for x in src]
     if op == "prmt.b32":   # bytes of {b, a}: a is bytes 0-3, b 4-7; selector nibble i picks byte i
-      pool = [(x >> np.uint64(8 * i)) & np.uint64(0xFF) for x in a[:2] for i in range(4)]
+      pool = [(np.uint32(x) >> np.uint32(8 * i)) & np.uint32(0xFF) for x in a[:2] for i in range(4)]
       sel = int(a[2])
-      out = sum(pool[(sel >> (4 * i)) & 7] << np.uint64(8 * i) for i in range(4))
-    elif op == "shl.b32":
-      out = a[0] << a[1]
-    elif op == "and.b32":
-      out = a[0] & a[1]
-    elif op == "or.b32":
-      out = a[0] | a[1]
+      out = sum(pool[(sel >> (4 * i)) & 7].astype(np.uint64) << np.uint64(8 * i) for i in range(4))
     else:
-      raise AssertionError(f"unexpected instruction {op}")
-    regs[dst] = out & np.uint64(0xFFFFFFFF)
-  return [regs[f"${i}"].astype(np.uint32) for i in range(2)]
+      out = PTX_OPS[op](*a)
+    regs[dst] = np.asarray(out).astype(np.uint64).astype(np.uint32)
+  return regs
 
 
 def test_ptx_decode_equals_the_jnp_decode():
@@ -137,8 +180,58 @@ def test_ptx_decode_equals_the_jnp_decode():
   packed = np.random.default_rng(7).permutation(np.tile(np.arange(256, dtype=np.uint8), 4)).reshape(-1, 4)
   words = packed.view("<u4")[:, 0]
   for asm, want in zip((DECODE_PTX_EVEN, DECODE_PTX_ODD), decode_halves(jnp.asarray(packed))):
-    got = np.concatenate([reg.view("<u2").reshape(-1, 2) for reg in _run_ptx(asm, words)], axis=1)
+    regs = _run_ptx(asm, {"$2": words})
+    got = np.concatenate([regs[f"${i}"].view("<u2").reshape(-1, 2) for i in range(2)], axis=1)
     np.testing.assert_array_equal(got, np.asarray(want).view(np.uint16))
+
+
+def _hfma2_block_case(seed: int, blocks: int):
+  """Random NVFP4 blocks (every byte value among their codes) and activations: (code words u32
+  [blocks, 2], planes u32 [8, blocks], scale f32 [blocks], acc f32 [blocks], exact weights f64
+  [blocks, 16], x f64 [blocks, 16])."""
+  from glmjax.quant.nvfp4 import E2M1_VALUES
+  from pallas_kernels.nvfp4_hfma2 import activation_planes
+  rng = np.random.default_rng(seed)
+  packed = rng.permutation(np.resize(np.arange(256, dtype=np.uint8), blocks * 8)).reshape(blocks, 8)
+  codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(blocks, 16)
+  x = (rng.standard_normal((blocks, 16)) * 2.0 ** rng.integers(8, 15, (blocks, 1))).astype(np.float16)
+  planes = np.asarray(activation_planes(jnp.asarray(x.reshape(1, -1))))[0]
+  scale = rng.choice([0.0625, 0.75, 3.0, 448.0], blocks).astype(np.float32)
+  acc = rng.standard_normal(blocks).astype(np.float32)
+  return (packed.view("<u4"), planes, scale, acc, E2M1_VALUES[codes].astype(np.float64) * 2.0 ** -14,
+          x.astype(np.float64))
+
+
+def test_hfma2_decode_pairs_codes_with_their_columns():
+  """decode_word's registers hold, against the planes that activation_planes builds, exactly
+  the E2M1 values (times 2^-14) of the columns those planes hold: for each block, the sum of
+  the register-by-plane products of exact arithmetic is the block's dot product."""
+  from pallas_kernels.nvfp4_hfma2 import decode_word
+  words, planes, _, _, w, x = _hfma2_block_case(3, 64)
+  got = np.zeros(len(words))
+  for h in range(2):
+    for p, d in enumerate(decode_word(jnp.asarray(words[:, h]))):
+      d = np.asarray(d)
+      got += _f16(d & 0xFFFF) * _f16(planes[4 * h + p] & 0xFFFF) + _f16(d >> 16) * _f16(planes[4 * h + p] >> 16)
+  np.testing.assert_allclose(got, (w * x).sum(1), rtol=1e-12, atol=0)
+
+
+def test_hfma2_block_program_within_its_fp16_bound():
+  """BLOCK_FMA_PTX, emulated, against exact arithmetic: acc + scale * sum(w x), off by at most
+  the fp16 sums' rounding (7 additions a lane, 2^-11 of a running sum each, bounded by
+  2^-8 of sum |w x|) and fp32's; the jnp twin the interpreter runs agrees within the same bound."""
+  from pallas_kernels.nvfp4_hfma2 import BLOCK_FMA_PTX, block_fma_twin
+  words, planes, scale, acc, w, x = _hfma2_block_case(4, 512)
+  regs = _run_ptx(BLOCK_FMA_PTX, {"$1": acc.view(np.uint32), "$2": words[:, 0], "$3": words[:, 1],
+                                  **{f"${4 + i}": planes[i] for i in range(8)}, "$12": scale.view(np.uint32)})
+  exact = acc + scale * (w * x).sum(1)
+  bound = 2.0 ** -8 * scale * np.abs(w * x).sum(1) + 2.0 ** -22 * (np.abs(acc) + np.abs(exact))
+  got = _f32(regs["$0"])
+  assert np.all(np.abs(got - exact) <= bound)
+  assert np.mean(np.abs(got - exact) / bound) < 0.25  # the bound is not slack enough to hide a wrong pairing
+  twin = np.asarray(block_fma_twin(jnp.asarray(acc), *(jnp.asarray(words[:, h]) for h in range(2)),
+                                   [jnp.asarray(p) for p in planes], jnp.asarray(scale)))
+  assert np.all(np.abs(twin - exact) <= bound)
 
 
 def test_bf16_matmul_fp32_result():
@@ -257,6 +350,10 @@ def test_bad_inputs_raise():
     MoEConfig(routing="sort")
   with pytest.raises(ValueError, match="operands"):
     MatmulConfig(operands="float8")
+  with pytest.raises(ValueError, match="decode='ptx' and operands='float16'"):
+    MatmulConfig(dot="hfma2")
+  with pytest.raises(ValueError, match="NVFP4 only"):
+    fp8_matmul(x, q8, config=MatmulConfig(block_k=64, **HFMA2))
   args = moe_inputs(5, FORMATS["nvfp4"])
   with pytest.raises(ValueError, match="down_proj"):
     moe_grouped_matmul(*args[:5], args[3])
@@ -286,6 +383,9 @@ def test_kernels_lower_to_triton_for_h200():
                   (*moe[:3], *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
   cases.append((functools.partial(nvfp4_matmul, config=MatmulConfig(decode="ptx", operands="float16")),
                 (x, shape(quantize_nvfp4, (200, 272)))))
+  for config in (MatmulConfig(block_n=32, block_k=128, **HFMA2), default_config(1, 200, 272, dot="hfma2")):
+    cases.append((functools.partial(nvfp4_matmul, config=config),
+                  (jax.ShapeDtypeStruct((2, 272), jnp.bfloat16), shape(quantize_nvfp4, (200, 272)))))
   with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     for op, args in cases:

@@ -126,6 +126,10 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
     # in another order.
     scan = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas", moe_routing="scan"))
     assert rel_err(scan, pallas) <= 2e-3
+    # One token: its NVFP4 linears on the CUDA cores (dot="hfma2"; the PTX's twin here).
+    one = ids[:, :1]
+    hfma2 = glmjax.forward(CONFIG, q, one, runtime=Runtime(matmul="pallas_hfma2"))
+    assert rel_err(hfma2, glmjax.forward(CONFIG, q, one, runtime=Runtime(matmul="pallas"))) <= 2e-3
 
 
 def test_dense_pallas_matmul_matches_xla(params_bf16):

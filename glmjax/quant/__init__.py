@@ -19,7 +19,10 @@ tiles decoded by inline PTX (MatmulConfig / MoEConfig decode="ptx"; on the H200 
 [1, 8192] x [8192, 28672] takes 97 us against 124 us, BENCHMARKS.md run 10); "pallas_ptx_f16" is
 "pallas_ptx" with fp16 tensor-core operands for the quantized weights (MatmulConfig / MoEConfig
 operands="float16": no fp16 -> bf16 conversion of the decoded weights; activations scaled per
-row into fp16 by a power of two, pallas_kernels/nvfp4_matmul.f16_rows). Plain arrays always
+row into fp16 by a power of two, pallas_kernels/nvfp4_matmul.f16_rows); "pallas_hfma2" is
+"pallas_ptx_f16" with NVFP4 linears of at most nvfp4_matmul.HFMA2_MAX_ROWS rows on the CUDA
+cores' fp16x2 FMAs instead of the tensor cores (MatmulConfig.dot="hfma2",
+pallas_kernels/nvfp4_hfma2.py). Plain arrays always
 take the plain einsum, unless dense="pallas": then decode-sized bf16 x against a bf16 weight runs
 the split-K GEMV of pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for
 wide outputs: 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10);
@@ -37,7 +40,7 @@ from glmjax.quant.fp8_block import FP8BlockWeight, quantize_fp8_block
 from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
 from glmjax.quant.policy import POLICIES, quantize_leaf, quantize_params, quantizes
 
-IMPLS = ("xla", "pallas", "pallas_ptx", "pallas_ptx_f16")
+IMPLS = ("xla", "pallas", "pallas_ptx", "pallas_ptx_f16", "pallas_hfma2")
 # Plain bf16 weights: XLA's einsum, the split-K Pallas GEMV, or that with weights sharing their
 # input in one launch (linear_group).
 DENSE_IMPLS = ("xla", "pallas", "pallas_grouped")
@@ -57,12 +60,18 @@ def _check_impl(impl: str, dense: str = "xla") -> None:
 
 def _decode(impl: str) -> str:
   """The NVFP4 tile decode of a Pallas impl."""
-  return "ptx" if impl in ("pallas_ptx", "pallas_ptx_f16") else "jnp"
+  return "ptx" if impl in ("pallas_ptx", "pallas_ptx_f16", "pallas_hfma2") else "jnp"
 
 
 def _operands(impl: str) -> str:
   """The tensor cores' operand dtype for quantized weights under a Pallas impl."""
-  return "float16" if impl == "pallas_ptx_f16" else "bfloat16"
+  return "float16" if impl in ("pallas_ptx_f16", "pallas_hfma2") else "bfloat16"
+
+
+def _dot(impl: str, rows: int) -> str:
+  """Where an NVFP4 linear of `rows` rows multiplies under a Pallas impl (MatmulConfig.dot)."""
+  from pallas_kernels.nvfp4_matmul import HFMA2_MAX_ROWS
+  return "hfma2" if impl == "pallas_hfma2" and rows <= HFMA2_MAX_ROWS else "mma"
 
 
 def _kernel_sized(x: jax.Array, rows: int) -> bool:
@@ -121,7 +130,8 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
     from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
     x2 = x.reshape(rows, x.shape[-1])
     if isinstance(w, NVFP4Weight):
-      config = nvfp4_matmul.default_config(rows, *w.shape, decode=_decode(impl), operands=_operands(impl))
+      config = nvfp4_matmul.default_config(rows, *w.shape, decode=_decode(impl), operands=_operands(impl),
+                                           dot=_dot(impl, rows))
       out = nvfp4_matmul.nvfp4_matmul(x2, w, config=config)
     else:
       config = fp8_matmul.default_fp8_config(rows, *w.shape, operands=_operands(impl))
