@@ -165,5 +165,10 @@ def own_kernel_us(kernels: list[tuple[str, float, float]], loop: list[tuple[str,
 
 def time_own_kernels(fn: Callable[..., Any], *args: Any) -> float:
   """Seconds per call of fn(*args)'s own device kernels (`own_kernel_us`): no launch gaps, no
-  timing-loop bookkeeping. Needs device events in the trace (a GPU)."""
-  return own_kernel_us(kernel_breakdown(fn, *args), loop_breakdown(*args)) * 1e-6
+  timing-loop bookkeeping. Needs device events in the trace (a GPU): elsewhere a clear error,
+  not a zero time."""
+  kernels = kernel_breakdown(fn, *args)
+  if not kernels:
+    raise RuntimeError(f"time_own_kernels: the {jax.default_backend()} backend's profile has no device "
+                       "kernel events; time with time_device instead")
+  return own_kernel_us(kernels, loop_breakdown(*args)) * 1e-6

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glmjax.bench import agreement, device_kernel_times, kernel_breakdown, own_kernel_us, time_device
+from glmjax.bench import (agreement, device_kernel_times, kernel_breakdown, own_kernel_us, time_device,
+                          time_own_kernels)
 
 
 def _write_trace(directory, events):
@@ -46,6 +47,9 @@ def test_kernel_breakdown_runs_a_profile_and_time_device_is_positive():
   # The CPU backend's trace has no device events: the breakdown is empty, not an error.
   assert kernel_breakdown(lambda a: jnp.sin(a) @ a, x, iters=2) == []
   assert time_device(lambda a: jnp.sin(a) @ a, x, iters=2, repeats=1) > 0
+  # Own-kernel time needs those events: a clear error, not a zero time.
+  with pytest.raises(RuntimeError, match="no device kernel events"):
+    time_own_kernels(lambda a: jnp.sin(a) @ a, x)
 
 
 def test_own_kernel_us_takes_away_the_timing_loops_bookkeeping():
