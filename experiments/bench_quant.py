@@ -10,7 +10,8 @@ weights (+ scales) an implementation must read plus the activations in and out; 
 only the distinct experts the step's tokens chose (an implementation that reads more is charged the
 same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX decode
 (`pallas_ptx`: decode="ptx" with its default tiles, `default_config` / `default_moe_config`;
-`pallas_hfma2`, at M <= 2: the GEMV on the CUDA cores' fp16x2 FMAs, pallas_kernels/nvfp4_hfma2.py),
+`pallas_hfma2`, at M <= HFMA2_MAX_ROWS (1): the GEMV on the CUDA cores' fp16x2 FMAs,
+pallas_kernels/nvfp4_hfma2.py),
 the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where its TMA shapes
 allow: N a multiple of 8, K of 256; not at the quick shapes), and for the MoE
 `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing). The

@@ -9,8 +9,9 @@ Rows come from `experiments.bench_dsa.dsa_rows` (indexer scores, top-k, sparse M
 rank's shapes) and `experiments.bench_quant.quant_rows` (NVFP4 / FP8 weight-only GEMV and the
 grouped MoE kernel). Device time is measured as METHOD.md says (glmjax.bench.time_device: many
 calls in one on-device loop, median), or for the quant suite with --quant_timer=own by each
-implementation's own kernels in a profile (launch gaps excluded); XLA is measured in the same run. Each row is printed as
-it is measured (a long suite cut by a time limit still reports), the table at the end.
+implementation's own kernels in a profile (launch gaps excluded); XLA is measured in the same
+run. Each row is printed as it is measured (a long suite cut by a time limit still reports),
+the table at the end.
 """
 
 import functools

@@ -25,10 +25,11 @@ class Runtime:
   indexer_pattern: per decoder layer, whether it runs its own indexer (else it reuses the
   nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas
   (pallas_ptx: Pallas with the inline-PTX NVFP4 decode; pallas_ptx_f16: that with fp16
-  tensor-core operands; pallas_hfma2: that with one-row NVFP4 linears on the CUDA cores). dense_matmul: the model's plain bf16
-  linears at decode, XLA's einsum or the split-K Pallas GEMV (pallas_kernels/bf16_matmul.py), or
-  that with the projections sharing their input in one launch ("pallas_grouped": q_a with kv_a,
-  the indexer's wk with weights_proj, an MLP's gate with up).
+  tensor-core operands; pallas_hfma2: that with one-row NVFP4 linears on the CUDA cores).
+  dense_matmul: the model's plain bf16 linears at decode, XLA's einsum or the split-K Pallas
+  GEMV (pallas_kernels/bf16_matmul.py), or that with the projections sharing their input in one
+  launch ("pallas_grouped": q_a with kv_a, the indexer's wk with weights_proj, an MLP's gate
+  with up).
   cache_write: the new tokens' write into a layer's pages, XLA's scatters (paged.write_layer,
   about eight kernels) or one Pallas launch (pallas_kernels/paged_write.py; same pages).
   moe_routing: under a Pallas matmul, how the grouped MoE kernels find the chosen experts:

@@ -28,9 +28,10 @@ load split in registers (two stride-2 loads took twice as long).
 
 Measured (H200, [1, 8192] x [8192, 28672], own kernel time, BENCHMARKS.md run 19): 51.5-51.8
 us at its default tiles (K split 4) against 72 for the tensor-core kernel and 107 for XLA's bf16
-GEMV, 2.55 TB/s on the bytes read: 2.07x bf16, short of the 2.8x asked. It is latency-bound, not instruction-bound: the prmt
-decode cut instructions by 15% (23.8M -> 20.2M) at the same time; DRAM runs at 52-56% of peak,
-warps wait on their loads 55% of the time, and Triton pipelines only loads that feed a dot.
+GEMV, 2.55 TB/s on the bytes read: 2.07x bf16, short of the 2.8x asked. It is latency-bound,
+not instruction-bound: the prmt decode cut instructions by 15% (23.8M -> 20.2M) at the same
+time; DRAM runs at 52-56% of peak, warps wait on their loads 55% of the time, and Triton
+pipelines only loads that feed a dot.
 Tried and dropped (slower, same run): tiles loaded a step ahead in registers (72 -> 140
 registers a thread), programs streaming row blocks over one K chunk with the activations loaded
 once, other tile shapes. Rows: each row repeats the whole program (M = 2: 86.5 us, slower than
@@ -138,11 +139,10 @@ def code_words(packed: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(packed.reshape(n, half // 4, 4), jnp.uint32)
 
 
-def _load_weights(words_ref, scale_ref, step, *, k: int, blocks: int, rows_ok) -> tuple:
-  """K step `step`'s weight tiles (`blocks` scale blocks a row): the blocks' first and second
-  code words (u32 [bn, blocks] each, one contiguous load split in registers) and their scales
-  in fp32."""
-  cols_ok = range_mask(step * blocks, blocks, k // BLOCK)
+def _load_weights(words_ref, scale_ref, step, *, blocks: int, rows_ok, cols_ok) -> tuple:
+  """K step `step`'s weight tiles (`blocks` scale blocks a row, `cols_ok` their mask): the
+  blocks' first and second code words (u32 [bn, blocks] each, one contiguous load split in
+  registers) and their scales in fp32."""
   words_ok = None if cols_ok is None else jnp.repeat(cols_ok, 2)
   words = load_tile(words_ref.at[:, pl.ds(2 * step * blocks, 2 * blocks)], rows_ok, words_ok)
   word0, word1 = (w[..., 0] for w in jnp.split(words.reshape(-1, blocks, 2), 2, axis=2))
@@ -150,9 +150,8 @@ def _load_weights(words_ref, scale_ref, step, *, k: int, blocks: int, rows_ok) -
   return word0, word1, scale.astype(jnp.float32)
 
 
-def _load_planes(planes_ref, row: int, step, *, k: int, blocks: int, shape) -> list[jax.Array]:
+def _load_planes(planes_ref, row: int, step, *, blocks: int, cols_ok, shape) -> list[jax.Array]:
   """Row `row`'s eight activation planes of K step `step`, broadcast to the weight tile."""
-  cols_ok = range_mask(step * blocks, blocks, k // BLOCK)
   return [jnp.broadcast_to(load_tile(planes_ref.at[pl.ds(row * PLANES + i, 1), pl.ds(step * blocks, blocks)],
                                      None, cols_ok), shape) for i in range(PLANES)]
 
@@ -166,8 +165,9 @@ def _kernel(planes_ref, amax_ref, words_ref, scale_ref, global_ref, o_ref, *, m:
   n_ok = range_mask(pl.program_id(0) * bn, bn, n)
 
   def body(step, accs):
-    word0, word1, scale = _load_weights(words_ref, scale_ref, step, k=k, blocks=blocks, rows_ok=n_ok)
-    return tuple(block_fma(acc, word0, word1, _load_planes(planes_ref, row, step, k=k, blocks=blocks,
+    cols_ok = range_mask(step * blocks, blocks, k // BLOCK)
+    word0, word1, scale = _load_weights(words_ref, scale_ref, step, blocks=blocks, rows_ok=n_ok, cols_ok=cols_ok)
+    return tuple(block_fma(acc, word0, word1, _load_planes(planes_ref, row, step, blocks=blocks, cols_ok=cols_ok,
                                                            shape=(bn, blocks)), scale, ptx=not interpret)
                  for row, acc in enumerate(accs))
 

@@ -49,9 +49,9 @@ BENCHMARKS.md run 12), against activations scaled per row into fp16 (`f16_rows`;
 undoes the scale on its fp32 result). Measured (run 15): the GEMV above 83.3 us against 87.1
 with bf16 operands (XLA's bf16: 117.4).
 
-dot="hfma2" (MatmulConfig) leaves the tensor cores for M <= 2: each thread decodes its weights
-in registers and multiplies them in place with fp16x2 FMAs, so nothing passes through shared
-memory (pallas_kernels/nvfp4_hfma2.py, measured there).
+dot="hfma2" (MatmulConfig) leaves the tensor cores for one row (HFMA2_MAX_ROWS): each thread
+decodes its weights in registers and multiplies them in place with fp16x2 FMAs, so nothing
+passes through shared memory (pallas_kernels/nvfp4_hfma2.py, measured there).
 """
 
 import dataclasses

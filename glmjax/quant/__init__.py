@@ -22,10 +22,10 @@ operands="float16": no fp16 -> bf16 conversion of the decoded weights; activatio
 row into fp16 by a power of two, pallas_kernels/nvfp4_matmul.f16_rows); "pallas_hfma2" is
 "pallas_ptx_f16" with NVFP4 linears of at most nvfp4_matmul.HFMA2_MAX_ROWS rows on the CUDA
 cores' fp16x2 FMAs instead of the tensor cores (MatmulConfig.dot="hfma2",
-pallas_kernels/nvfp4_hfma2.py). Plain arrays always
-take the plain einsum, unless dense="pallas": then decode-sized bf16 x against a bf16 weight runs
-the split-K GEMV of pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for
-wide outputs: 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10);
+pallas_kernels/nvfp4_hfma2.py). Plain arrays always take the plain einsum, unless
+dense="pallas": then decode-sized bf16 x against a bf16 weight runs the split-K GEMV of
+pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for wide outputs:
+0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10);
 dense="pallas_grouped" is "pallas" with the projections that share their input in one launch
 each (linear_group).
 """
