@@ -14,7 +14,9 @@ same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX de
 pallas_kernels/nvfp4_hfma2.py),
 the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where its TMA shapes
 allow: N a multiple of 8, K of 256; not at the quick shapes), and for the MoE
-`pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing). The
+`pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing), and
+`pallas_hfma2_pairs`, each (token, local expert) pair a one-row product on the CUDA cores
+(pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model). The
 `*_f16` rows run fp16 tensor-core operands (MatmulConfig / MoEConfig operands="float16"): NVFP4
 with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
@@ -43,6 +45,7 @@ from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
+from pallas_kernels.moe_hfma2 import moe_hfma2
 from pallas_kernels.nvfp4_matmul import (DECODES, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
@@ -154,6 +157,8 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
                                   chosen=chosen_experts)
       variant = jax.jit(functools.partial(moe_grouped_matmul, config=config))
       timed.append(_kernel_entry(fmt, variant, xla, (x, *routing, *q), nbytes, timer, impl=impl))
+    if fmt == "nvfp4":  # each (token, local expert) pair a one-row product on the CUDA cores
+      timed.append(_kernel_entry(fmt, moe_hfma2, xla, (x, *routing, *q), nbytes, timer, impl="pallas_hfma2_pairs"))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, routed=routed or experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)
 

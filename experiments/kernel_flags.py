@@ -32,7 +32,9 @@ def define() -> Callable[[], dict[str, str]]:
   write = flags.DEFINE_enum("cache_write", "xla", list(CACHE_WRITES),
                             "the decode step's cache write: xla (scatters) or pallas (one launch a layer)")
   routing = flags.DEFINE_enum("moe_routing", "table", list(MOE_ROUTINGS),
-                              "the grouped MoE kernels' expert lookup: table (XLA) or scan (in-kernel)")
+                              "the MoE kernels' expert lookup: table (XLA) or scan (in-kernel) for the grouped "
+                              "tensor-core kernels, or pairs (each token-expert pair a one-row product on "
+                              "the CUDA cores; NVFP4 experts, --matmul=pallas_hfma2)")
   topk = flags.DEFINE_enum("topk_method", "sampled", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
   orientation = flags.DEFINE_enum("indexer_orientation", "keys", list(ORIENTATIONS),
                                   "the Pallas indexer scores kernel's MMA rows: keys (head sums within a warp) "

@@ -15,7 +15,7 @@ ATTENTION_IMPLS = ("dense", "sparse", "pallas")
 MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2 (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_layer or its one-launch kernel
-MOE_ROUTINGS = ("table", "scan")  # how the grouped MoE kernels find the chosen experts
+MOE_ROUTINGS = ("table", "scan", "pairs")  # how the MoE kernels find the chosen experts (glmjax.quant.moe_experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +32,10 @@ class Runtime:
   with up).
   cache_write: the new tokens' write into a layer's pages, XLA's scatters (paged.write_layer,
   about eight kernels) or one Pallas launch (pallas_kernels/paged_write.py; same pages).
-  moe_routing: under a Pallas matmul, how the grouped MoE kernels find the chosen experts:
-  "table" (built by XLA) or "scan" (each program scans the step's ids; no XLA kernels).
+  moe_routing: under a Pallas matmul, how the MoE kernels find the chosen experts: "table"
+  (built by XLA) or "scan" (each program scans the step's ids; no XLA kernels) for the grouped
+  tensor-core kernels, or "pairs": each (token, local expert) pair a one-row product on the CUDA
+  cores (pallas_kernels/moe_hfma2.py; NVFP4 experts under matmul="pallas_hfma2" only).
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
@@ -76,6 +78,9 @@ class Runtime:
       raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {self.cache_write!r}")
     if self.moe_routing not in MOE_ROUTINGS:
       raise ValueError(f"moe_routing must be one of {MOE_ROUTINGS}, got {self.moe_routing!r}")
+    if self.moe_routing == "pairs" and self.matmul != "pallas_hfma2":
+      raise ValueError(f"moe_routing='pairs' runs the experts on the CUDA cores' fp16x2 FMAs: it needs "
+                       f"matmul='pallas_hfma2', got {self.matmul!r}")
     for name in ("indexer_queries", "attention_queries"):
       if getattr(self, name) not in QUERY_DTYPES:
         raise ValueError(f"{name} must be one of {QUERY_DTYPES}, got {getattr(self, name)!r}")

@@ -318,23 +318,29 @@ def routing_table(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int
   return experts, jnp.sum(used, dtype=jnp.int32).reshape(1), jnp.pad(route, ((0, 0), (0, block_m - t)))
 
 
-def _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
-                  config: MoEConfig) -> None:
+def check_moe_inputs(kernel: str, x, topk_ids, topk_weights, gate_proj, up_proj, down_proj) -> dict:
+  """The routed-expert kernels' shared input checks (bf16 x [T, D], int32 ids [T, k] and their
+  weights, stacked [E, I, D] / [E, D, I] expert weights); returns {name: weight}."""
   if x.ndim != 2 or x.dtype != jnp.bfloat16:
-    raise ValueError(f"moe_grouped_matmul: x must be bf16 [T, D], got {x.dtype} {x.shape}")
+    raise ValueError(f"{kernel}: x must be bf16 [T, D], got {x.dtype} {x.shape}")
   t, d = x.shape
   if topk_ids.ndim != 2 or topk_ids.shape[0] != t or topk_ids.dtype != jnp.int32:
-    raise ValueError(f"moe_grouped_matmul: topk_ids must be int32 [T={t}, k], got "
-                     f"{topk_ids.dtype} {topk_ids.shape}")
+    raise ValueError(f"{kernel}: topk_ids must be int32 [T={t}, k], got {topk_ids.dtype} {topk_ids.shape}")
   if topk_weights.shape != topk_ids.shape:
-    raise ValueError(f"moe_grouped_matmul: topk_weights {topk_weights.shape} must match topk_ids "
-                     f"{topk_ids.shape}")
+    raise ValueError(f"{kernel}: topk_weights {topk_weights.shape} must match topk_ids {topk_ids.shape}")
   e, i = gate_proj.shape[:2]
   for name, w, layout, shape in (("gate_proj", gate_proj, "E, I, D", (e, i, d)),
                                  ("up_proj", up_proj, "E, I, D", (e, i, d)),
                                  ("down_proj", down_proj, "E, D, I", (e, d, i))):
     if tuple(w.shape) != shape:
-      raise ValueError(f"moe_grouped_matmul: {name} must be [{layout}] = {shape}, got {tuple(w.shape)}")
+      raise ValueError(f"{kernel}: {name} must be [{layout}] = {shape}, got {tuple(w.shape)}")
+  return dict(gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
+
+
+def _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+                  config: MoEConfig) -> None:
+  weights = check_moe_inputs("moe_grouped_matmul", x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+  for name, w in weights.items():
     if _kind(w) == "bf16" and w.dtype != jnp.bfloat16:
       raise ValueError(f"moe_grouped_matmul: plain {name} must be bf16, got {w.dtype}")
     if _kind(w) == "fp8" and (config.block_n > FP8_BLOCK or config.block_k > FP8_BLOCK):

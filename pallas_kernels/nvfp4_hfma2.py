@@ -134,26 +134,32 @@ def activation_planes(x16: jax.Array) -> jax.Array:
 
 
 def code_words(packed: jax.Array) -> jax.Array:
-  """uint8 [N, K/2] packed codes -> u32 [N, K/8] (the same bytes, little-endian words)."""
-  n, half = packed.shape
-  return lax.bitcast_convert_type(packed.reshape(n, half // 4, 4), jnp.uint32)
+  """uint8 [..., N, K/2] packed codes -> u32 [..., N, K/8] (the same bytes, little-endian words)."""
+  return lax.bitcast_convert_type(packed.reshape(*packed.shape[:-1], packed.shape[-1] // 4, 4), jnp.uint32)
 
 
-def _load_weights(words_ref, scale_ref, step, *, blocks: int, rows_ok, cols_ok) -> tuple:
-  """K step `step`'s weight tiles (`blocks` scale blocks a row, `cols_ok` their mask): the
-  blocks' first and second code words (u32 [bn, blocks] each, one contiguous load split in
-  registers) and their scales in fp32."""
+def load_weights(words_ref, scale_ref, lead: tuple, step, *, blocks: int, rows_ok, cols_ok) -> tuple:
+  """K step `step`'s weight tiles (`blocks` scale blocks a row, `cols_ok` their mask; `lead`
+  indexes leading dims, an expert id): the blocks' first and second code words (u32 [bn,
+  blocks] each, one contiguous load split in registers) and their scales in fp32."""
   words_ok = None if cols_ok is None else jnp.repeat(cols_ok, 2)
-  words = load_tile(words_ref.at[:, pl.ds(2 * step * blocks, 2 * blocks)], rows_ok, words_ok)
+  words = load_tile(words_ref.at[(*lead, slice(None), pl.ds(2 * step * blocks, 2 * blocks))], rows_ok, words_ok)
   word0, word1 = (w[..., 0] for w in jnp.split(words.reshape(-1, blocks, 2), 2, axis=2))
-  scale = load_tile(scale_ref.at[:, pl.ds(step * blocks, blocks)], rows_ok, cols_ok)
+  scale = load_tile(scale_ref.at[(*lead, slice(None), pl.ds(step * blocks, blocks))], rows_ok, cols_ok)
   return word0, word1, scale.astype(jnp.float32)
 
 
-def _load_planes(planes_ref, row: int, step, *, blocks: int, cols_ok, shape) -> list[jax.Array]:
-  """Row `row`'s eight activation planes of K step `step`, broadcast to the weight tile."""
+def load_planes(planes_ref, row, step, *, blocks: int, cols_ok, shape) -> list[jax.Array]:
+  """Row `row`'s eight activation planes of K step `step` (planes_ref: activation_planes'
+  [rows * 8, K/16]), broadcast to the weight tile's `shape`."""
   return [jnp.broadcast_to(load_tile(planes_ref.at[pl.ds(row * PLANES + i, 1), pl.ds(step * blocks, blocks)],
                                      None, cols_ok), shape) for i in range(PLANES)]
+
+
+def row_result(acc: jax.Array, global_scale, amax) -> jax.Array:
+  """fp32 [bn] outputs from a row's [bn, blocks] block sums: times the per-tensor scale, 2^14
+  (DECODE_SCALE) and the inverse f16_rows scale of the row of largest magnitude `amax`."""
+  return jnp.sum(acc, axis=1) * (global_scale * DECODE_SCALE) * row_inverse_scale(amax)
 
 
 def _kernel(planes_ref, amax_ref, words_ref, scale_ref, global_ref, o_ref, *, m: int, n: int, k: int,
@@ -166,15 +172,15 @@ def _kernel(planes_ref, amax_ref, words_ref, scale_ref, global_ref, o_ref, *, m:
 
   def body(step, accs):
     cols_ok = range_mask(step * blocks, blocks, k // BLOCK)
-    word0, word1, scale = _load_weights(words_ref, scale_ref, step, blocks=blocks, rows_ok=n_ok, cols_ok=cols_ok)
-    return tuple(block_fma(acc, word0, word1, _load_planes(planes_ref, row, step, blocks=blocks, cols_ok=cols_ok,
-                                                           shape=(bn, blocks)), scale, ptx=not interpret)
+    word0, word1, scale = load_weights(words_ref, scale_ref, (), step, blocks=blocks, rows_ok=n_ok, cols_ok=cols_ok)
+    return tuple(block_fma(acc, word0, word1, load_planes(planes_ref, row, step, blocks=blocks, cols_ok=cols_ok,
+                                                          shape=(bn, blocks)), scale, ptx=not interpret)
                  for row, acc in enumerate(accs))
 
   accs = split_k_loop(body, k=k, block_m=m, config=config,
                       init=tuple(jnp.zeros((bn, blocks), jnp.float32) for _ in range(m)))
   for row, acc in enumerate(accs):
-    y = jnp.sum(acc, axis=1) * (global_ref[0] * DECODE_SCALE) * row_inverse_scale(amax_ref[row])
+    y = row_result(acc, global_ref[0], amax_ref[row])
     store_tile(o_ref.at[pl.ds(row, 1)], y[None].astype(o_ref.dtype), None, n_ok)
 
 

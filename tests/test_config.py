@@ -221,3 +221,10 @@ def test_runtime_rejects_unknown_switches(field, value):
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match=field):
     Runtime(**{field: value})
+
+
+def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="moe_routing='pairs'.*matmul='pallas_hfma2'"):
+    Runtime(matmul="pallas_ptx_f16", moe_routing="pairs")
+  assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"

@@ -323,6 +323,37 @@ def test_moe_experts_pallas_bf16_matches_xla():
   np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)
 
 
+@pytest.mark.parametrize("gate_up,down,groups", [((16, 32, 2), (16, 32, 1), 3), ((32, 64, 1), (32, 32, 2), 1)])
+def test_moe_hfma2_pairs(gate_up, down, groups):
+  """Each (token, local expert) pair a one-row product (the PTX's twin here): pairs spread over
+  program groups or all in one, K split or not, ragged rows (48 = 32 + 16) and K (80 = 5 blocks
+  of 16); expert 2 meets four tokens, token 4 none; equal to the tensor-core kernel's result."""
+  from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
+  tiles = lambda n, k, split: MatmulConfig(block_n=n, block_k=k, split_k=split, **HFMA2)
+  args = moe_inputs(4, FORMATS["nvfp4"])
+  out = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups))
+  assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
+  assert rel_err(out, moe_grouped_matmul_reference(*args)) <= TOL
+  grouped = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, decode="ptx", operands="float16"))
+  assert rel_err(out, grouped) <= TOL
+  np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
+
+
+def test_moe_experts_pairs_routing():
+  """routing="pairs" (impl="pallas_hfma2"): one token with one local expert, and a step whose
+  experts are all on other ranks (zeros); other impls or unquantized experts are clear errors."""
+  x, ids, weights, *experts = moe_inputs(12, FORMATS["nvfp4"])
+  pairs = functools.partial(moe_experts, impl="pallas_hfma2", routing="pairs")
+  one = (x[3:4], ids[4:5], weights[4:5])  # ids 7, -1, 9 ...
+  np.testing.assert_array_equal(np.asarray(pairs(*one, *experts), np.float32), 0.0)
+  one = (x[:1], jnp.array([[7, 4, -1]], jnp.int32), weights[:1])
+  assert rel_err(pairs(*one, *experts), moe_grouped_matmul_reference(*one, *experts)) <= TOL
+  with pytest.raises(ValueError, match="impl='pallas_hfma2'"):
+    moe_experts(x, ids, weights, *experts, impl="pallas_ptx_f16", routing="pairs")
+  with pytest.raises(ValueError, match="down_proj is Array"):
+    pairs(x, ids, weights, *experts[:2], experts[2].dequantize())
+
+
 def test_bad_inputs_raise():
   x, w = inputs(4, 3, 64, 64)
   q4, q8 = quantize_nvfp4(jnp.asarray(w)), quantize_fp8_block(jnp.asarray(w))
@@ -359,6 +390,13 @@ def test_bad_inputs_raise():
     moe_grouped_matmul(*args[:5], args[3])
   with pytest.raises(ValueError, match="int32"):
     moe_grouped_matmul(args[0], args[1].astype(jnp.float32), *args[2:])
+  from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
+  with pytest.raises(ValueError, match="down_proj must be \\[E, D, I\\]"):
+    moe_hfma2(*args[:5], args[3])
+  with pytest.raises(ValueError, match="dot='hfma2'"):
+    PairsConfig(down=MatmulConfig())
+  with pytest.raises(ValueError, match="groups"):
+    PairsConfig(groups=0)
 
 
 def test_kernels_lower_to_triton_for_h200():
@@ -383,6 +421,11 @@ def test_kernels_lower_to_triton_for_h200():
                   (*moe[:3], *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
   cases.append((functools.partial(nvfp4_matmul, config=MatmulConfig(decode="ptx", operands="float16")),
                 (x, shape(quantize_nvfp4, (200, 272)))))
+  from pallas_kernels.moe_hfma2 import moe_hfma2
+  for t in (5, 1):  # the CUDA-core pairs: a step's tokens, one token
+    choice = [jax.ShapeDtypeStruct((t, 3), dtype) for dtype in (jnp.int32, jnp.float32)]
+    cases.append((moe_hfma2, (jax.ShapeDtypeStruct((t, 80), jnp.bfloat16), *choice,
+                              *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
   for config in (MatmulConfig(block_n=32, block_k=128, **HFMA2), default_config(1, 200, 272, dot="hfma2")):
     cases.append((functools.partial(nvfp4_matmul, config=config),
                   (jax.ShapeDtypeStruct((2, 272), jnp.bfloat16), shape(quantize_nvfp4, (200, 272)))))

@@ -130,6 +130,9 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
     one = ids[:, :1]
     hfma2 = glmjax.forward(CONFIG, q, one, runtime=Runtime(matmul="pallas_hfma2"))
     assert rel_err(hfma2, glmjax.forward(CONFIG, q, one, runtime=Runtime(matmul="pallas"))) <= 2e-3
+    # Its routed experts too, a (token, expert) pair at a time (moe_routing="pairs").
+    pairs = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_hfma2", moe_routing="pairs"))
+    assert rel_err(pairs, pallas) <= 2e-3
 
 
 def test_dense_pallas_matmul_matches_xla(params_bf16):

@@ -155,6 +155,17 @@ def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla"
   return [out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
 
 
+def _check_pairs(impl: str, *weights) -> None:
+  """routing="pairs" is the NVFP4 experts' CUDA-core path (moe_experts)."""
+  if impl != "pallas_hfma2":
+    raise ValueError(f"moe_experts: routing='pairs' runs on the CUDA cores' fp16x2 FMAs: it needs "
+                     f"impl='pallas_hfma2', got {impl!r}")
+  for name, w in zip(("gate_proj", "up_proj", "down_proj"), weights):
+    if not isinstance(w, NVFP4Weight):
+      raise ValueError(f"moe_experts: routing='pairs' needs NVFP4 expert weights (e.g. --weights=nvfp4_experts); "
+                       f"{name} is {type(w).__name__}")
+
+
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
                 down_proj, *, impl: str = "xla", routing: str = "table", chosen: float | None = None) -> jax.Array:
   """Routed-expert MLP of a few tokens: x [T, D], topk_ids int32 [T, k], topk_weights fp32 [T, k];
@@ -164,12 +175,19 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   impl="xla": the model's jnp reference (glmjax.moe.experts_reference). impl="pallas": the
   grouped kernels, one launch per projection that reads only the chosen experts' weights, for
   decode-sized bf16 x (else the reference, as in `linear`); `routing`: how the kernels find the
-  chosen experts (MoEConfig.routing: "table" from XLA, or "scan" in-kernel); `chosen`: the
+  chosen experts (MoEConfig.routing: "table" from XLA, or "scan" in-kernel), or "pairs": each
+  (token, local expert) pair a one-row product on the CUDA cores (pallas_kernels/moe_hfma2.py;
+  NVFP4 weights under impl="pallas_hfma2" only, else a clear error); `chosen`: the
   distinct local experts a step is expected to read, which picks the kernels' tiles
   (default_moe_config; None: all of them).
   """
   _check_impl(impl)
+  if routing == "pairs":
+    _check_pairs(impl, gate_proj, up_proj, down_proj)
   if impl != "xla" and _kernel_sized(x, x.shape[0]):
+    if routing == "pairs":
+      from pallas_kernels.moe_hfma2 import moe_hfma2
+      return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
     config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
                                 chosen=chosen, operands=_operands(impl))

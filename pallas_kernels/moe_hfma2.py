@@ -1,0 +1,243 @@
+"""Routed-expert MLP of a decode step on the CUDA cores: each (token, expert) pair a one-row product.
+
+  out[t] = sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t),  e = ids[t,s] in [0, E)
+
+Why: one TEP=8 rank of GLM-5 holds 32 of 256 experts, so a step's 5 tokens choose about 5 of
+its experts, nearly always for one token each. A one-row product is where nvfp4_hfma2's block
+program (codes decoded in registers, fp16x2 FMAs, no shared memory) beats the tensor cores,
+which the grouped kernel (moe_grouped_matmul) pads to 16 rows. Here every pair is such a row:
+an expert two tokens chose is read once per pair (the second read may come from L2).
+
+Pairs are found in-kernel, with no XLA routing table: each program loads the step's T*k ids
+whole, marks the local ones (0 <= id < E) and ranks them in registers; pair p is the local slot
+of rank p. Program (j, s, g) of a launch takes pairs g, g + G, ... < count, row block j, K split s.
+
+  gate_up: rows j of gate and of up of the pair's expert against its token, summed over split s
+           into fp32 partials [S, T*k, I] each (a pair's row p; rows >= count unwritten).
+  XLA:     h = silu(sum_s g) * sum_s u per pair in bf16 (rows >= count zeroed), its fp16 rows
+           (f16_rows) as activation planes.
+  down:    rows j of down against h[p], times the pair's routing weight, added into its
+           token's row: fp32 partials [S * G, T, D], summed by XLA.
+
+Measured (H200, own kernel time, BENCHMARKS.md run 20): at one rank's view (5 tokens, 6 pairs
+among 6 of 32 experts) 61.4 us against 85.8 for the grouped tensor-core kernel with fp16
+operands and 566 for XLA's bf16 (2.08 TB/s on the chosen experts' bytes, 49% of copy; 11-12
+us of it is XLA glue); one token with one local expert 20.1 against 45.5. In `tep8_shard`'s
+step the MoE fell from 72.5 to about 52 us a layer and the step from 21.88 to 18.88 ms. Where
+tokens share experts (ids among the 32 local ones: 40 pairs over 24 experts) the re-reads
+lose: 348 us against 257, so this is a switch (`--moe_routing=pairs`), not the default.
+
+Numerics are nvfp4_hfma2's (fp16 products exact, fp16 sums within a 16-weight block, fp32
+beyond), and the interpreter runs its jnp twin. The reference is the grouped kernel's,
+moe_grouped_matmul_reference (the model's expert MLP in fp32). Lowering: Triton, as nvfp4_hfma2.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
+from pallas_kernels.checks import check_at_least, resolve_interpret
+from pallas_kernels.moe_grouped_matmul import check_moe_inputs
+from pallas_kernels.nvfp4_hfma2 import (PLANES, activation_planes, block_fma, code_words, load_planes, load_weights,
+                                        row_result)
+from pallas_kernels.nvfp4_matmul import MatmulConfig, f16_rows, range_mask, split_k_loop, store_tile
+
+HFMA2 = dict(decode="ptx", operands="float16", dot="hfma2")
+
+
+@dataclasses.dataclass(frozen=True)
+class PairsConfig:
+  """gate_up, down: each launch's tiles (block_n rows x block_k inputs), K splits and warps,
+  as MatmulConfig(dot="hfma2"); groups: programs sharing a row block and K split, taking
+  every groups-th pair. The defaults are the best of 20 configs at one TEP=8 rank's view of
+  GLM-5 (5 tokens, 6-7 local pairs; BENCHMARKS.md run 20): fewer programs with more pairs
+  each beat many short ones (8 or 16 groups, K split 3-12, 32-row tiles: 5-58% slower)."""
+  gate_up: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=2, **HFMA2)
+  down: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=1, **HFMA2)
+  groups: int = 4
+
+  def __post_init__(self):
+    for name in ("gate_up", "down"):
+      if getattr(self, name).dot != "hfma2":
+        raise ValueError(f"PairsConfig.{name} must be a MatmulConfig(dot='hfma2'), got {getattr(self, name)}")
+    check_at_least("PairsConfig", "groups", self.groups)
+
+
+def _local_pairs(ids_ref, weights_ref, *, slots: int, experts: int):
+  """(count, pick): the step's local slots and pick(p) -> (expert, slot, routing weight or
+  None) of the one of rank p, from the [T*k] ids (and weights) read whole."""
+  s = jnp.arange(ids_ref.shape[0])
+  in_range = s < slots
+  ids = pltriton.load(ids_ref, mask=in_range, other=-1)
+  weights = None if weights_ref is None else pltriton.load(weights_ref, mask=in_range, other=0.0)
+  local = (ids >= 0) & (ids < experts)
+  rank = jnp.cumsum(local.astype(jnp.int32)) - local.astype(jnp.int32)  # local slots before s
+
+  def pick(p):
+    chosen = local & (rank == p)
+    weight = None if weights is None else jnp.sum(jnp.where(chosen, weights, 0.0))
+    return jnp.sum(jnp.where(chosen, ids, 0)), jnp.sum(jnp.where(chosen, s, 0)), weight
+
+  return jnp.sum(local.astype(jnp.int32)), pick
+
+
+def _pair_loop(count, body, init, *, group, groups: int):
+  """body(p, carry) folded over this program's pairs p = group, group + groups, ... < count."""
+  trips = jnp.maximum(count - group + groups - 1, 0) // groups
+  return lax.fori_loop(0, trips, lambda it, carry: body(group + it * groups, carry), init)
+
+
+def _pair_sums(planes_ref, weights, e, row, *, split, rows_ok, k: int, config: MatmulConfig,
+               interpret: bool) -> tuple[jax.Array, ...]:
+  """fp32 [bn, blocks] block sums of this program's rows (`rows_ok` their mask) of each weight
+  (its words and scales refs) of expert e against activation row `row`, over K split `split`."""
+  bn, blocks = config.block_n, config.block_k // BLOCK
+
+  def step(st, accs):
+    cols_ok = range_mask(st * blocks, blocks, k // BLOCK)
+    planes = load_planes(planes_ref, row, st, blocks=blocks, cols_ok=cols_ok, shape=(bn, blocks))
+    out = []
+    for (words, scales), acc in zip(weights, accs):
+      word0, word1, scale = load_weights(words, scales, (e,), st, blocks=blocks, rows_ok=rows_ok, cols_ok=cols_ok)
+      out.append(block_fma(acc, word0, word1, planes, scale, ptx=not interpret))
+    return tuple(out)
+
+  return split_k_loop(step, k=k, block_m=1, config=config, split=split,
+                      init=tuple(jnp.zeros((bn, blocks), jnp.float32) for _ in weights))
+
+
+def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate_global, up_words, up_scales,
+                    up_global, g_ref, u_ref, *, top_k: int, slots: int, experts: int, d: int, i: int,
+                    config: PairsConfig, interpret: bool):
+  # ids_ref: i32 [Sp] of the [T*k] ids; planes_ref: u32 [T * 8, Dp/16] (x's activation_planes);
+  # amax_ref: f32 [T] (f16_rows' row maxima); gate / up: words u32 [E, bn, Dp/8], scales e4m3
+  # [E, bn, Dp/16], global f32 [E]; g_ref, u_ref: f32 [Pp, bn] of the [S, T*k, I] partials.
+  cfg = config.gate_up
+  j, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows_ok = range_mask(j * cfg.block_n, cfg.block_n, i)
+  count, pick = _local_pairs(ids_ref, None, slots=slots, experts=experts)
+
+  def pair(p, carry):
+    e, slot, _ = pick(p)
+    token = slot // top_k
+    sums = _pair_sums(planes_ref, ((gate_words, gate_scales), (up_words, up_scales)), e, token, split=split,
+                      rows_ok=rows_ok, k=d, config=cfg, interpret=interpret)
+    for acc, global_ref, o_ref in zip(sums, (gate_global, up_global), (g_ref, u_ref)):
+      store_tile(o_ref.at[pl.ds(p, 1)], row_result(acc, global_ref[e], amax_ref[token])[None], None, rows_ok)
+    return carry
+
+  _pair_loop(count, pair, 0, group=group, groups=config.groups)
+
+
+def _down_kernel(ids_ref, weights_ref, planes_ref, amax_ref, words_ref, scales_ref, global_ref, o_ref, *,
+                 t: int, top_k: int, slots: int, experts: int, d: int, i: int, config: PairsConfig,
+                 interpret: bool):
+  # ids_ref, weights_ref: i32 / f32 [Sp] of the [T*k] choice; planes_ref: u32 [T*k * 8, Ip/16]
+  # (h's activation_planes, a row per pair); amax_ref: f32 [T*k]; down: words u32 [E, bn, Ip/8],
+  # scales e4m3 [E, bn, Ip/16], global f32 [E]; o_ref: f32 [Tp, bn] of the [S * G, T, D] partials.
+  cfg = config.down
+  j, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows_ok = range_mask(j * cfg.block_n, cfg.block_n, d)
+  count, pick = _local_pairs(ids_ref, weights_ref, slots=slots, experts=experts)
+  tokens = jnp.arange(o_ref.shape[0])
+
+  def pair(p, total):
+    e, slot, weight = pick(p)
+    (acc,) = _pair_sums(planes_ref, ((words_ref, scales_ref),), e, p, split=split, rows_ok=rows_ok, k=i,
+                        config=cfg, interpret=interpret)
+    y = row_result(acc, global_ref[e], amax_ref[p]) * weight
+    return total + jnp.where(tokens[:, None] == slot // top_k, y[None, :], 0.0)
+
+  total = _pair_loop(count, pair, jnp.zeros((o_ref.shape[0], cfg.block_n), jnp.float32), group=group,
+                     groups=config.groups)
+  store_tile(o_ref, total, range_mask(0, o_ref.shape[0], t), rows_ok)
+
+
+def _operands(w: NVFP4Weight) -> list[jax.Array]:
+  return [code_words(w.packed), w.block_scale, w.global_scale]
+
+
+def _weight_specs(w: NVFP4Weight, config: MatmulConfig) -> list[pl.BlockSpec]:
+  """BlockSpecs of `_operands(w)`: every expert (the kernel picks one), rows of program axis 0."""
+  e, n, k = w.shape
+  kp = pl.cdiv(k, config.block_k) * config.block_k  # blocks may overhang: the overhang is masked
+  rows = lambda width: pl.BlockSpec((e, config.block_n, width), lambda j, s, g: (0, j, 0))
+  return [rows(kp // 8), rows(kp // BLOCK), pl.BlockSpec((e,), lambda j, s, g: (0,))]
+
+
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+  return pl.BlockSpec(shape, lambda j, s, g: (0,) * len(shape))
+
+
+def _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj) -> None:
+  weights = check_moe_inputs("moe_hfma2", x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+  for name, w in weights.items():
+    if not isinstance(w, NVFP4Weight):
+      raise ValueError(f"moe_hfma2: {name} must be an NVFP4Weight (the CUDA-core pairs are NVFP4 only), "
+                       f"got {type(w).__name__}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj: NVFP4Weight,
+              up_proj: NVFP4Weight, down_proj: NVFP4Weight, *, config: PairsConfig | None = None,
+              interpret: bool | None = None) -> jax.Array:
+  """Routed-expert MLP of a decode step, each (token, local expert) pair on the CUDA cores.
+
+  Args:
+    x: bf16 [T, D].
+    topk_ids: int32 [T, k] expert ids; outside [0, E) contributes zero.
+    topk_weights: [T, k] routing weights (applied in fp32).
+    gate_proj, up_proj: NVFP4Weight [E, I, D]; down_proj: NVFP4Weight [E, D, I].
+    config: tiling; default PairsConfig().
+    interpret: run the Pallas interpreter; default: on the CPU backend.
+  Returns:
+    bf16 [T, D].
+  """
+  config = PairsConfig() if config is None else config
+  _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+  interpret = resolve_interpret(interpret)
+  (t, d), (e, i), top_k = x.shape, gate_proj.shape[:2], topk_ids.shape[1]
+  slots = t * top_k
+  ids, weights = topk_ids.reshape(slots), topk_weights.astype(jnp.float32).reshape(slots)
+  choice_spec = _whole((pl.next_power_of_2(slots),))
+  sizes = dict(top_k=top_k, slots=slots, experts=e, d=d, i=i, config=config, interpret=interpret)
+
+  def launch(kernel, inputs, specs, out, out_spec, cfg: MatmulConfig, n: int, name: str, **extra):
+    return pl.pallas_call(
+        functools.partial(kernel, **sizes, **extra), out_shape=out, grid=(pl.cdiv(n, cfg.block_n), cfg.split_k, config.groups),
+        in_specs=specs, out_specs=out_spec, interpret=interpret, name=name,
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*inputs)
+
+  up_cfg = config.gate_up
+  x16, x_amax = f16_rows(x)
+  partial = jax.ShapeDtypeStruct((up_cfg.split_k, slots, i), jnp.float32)
+  partial_spec = pl.BlockSpec((None, pl.next_power_of_2(slots), up_cfg.block_n), lambda j, s, g: (s, 0, j))
+  g, u = launch(_gate_up_kernel,
+                [ids, activation_planes(x16).reshape(t * PLANES, d // BLOCK), x_amax,
+                 *_operands(gate_proj), *_operands(up_proj)],
+                [choice_spec, _whole((t * PLANES, pl.cdiv(d, up_cfg.block_k) * up_cfg.block_k // BLOCK)), _whole((t,)),
+                 *_weight_specs(gate_proj, up_cfg), *_weight_specs(up_proj, up_cfg)],
+                [partial, partial], [partial_spec, partial_spec], up_cfg, i, "moe_hfma2_gate_up")
+
+  local = jnp.sum((ids >= 0) & (ids < e))
+  h = jnp.where(jnp.arange(slots)[:, None] < local, jax.nn.silu(g.sum(0)) * u.sum(0), 0.0).astype(x.dtype)
+  h16, h_amax = f16_rows(h)
+  down_cfg = config.down
+  tp = pl.next_power_of_2(t)
+  partials = launch(_down_kernel,
+                    [ids, weights, activation_planes(h16).reshape(slots * PLANES, i // BLOCK), h_amax,
+                     *_operands(down_proj)],
+                    [choice_spec, choice_spec,
+                     _whole((slots * PLANES, pl.cdiv(i, down_cfg.block_k) * down_cfg.block_k // BLOCK)),
+                     _whole((slots,)), *_weight_specs(down_proj, down_cfg)],
+                    jax.ShapeDtypeStruct((down_cfg.split_k * config.groups, t, d), jnp.float32),
+                    pl.BlockSpec((None, tp, down_cfg.block_n), lambda j, s, g: (s * config.groups + g, 0, j)),
+                    down_cfg, d, "moe_hfma2_down", t=t)
+  return partials.sum(0).astype(x.dtype)
+
