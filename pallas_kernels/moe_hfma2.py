@@ -44,11 +44,11 @@ from jax.experimental.pallas import triton as pltriton
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
 from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
-from pallas_kernels.nvfp4_hfma2 import (PLANES, activation_planes, block_fma, code_words, load_planes, load_weights,
-                                        row_result)
+from pallas_kernels.nvfp4_hfma2 import (PLANES, activation_planes, block_fma, code_words, kernel_name, load_planes,
+                                        load_weights, row_result)
 from pallas_kernels.nvfp4_matmul import MatmulConfig, f16_rows, range_mask, split_k_loop, store_tile
 
-HFMA2 = dict(decode="ptx", operands="float16", dot="hfma2")
+HFMA2 = dict(decode="ptx", operands="float16", dot="hfma2", num_stages=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +211,7 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
   def launch(kernel, inputs, specs, out, out_spec, cfg: MatmulConfig, n: int, name: str, **extra):
     return pl.pallas_call(
         functools.partial(kernel, **sizes, **extra), out_shape=out, grid=(pl.cdiv(n, cfg.block_n), cfg.split_k, config.groups),
-        in_specs=specs, out_specs=out_spec, interpret=interpret, name=name,
+        in_specs=specs, out_specs=out_spec, interpret=interpret, name=kernel_name(name, cfg),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*inputs)
 
   up_cfg = config.gate_up

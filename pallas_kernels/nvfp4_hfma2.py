@@ -51,8 +51,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
+from pallas_kernels import loop_stages
 from pallas_kernels.nvfp4_matmul import (DECODE_SCALE, MatmulConfig, f16_rows, load_tile, range_mask,
                                          row_inverse_scale, skinny_call, split_k_loop, store_tile)
+
+loop_stages.install()
 
 PLANES = 8         # fp16x2 activation pairs per 16-weight block
 SIGNS, MAGNITUDES = 0x80808080, 0x0E0E0E0E
@@ -184,6 +187,13 @@ def _kernel(planes_ref, amax_ref, words_ref, scale_ref, global_ref, o_ref, *, m:
     store_tile(o_ref.at[pl.ds(row, 1)], y[None].astype(o_ref.dtype), None, n_ok)
 
 
+def kernel_name(name: str, config: MatmulConfig) -> str:
+  """The launch name of a dot="hfma2" kernel: with config.num_stages > 1 one that pipelines its
+  K loop's loads that deep (pallas_kernels/loop_stages.py; Triton does not on its own, as
+  they feed no dot), else `name` (each step loads, waits, then computes)."""
+  return loop_stages.staged_name(name, config.num_stages if config.num_stages > 1 else None)
+
+
 def hfma2_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret: bool) -> jax.Array:
   """nvfp4_matmul's dot="hfma2" path (inputs checked there)."""
   (m, k), n = x.shape, w.shape[0]
@@ -197,4 +207,4 @@ def hfma2_matmul(x: jax.Array, w: NVFP4Weight, config: MatmulConfig, interpret: 
   inputs = [activation_planes(x16).reshape(m * PLANES, k // BLOCK), amax, code_words(w.packed), w.block_scale,
             w.global_scale.reshape(1)]
   return skinny_call(kernel, inputs, specs, m=m, n=n, dtype=x.dtype, config=config, interpret=interpret,
-                     name="nvfp4_hfma2")
+                     name=kernel_name("nvfp4_hfma2", config))

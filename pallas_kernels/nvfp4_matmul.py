@@ -81,7 +81,8 @@ class MatmulConfig:
 
   block_n: weight rows per program; block_k: logical inputs per loop step (NVFP4 reads block_k/2
   bytes per row per step); split_k: programs sharing one row block along K; num_warps,
-  num_stages: Triton's warps per program and software-pipeline depth of the K loop; decode: how
+  num_stages: Triton's warps per program and software-pipeline depth of the K loop (dot="hfma2":
+  of all its loads, through loop_stages.py, since they feed no dot; 1: none); decode: how
   NVFP4 tiles decode (module docstring); operands: the tensor cores' operand dtype, "bfloat16"
   or "float16" (`f16_rows`: the decoded weights skip their conversion to bf16, the activations
   are scaled per row into fp16 by a power of two, undone on the fp32 result); dot: "mma" (the
@@ -134,7 +135,9 @@ def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: st
   split = 1
   while blocks * split < programs * NUM_SMS and steps >= min_steps * split:
     split *= 2
-  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode, operands=operands, dot=dot)
+  stages = dict(num_stages=1) if dot == "hfma2" else {}
+  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode, operands=operands, dot=dot,
+                      **stages)
 
 
 def f16_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -470,3 +470,35 @@ def test_rank_step_default_tiles():
   for n, k in ((2048, 6144), (6144, 2048)):
     assert default_bf16_config(n, k) == MatmulConfig(block_n=64, block_k=128, split_k=8)
   assert default_bf16_config(28672, 8192).split_k == 2  # wide outputs fill the GPU with fewer splits
+
+
+def test_hfma2_k_loop_pipelining_reaches_the_triton_loop(monkeypatch):
+  """num_stages > 1 on a dot="hfma2" config names the launch for loop_stages, whose lowering
+  hook puts tt.num_stages on its K loop (Triton pipelines dot-free loads only then); 1 leaves
+  the loop bare. Checked on the Triton IR of an H200 lowering."""
+  from jax._src.pallas.triton import lowering
+  from pallas_kernels import loop_stages
+  assert loop_stages.loop_stages(loop_stages.staged_name("moe_hfma2_down", 3)) == 3
+  assert loop_stages.staged_name("nvfp4_hfma2", None) == "nvfp4_hfma2" and loop_stages.loop_stages("nvfp4_hfma2") is None
+  modules = []
+  lower = lowering.lower_jaxpr_to_triton_module
+
+  def capture(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    modules.append(str(result.module))
+    return result
+
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  q = jax.eval_shape(quantize_nvfp4, jax.ShapeDtypeStruct((64, 1024), jnp.float32))
+  x = jax.ShapeDtypeStruct((1, 1024), jnp.bfloat16)
+  for stages in (1, 3):
+    config = MatmulConfig(block_n=32, block_k=256, num_stages=stages, **HFMA2)
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      jax.jit(lambda x, q: nvfp4_matmul(x, q, config=config, interpret=False)).trace(x, q).lower(
+          lowering_platforms=("cuda",))
+  bare, staged = modules
+  assert "tt.num_stages" not in bare and "nvfp4_hfma2_stages3" in staged
+  assert staged.count("tt.num_stages = 3") == 1  # the K loop
