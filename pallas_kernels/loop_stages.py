@@ -10,6 +10,11 @@ How: a kernel opts in by its name, `staged_name(name, stages)` = name + "_stages
 Triton lowering of every `scf.for` inside a kernel so named gets the attribute. Pallas exposes
 no loop attributes, so this wraps its private `_lower_jaxpr_to_for_loop` (jax 0.11.2, pinned);
 `install()` checks that the function it wraps is still there and fails loudly if not.
+
+Measured (H200, BENCHMARKS.md run 20): no gain. The one-row NVFP4 GEMV [1, 8192] x [8192, 28672]
+took 51.3 us bare against 52.0-55.0 at 2-4 stages, an expert's GEMVs 6.6-6.8 against 7.1-8.1,
+the MoE pairs 61.5 against 60.5-65.4: the copy through shared memory costs what the overlap
+gains. The dot="hfma2" defaults keep num_stages=1; the switch stays for ablations.
 """
 
 import re

@@ -31,7 +31,8 @@ us at its default tiles (K split 4) against 72 for the tensor-core kernel and 10
 GEMV, 2.55 TB/s on the bytes read: 2.07x bf16, short of the 2.8x asked. It is latency-bound,
 not instruction-bound: the prmt decode cut instructions by 15% (23.8M -> 20.2M) at the same
 time; DRAM runs at 52-56% of peak, warps wait on their loads 55% of the time, and Triton
-pipelines only loads that feed a dot.
+pipelines only loads that feed a dot. Making it pipeline these (num_stages > 1, loop_stages.py)
+gained nothing: 52.0-55.0 us at 2-4 stages against 51.3 bare (run 20).
 Tried and dropped (slower, same run): tiles loaded a step ahead in registers (72 -> 140
 registers a thread), programs streaming row blocks over one K chunk with the activations loaded
 once, other tile shapes. Rows: each row repeats the whole program (M = 2: 86.5 us, slower than
