@@ -46,10 +46,7 @@ from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.nvfp4_hfma2 import (PLANES, activation_planes, block_fma, code_words, kernel_name, load_planes,
                                         load_weights, row_result)
-from pallas_kernels.nvfp4_matmul import MatmulConfig, f16_rows, range_mask, split_k_loop, store_tile
-
-HFMA2 = dict(decode="ptx", operands="float16", dot="hfma2", num_stages=1)
-
+from pallas_kernels.nvfp4_matmul import HFMA2_FIELDS, MatmulConfig, f16_rows, range_mask, split_k_loop, store_tile
 
 @dataclasses.dataclass(frozen=True)
 class PairsConfig:
@@ -58,8 +55,8 @@ class PairsConfig:
   every groups-th pair. The defaults are the best of 20 configs at one TEP=8 rank's view of
   GLM-5 (5 tokens, 6-7 local pairs; BENCHMARKS.md run 20): fewer programs with more pairs
   each beat many short ones (8 or 16 groups, K split 3-12, 32-row tiles: 5-58% slower)."""
-  gate_up: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=2, **HFMA2)
-  down: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=1, **HFMA2)
+  gate_up: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=2, **HFMA2_FIELDS)
+  down: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=1, **HFMA2_FIELDS)
   groups: int = 4
 
   def __post_init__(self):
@@ -175,12 +172,12 @@ def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
   return pl.BlockSpec(shape, lambda j, s, g: (0,) * len(shape))
 
 
-def _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj) -> None:
-  weights = check_moe_inputs("moe_hfma2", x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+def check_nvfp4_experts(owner: str, weights: dict) -> None:
+  """The pairs run NVFP4 expert weights only: a clear error naming any other."""
   for name, w in weights.items():
     if not isinstance(w, NVFP4Weight):
-      raise ValueError(f"moe_hfma2: {name} must be an NVFP4Weight (the CUDA-core pairs are NVFP4 only), "
-                       f"got {type(w).__name__}")
+      raise ValueError(f"{owner}: the CUDA-core pairs need NVFP4 expert weights (e.g. --weights=nvfp4_experts); "
+                       f"{name} is {type(w).__name__}")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -200,7 +197,8 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
     bf16 [T, D].
   """
   config = PairsConfig() if config is None else config
-  _check_inputs(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+  check_nvfp4_experts("moe_hfma2", check_moe_inputs("moe_hfma2", x, topk_ids, topk_weights, gate_proj, up_proj,
+                                                    down_proj))
   interpret = resolve_interpret(interpret)
   (t, d), (e, i), top_k = x.shape, gate_proj.shape[:2], topk_ids.shape[1]
   slots = t * top_k

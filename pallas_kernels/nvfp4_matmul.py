@@ -73,6 +73,9 @@ DECODE_SCALE = 2.0 ** 14  # undoes the 2^-14 of the fp16 bit-pattern decode
 DECODES = ("jnp", "ptx")
 OPERANDS = ("bfloat16", "float16")  # the tensor cores' operand dtype (MatmulConfig.operands)
 DOTS = ("mma", "hfma2")  # tensor cores, or fp16x2 FMAs on the CUDA cores (MatmulConfig.dot)
+# The fields every dot="hfma2" default config shares: the decode and operands it implies, and no
+# pipelining of its loop's loads (loop_stages.py gained nothing, BENCHMARKS.md run 20).
+HFMA2_FIELDS = dict(decode="ptx", operands="float16", dot="hfma2", num_stages=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +125,8 @@ def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: st
   32 x 512, the best of a sweep at [1, 8192] x [8192, 28672], K split until >= 16 programs per
   SM while each keeps >= 2 steps (that GEMV 51.5-51.8 us at 4 splits against 55.3 unsplit; an
   expert's gate/up 6.8 at 8 against 7.6 at 4, its down 6.4 at 4 against 7.0 at 2; run 19)."""
-  if dot == "hfma2":
-    decode, operands = "ptx", "float16"
   if m <= 4 or dot == "hfma2":
-    block_n, block_k = (32, 512) if decode == "ptx" else (64, max_block_k)
+    block_n, block_k = (32, 512) if decode == "ptx" or dot == "hfma2" else (64, max_block_k)
   else:
     block_n, block_k = 128, min(128, max_block_k)
   block_n = min(block_n, max(16, pl.next_power_of_2(n)))
@@ -135,9 +136,8 @@ def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: st
   split = 1
   while blocks * split < programs * NUM_SMS and steps >= min_steps * split:
     split *= 2
-  stages = dict(num_stages=1) if dot == "hfma2" else {}
-  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, decode=decode, operands=operands, dot=dot,
-                      **stages)
+  fields = HFMA2_FIELDS if dot == "hfma2" else dict(decode=decode, operands=operands, dot=dot)
+  return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, **fields)
 
 
 def f16_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -160,10 +160,8 @@ def _check_pairs(impl: str, *weights) -> None:
   if impl != "pallas_hfma2":
     raise ValueError(f"moe_experts: routing='pairs' runs on the CUDA cores' fp16x2 FMAs: it needs "
                      f"impl='pallas_hfma2', got {impl!r}")
-  for name, w in zip(("gate_proj", "up_proj", "down_proj"), weights):
-    if not isinstance(w, NVFP4Weight):
-      raise ValueError(f"moe_experts: routing='pairs' needs NVFP4 expert weights (e.g. --weights=nvfp4_experts); "
-                       f"{name} is {type(w).__name__}")
+  from pallas_kernels.moe_hfma2 import check_nvfp4_experts  # the kernels import the formats
+  check_nvfp4_experts("moe_experts: routing='pairs'", dict(zip(("gate_proj", "up_proj", "down_proj"), weights)))
 
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
