@@ -17,6 +17,13 @@ so kernels of the step that belong to no layer (embedding, lm_head, sampling, th
 the loop's bookkeeping) are spread over them; kernels outside the loop (setup before it) are not
 counted. Counts are static: XLA's command buffers (CUDA graphs) may batch launches at run time.
 
+Launch maps: `scope_kernels` lists, rather than counts, the kernels of one run of the program
+whose metadata `op_name` (the JAX name stack: jit, named_scope and Flax module names) contains a
+scope such as "layers_4/", in program order (a compiled module is scheduled: each computation's
+text order is its launch order) and with the module path each comes from. A fusion carries one
+op_name (XLA keeps its fused root's), so a fusion that pulled in ops of two scopes is listed under
+one of them.
+
 `trace_kernels` counts the kernels a device really ran, in the perfetto trace that
 `jax.profiler.trace(dir, create_perfetto_trace=True)` writes (`perfetto_trace.json.gz`): the
 complete ("X") events on the device's stream lines (processes named "/device:...", lines named
@@ -31,6 +38,7 @@ import json
 import os
 import pathlib
 import re
+from typing import Iterator
 
 NON_KERNEL = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
@@ -38,19 +46,23 @@ NON_KERNEL = frozenset({
 CONTROL = frozenset({"while", "conditional", "call"})
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLEE = re.compile(r"\b(body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'metadata=\{[^}]*?\bop_name="((?:[^"\\]|\\.)*)"')
 
 
 @dataclasses.dataclass(frozen=True)
 class Instruction:
   opcode: str
   callees: tuple[str, ...]  # computations a control-flow op runs (empty for other ops)
+  name: str = ""            # without the %, e.g. "fusion.12"
+  shape: str = ""           # result type, e.g. "f32[4]{0}" or a tuple "(s32[], f32[4]{0})"
+  op_name: str = ""         # metadata op_name, "" when it has none
 
 
-def _opcode_and_rest(rhs: str) -> tuple[str, str]:
-  """'<shape> opcode(operands), attrs' -> (opcode, text after it). Tuple shapes nest parentheses."""
+def _split(rhs: str) -> tuple[str, str, str]:
+  """'<shape> opcode(operands), attrs' -> (shape, opcode, text after it). Tuple shapes nest parentheses."""
   if rhs.startswith("("):
     depth = 0
     for i, ch in enumerate(rhs):
@@ -62,7 +74,19 @@ def _opcode_and_rest(rhs: str) -> tuple[str, str]:
     i = rhs.index(" ")
   rest = rhs[i:].lstrip()
   paren = rest.index("(")
-  return rest[:paren], rest[paren:]
+  return rhs[:i], rest[:paren], rest[paren:]
+
+
+def _first_shape(shape: str) -> str:
+  """An array type, or a tuple type's first element (nested tuples entered)."""
+  while shape.startswith("("):
+    depth = 0
+    for i, ch in enumerate(shape):
+      depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+      if depth == 0 or (depth == 1 and ch == ","):
+        break
+    shape = shape[1:i].strip()
+  return shape
 
 
 def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -85,14 +109,15 @@ def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
     m = _INSTRUCTION.match(line)
     if not m:
       continue
-    opcode, rest = _opcode_and_rest(m.group(1))
+    shape, opcode, rest = _split(m.group(2))
     callees: tuple[str, ...] = ()
     if opcode in CONTROL:
       callees = tuple(name for key, name in _CALLEE.findall(rest) if opcode != "call" or key == "to_apply")
       branches = _BRANCHES.search(rest)
       if branches:
         callees += tuple(b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip())
-    computations[current].append(Instruction(opcode, callees))
+    op_name = _OP_NAME.search(rest)
+    computations[current].append(Instruction(opcode, callees, m.group(1), shape, op_name.group(1) if op_name else ""))
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text: pass Compiled.as_text() of a whole module")
   return computations, entry
@@ -102,17 +127,22 @@ def _is_kernel(opcode: str) -> bool:
   return opcode not in NON_KERNEL and opcode not in CONTROL and not opcode.endswith(("-done", "-update"))
 
 
-def computation_kernels(computations: dict[str, list[Instruction]], name: str) -> int:
-  """Kernels one run of computation `name` launches, control flow entered as the module doc says."""
+def kernel_instructions(computations: dict[str, list[Instruction]], name: str) -> Iterator[Instruction]:
+  """The kernels one run of computation `name` launches, in program order, control flow entered
+  as the module doc says (a loop's condition, then its body; a conditional's branches in turn)."""
   if name not in computations:
     raise ValueError(f"computation {name!r} is not in the module (known: {sorted(computations)[:8]}...)")
-  total = 0
   for inst in computations[name]:
     if inst.opcode in CONTROL:
-      total += sum(computation_kernels(computations, c) for c in inst.callees)
+      for callee in inst.callees:
+        yield from kernel_instructions(computations, callee)
     elif _is_kernel(inst.opcode):
-      total += 1
-  return total
+      yield inst
+
+
+def computation_kernels(computations: dict[str, list[Instruction]], name: str) -> int:
+  """Kernels one run of computation `name` launches, control flow entered as the module doc says."""
+  return sum(1 for _ in kernel_instructions(computations, name))
 
 
 def program_kernels(hlo_text: str) -> int:
@@ -137,6 +167,35 @@ def kernels_per_layer(hlo_text: str, num_layers: int, *, loop: bool = True) -> f
   if num_layers <= 0:
     raise ValueError(f"num_layers must be positive, got {num_layers}")
   return (loop_kernels(hlo_text) if loop else program_kernels(hlo_text)) / num_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSite:
+  """One kernel of a scope, as `scope_kernels` lists it. For op_name
+  ".../layers_4/layer4_attn/self_attn/o_proj/jit(bf16_matmul)/bf16_matmul/pallas_call" and scope
+  "layers_4/": module "layer4_attn/self_attn/o_proj/jit(bf16_matmul)/bf16_matmul", op "pallas_call"."""
+  name: str     # instruction name, e.g. "pallas_call.961"
+  opcode: str   # fusion, custom-call, dot, copy, ...
+  shape: str    # result type; a tuple's first element
+  op_name: str  # the full metadata op_name
+  module: str   # op_name after the scope's first occurrence, less its last segment; "" for an op directly in the scope
+  op: str       # op_name's last segment: the JAX primitive (dot_general, pallas_call, ...)
+
+
+def scope_kernels(hlo_text: str, scope: str) -> list[KernelSite]:
+  """The kernels one run of the program launches (`kernel_instructions` of the entry) whose
+  metadata op_name contains `scope`, in program order. A plain substring match: end the scope with
+  "/" ("layers_1/"), or "layers_1" also matches "layers_10". Kernels without an op_name (copies XLA
+  added) belong to no scope."""
+  computations, entry = parse(hlo_text)
+  sites = []
+  for inst in kernel_instructions(computations, entry):
+    if scope in inst.op_name:
+      module, _, op = inst.op_name.split(scope, 1)[1].rpartition("/")
+      sites.append(KernelSite(inst.name, inst.opcode, _first_shape(inst.shape), inst.op_name, module, op))
+  if not sites:
+    raise ValueError(f"no kernel of the program has {scope!r} in its metadata op_name")
+  return sites
 
 
 def module_name(hlo_text: str) -> str:

@@ -1,7 +1,11 @@
 """Kernel counts: from compiled HLO (predictable on the CPU backend) and from perfetto traces."""
 
+import dataclasses
 import gzip
 import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +189,119 @@ def test_trace_kernels_of_a_cpu_trace_is_none(tmp_path):
   (tmp_path / "empty").mkdir()
   with pytest.raises(ValueError, match="perfetto"):
     hlo_stats.trace_kernels(tmp_path / "empty")
+
+
+SCOPED = """HloModule scoped, is_scheduled=true, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %e = f32[4]{0} exponential(%p), metadata={op_name="jit(f)/while/body/layers_0/exp"}
+  ROOT %n = f32[4]{0} negate(%e), metadata={op_name="jit(f)/while/body/layers_1/neg"}
+}
+
+%left (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %k = (f32[4,8]{1,0}, s32[2,3]{1,0}) custom-call(%x), custom_call_target="kernel", metadata={op_name="jit(f)/while/body/cond/branch_0_fun/layers_1/attn/jit(kern)/kern/pallas_call" source_file="/x.py" source_line=3}
+  ROOT %g = f32[4]{0} get-tuple-element(%k), index=0, metadata={op_name="jit(f)/while/body/cond/branch_0_fun/layers_1/attn/jit(kern)/kern/pallas_call"}
+}
+
+%right (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%x), metadata={op_name="jit(f)/while/body/cond/branch_1_fun/layers_1/neg"}
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%t), index=1, metadata={op_name="jit(f)/while/body/layers_0/x"}
+  %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused, metadata={op_name="jit(f)/while/body/layers_0/exp"}
+  %d = f32[4]{0} dot(%f, %f), metadata={op_type="dot" op_name="jit(f)/while/body/layers_0/mlp/dot_general"}
+  %b = s32[] constant(0)
+  %z = f32[4]{0} conditional(%b, %d, %d), branch_computations={%left, %right}, metadata={op_name="jit(f)/while/body/cond"}
+  %c = f32[4]{0} copy(%z)
+  %a = f32[4]{0} add(%c, %c), metadata={op_name="jit(f)/while/body/layers_1/add"}
+  %m = f32[4]{0} multiply(%a, %a), metadata={op_name="jit(f)/while/body/layers_10/mul"}
+  %i = s32[] get-tuple-element(%t), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one), metadata={op_name="jit(f)/while/body/add"}
+  ROOT %r = (s32[], f32[4]{0}) tuple(%next, %m)
+}
+
+%cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %c = s32[] constant(9)
+  ROOT %lt = pred[] compare(%i, %c), direction=LT, metadata={op_name="jit(f)/while/cond/lt"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0), metadata={op_name="x"}
+  %s = f32[4]{0} sine(%x), metadata={op_name="jit(f)/layers_0/sin"}
+  %i = s32[] constant(0)
+  %t = (s32[], f32[4]{0}) tuple(%i, %s)
+  %w = (s32[], f32[4]{0}) while(%t), condition=%cond, body=%body, metadata={op_name="jit(f)/while"}
+  ROOT %o = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_scope_kernels_of_hand_written_hlo():
+  """Program order through a loop and its conditional's branches; fused computations are not
+  entered (their layers_0 / layers_1 ops are inside fusion %f); free ops are not kernels."""
+  Site = hlo_stats.KernelSite
+  body = "jit(f)/while/body/"
+  assert hlo_stats.scope_kernels(SCOPED, "layers_0/") == [
+    Site("s", "sine", "f32[4]{0}", "jit(f)/layers_0/sin", "", "sin"),
+    Site("f", "fusion", "f32[4]{0}", body + "layers_0/exp", "", "exp"),
+    Site("d", "dot", "f32[4]{0}", body + "layers_0/mlp/dot_general", "mlp", "dot_general")]
+  assert hlo_stats.scope_kernels(SCOPED, "layers_1/") == [
+    Site("k", "custom-call", "f32[4,8]{1,0}",
+         body + "cond/branch_0_fun/layers_1/attn/jit(kern)/kern/pallas_call", "attn/jit(kern)/kern", "pallas_call"),
+    Site("n", "negate", "f32[4]{0}", body + "cond/branch_1_fun/layers_1/neg", "", "neg"),
+    Site("a", "add", "f32[4]{0}", body + "layers_1/add", "", "add")]
+  # A plain substring: without the slash, layers_1 also takes layers_10.
+  assert [s.name for s in hlo_stats.scope_kernels(SCOPED, "layers_1")] == ["k", "n", "a", "m"]
+  assert hlo_stats.program_kernels(SCOPED) == 10   # sine; compare; f, d, k, n, copy, a, m, next
+
+
+def test_scope_kernels_of_an_unknown_scope_raises():
+  with pytest.raises(ValueError, match="'layers_9/'"):
+    hlo_stats.scope_kernels(SCOPED, "layers_9/")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_scope_kernels_of_a_compiled_program(n):
+  """n named-scope "layers" in a loop, compiled on the CPU: each layer has kernels of its own
+  scope only, and all of them are kernels of the program."""
+  def f(x, w):
+    def body(_, x):
+      for i in range(n):
+        with jax.named_scope(f"layers_{i}"):
+          x = jnp.tanh(x @ w) + 1.0
+          x = x / jnp.sum(x, axis=-1, keepdims=True)
+      return x
+    return jax.lax.fori_loop(0, 3, body, x)
+
+  rng = np.random.default_rng(n)
+  x, w = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((4, 8), (8, 8)))
+  text = jax.jit(f).lower(x, w).compile().as_text()
+  computations, entry = hlo_stats.parse(text)
+  every = [inst.name for inst in hlo_stats.kernel_instructions(computations, entry)]
+  assert len(every) == hlo_stats.program_kernels(text)
+  names = []
+  for i in range(n):
+    sites = hlo_stats.scope_kernels(text, f"layers_{i}/")
+    assert sites and all(f"layers_{i}/" in s.op_name for s in sites)
+    names += [s.name for s in sites]
+  assert len(set(names)) == len(names) and set(names) <= set(every)
+
+
+def test_layer_map_cli_writes_scope_kernels(tmp_path):
+  (tmp_path / "m.txt").write_text(SCOPED)
+  out = tmp_path / "map.json"
+  run = subprocess.run([sys.executable, "-m", "experiments.layer_map", f"--hlo={tmp_path / 'm.txt'}",
+                        "--scope=layers_1/", "--depth=1", f"--output={out}"],
+                       cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, check=True)
+  assert "3 of the program's 10 kernels are under layers_1/" in run.stdout
+  got = json.loads(out.read_text())
+  assert got["kernels"] == [dataclasses.asdict(s) for s in hlo_stats.scope_kernels(SCOPED, "layers_1/")]
+  assert got["summary"] == {"attn": {"custom-call": 1}, "": {"negate": 1, "add": 1}}
