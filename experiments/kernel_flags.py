@@ -1,15 +1,15 @@
 """Kernel switches as absl flags, shared by the experiments that build a Runtime (replay,
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
-default), and --dense_matmul, --cache_write, --moe_routing with the DSA kernels' --topk_method,
---indexer_orientation, --indexer_queries, --attention_queries (`define`); glmjax.runtime.Runtime's
-fields of those names."""
+default), and --dense_matmul, --cache_write, --moe_routing, --router, --value_merge with the DSA
+kernels' --topk_method, --indexer_orientation, --indexer_queries, --attention_queries (`define`);
+glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 
 from absl import flags
 
 from glmjax.quant import DENSE_IMPLS
-from glmjax.runtime import CACHE_WRITES, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES
+from glmjax.runtime import CACHE_WRITES, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES, ROUTERS, VALUE_MERGES
 from pallas_kernels.indexer_scores import ORIENTATIONS
 from pallas_kernels.topk import METHODS
 
@@ -35,6 +35,12 @@ def define() -> Callable[[], dict[str, str]]:
                               "the MoE kernels' expert lookup: table (XLA) or scan (in-kernel) for the grouped "
                               "tensor-core kernels, or pairs (each token-expert pair a one-row product on "
                               "the CUDA cores; NVFP4 experts, --matmul=pallas_hfma2)")
+  router = flags.DEFINE_enum("router", "xla", list(ROUTERS),
+                             "the MoE router's expert choice: xla (sum, sort, gather: about five kernels) or "
+                             "pallas (one launch from the router GEMV's partials)")
+  merge = flags.DEFINE_enum("value_merge", "xla", list(VALUE_MERGES),
+                            "sparse MLA's split merge and value product (--attention=pallas): xla (about six "
+                            "kernels) or pallas (one launch)")
   topk = flags.DEFINE_enum("topk_method", "sampled", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
   orientation = flags.DEFINE_enum("indexer_orientation", "keys", list(ORIENTATIONS),
                                   "the Pallas indexer scores kernel's MMA rows: keys (head sums within a warp) "
@@ -43,5 +49,6 @@ def define() -> Callable[[], dict[str, str]]:
   attention = flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
                                 "precision of the decode attention's queries (bfloat16: FlashMLA's numerics)")
   return lambda: dict(dense_matmul=dense.value, cache_write=write.value, moe_routing=routing.value,
-                      topk_method=topk.value, indexer_orientation=orientation.value, indexer_queries=indexer.value,
+                      router=router.value, value_merge=merge.value, topk_method=topk.value,
+                      indexer_orientation=orientation.value, indexer_queries=indexer.value,
                       attention_queries=attention.value)

@@ -139,15 +139,14 @@ class MLAttention(nn.Module):
     layer = write(layer, cache.page_table, positions, latent, k_pe,
                   None if idx is None or layer.index_k is None else idx[2])
     kv_b = kv_b.reshape(h, nope + c.v_head_dim, r)
-    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
-    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
+    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), kv_b[:, :nope].astype(jnp.float32))
     if idx is not None:
       q_idx, w_idx, _ = idx
       prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,
                                   runtime.attention, runtime.topk_ties, runtime.topk_method,
                                   runtime.indexer_orientation)
     queries = jnp.dtype(runtime.attention_queries)
-    o_latent = dsa.cached_attention(q_latent.astype(queries), q_pe.astype(queries), layer, cache.page_table,
-                                    positions, prev_topk, c.softmax_scale, runtime.attention)
-    out = jnp.einsum("bthr,hvr->bthv", o_latent, w_uv.astype(jnp.float32))
+    out = dsa.cached_attention_values(q_latent.astype(queries), q_pe.astype(queries), layer, cache.page_table,
+                                      positions, prev_topk, c.softmax_scale, runtime.attention, kv_b, nope,
+                                      fuse=runtime.value_merge == "pallas")
     return out, prev_topk, layer

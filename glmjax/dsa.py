@@ -68,10 +68,16 @@ def cached_topk(q, weights, layer: paged.LayerCache, page_table, positions, k: i
   return select_topk(scores, k, ties=ties, lengths=jnp.max(positions, axis=1) + 1)
 
 
+def _gathers_selection(impl: str, q_latent: jax.Array) -> bool:
+  """Whether cached_attention gathers each query's selected tokens (decode-sized steps) rather
+  than masking every cached one."""
+  return impl in ("sparse", "pallas") and q_latent.shape[1] <= 8
+
+
 def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, positions, topk,
                      scale: float, impl: str) -> jax.Array:
   """Latent-space attention of queries [B, T, H, R] over the selected cached tokens -> [B, T, H, R] fp32."""
-  if impl in ("sparse", "pallas") and q_latent.shape[1] <= 8:
+  if _gathers_selection(impl, q_latent):
     if layer.latent.dtype == jnp.float32:
       raise ValueError(f"attention={impl!r} reads bf16 or fp8 pages; fp32 pages are for the dense reference")
     from pallas_kernels import sparse_mla
@@ -90,3 +96,16 @@ def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, posi
   # Queries that see nothing (padding) produce NaN rows; zero them so they stay harmless.
   probs = jnp.where(jnp.any(visible, axis=-1)[:, :, None, None], probs, 0.0)
   return jnp.einsum("bths,bsr->bthr", probs, latent, precision=hi)
+
+
+def cached_attention_values(q_latent, q_rope, layer: paged.LayerCache, page_table, positions, topk,
+                            scale: float, impl: str, kv_b: jax.Array, nope: int, *, fuse: bool) -> jax.Array:
+  """`cached_attention` through kv_b_proj's value half (kv_b [H, nope + V, R], rows nope..)
+  -> [B, T, H, V] fp32. fuse: where the Pallas kernel runs, the product happens in its split
+  merge (pallas_kernels/sparse_mla.sparse_mla_decode_values: one launch for XLA's six)."""
+  if fuse and impl == "pallas" and _gathers_selection(impl, q_latent):
+    from pallas_kernels.sparse_mla import sparse_mla_decode_values
+    return sparse_mla_decode_values(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table,
+                                    topk, kv_b, nope=nope, softmax_scale=scale)
+  o_latent = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl)
+  return jnp.einsum("bthr,hvr->bthv", o_latent, kv_b[:, nope:].astype(jnp.float32))

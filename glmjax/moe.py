@@ -78,19 +78,22 @@ def expected_local_experts(config: ModelConfig, tokens: int) -> float:
 
 
 class Router(nn.Module):
-  """Router weight [E, D] and the choice-only correction bias [E], kept in fp32."""
+  """Router weight [E, D] and the choice-only correction bias [E], kept in fp32. select="pallas"
+  chooses in one kernel from the GEMV's partial logits (pallas_kernels/moe_route.py), else `route`."""
   config: ModelConfig
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, dense: str = "xla") -> tuple[jax.Array, jax.Array]:
+  def __call__(self, x: jax.Array, *, dense: str = "xla", select: str = "xla") -> tuple[jax.Array, jax.Array]:
     c = self.config
     weight = self.param("weight", nn.with_logical_partitioning(init_normal(0.02), (None, "embed")),
                         (c.n_routed_experts, c.hidden_size), self.param_dtype)
     bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                       (c.n_routed_experts,), jnp.float32)
-    logits = quant.linear(x, weight, dense=dense, dtype=jnp.float32)
-    return route(logits, bias, c)
+    if select == "pallas":
+      from pallas_kernels.moe_route import route_select  # the kernels import the model
+      return route_select(quant.linear_partials(x, weight, dense=dense), bias, c)
+    return route(quant.linear(x, weight, dense=dense, dtype=jnp.float32), bias, c)
 
 
 class Experts(nn.Module):
@@ -137,7 +140,7 @@ class MoE(nn.Module):
     flat = x.reshape(-1, x.shape[-1])
     runtime = runtime or Runtime()
     impls, routing = runtime.linear_impls, runtime.moe_routing
-    ids, weights = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"])
+    ids, weights = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"], select=runtime.router)
     tep_mesh = mesh.active_mesh()
     if tep_mesh is not None and not self.is_initializing():
       params = self.variables["params"]

@@ -16,6 +16,8 @@ MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2 (g
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_layer or its one-launch kernel
 MOE_ROUTINGS = ("table", "scan", "pairs")  # how the MoE kernels find the chosen experts (glmjax.quant.moe_experts)
+ROUTERS = ("xla", "pallas")  # the MoE router's expert choice: glmjax.moe.route or its one-launch kernel
+VALUE_MERGES = ("xla", "pallas")  # sparse MLA's split merge and value product: XLA's kernels or one launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,12 @@ class Runtime:
   (built by XLA) or "scan" (each program scans the step's ids; no XLA kernels) for the grouped
   tensor-core kernels, or "pairs": each (token, local expert) pair a one-row product on the CUDA
   cores (pallas_kernels/moe_hfma2.py; NVFP4 experts under matmul="pallas_hfma2" only).
+  router: the MoE router's choice of experts from its logits, XLA's kernels (glmjax.moe.route:
+  the split-K sum, a sort, the weights' gather and normalisation) or one Pallas launch from the
+  GEMV's partials (pallas_kernels/moe_route.py; the same choices wherever the summed logits agree).
+  value_merge: under attention="pallas", the sparse MLA kernel's split merge and kv_b_proj's value
+  half: XLA's kernels (the merge's reductions, W_UV's fp32 copy, the dot) or one Pallas launch
+  (pallas_kernels/sparse_mla.sparse_mla_decode_values; equal to fp32 rounding).
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
@@ -59,6 +67,8 @@ class Runtime:
   dense_matmul: str = "xla"
   cache_write: str = "xla"
   moe_routing: str = "table"
+  router: str = "xla"
+  value_merge: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"
@@ -78,6 +88,13 @@ class Runtime:
       raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {self.cache_write!r}")
     if self.moe_routing not in MOE_ROUTINGS:
       raise ValueError(f"moe_routing must be one of {MOE_ROUTINGS}, got {self.moe_routing!r}")
+    if self.router not in ROUTERS:
+      raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+    if self.value_merge not in VALUE_MERGES:
+      raise ValueError(f"value_merge must be one of {VALUE_MERGES}, got {self.value_merge!r}")
+    if self.value_merge == "pallas" and self.attention != "pallas":
+      raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
+                       f"attention='pallas', got {self.attention!r}")
     if self.moe_routing == "pairs" and self.matmul != "pallas_hfma2":
       raise ValueError(f"moe_routing='pairs' runs the experts on the CUDA cores' fp16x2 FMAs: it needs "
                        f"matmul='pallas_hfma2', got {self.matmul!r}")
@@ -106,8 +123,10 @@ class Runtime:
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
                  matmul: str = "xla", dense_matmul: str = "xla", cache_write: str = "xla",
-                 moe_routing: str = "table", topk_method: str = "sampled", indexer_orientation: str = "keys",
-                 indexer_queries: str = "float32", attention_queries: str = "float32") -> Runtime:
+                 moe_routing: str = "table", router: str = "xla", value_merge: str = "xla",
+                 topk_method: str = "sampled",
+                 indexer_orientation: str = "keys", indexer_queries: str = "float32",
+                 attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
   indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
   if index_share == "on":
@@ -120,6 +139,7 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
       raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
-                 dense_matmul=dense_matmul, cache_write=cache_write, moe_routing=moe_routing,
+                 dense_matmul=dense_matmul, cache_write=cache_write, moe_routing=moe_routing, router=router,
+                 value_merge=value_merge,
                  topk_method=topk_method, indexer_orientation=indexer_orientation, indexer_queries=indexer_queries,
                  attention_queries=attention_queries)

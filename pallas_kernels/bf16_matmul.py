@@ -89,8 +89,9 @@ def _check(x: jax.Array, w, out_dtype, name: str) -> None:
     raise ValueError(f"{name}: out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype)}")
 
 
-def _launch(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype, config: MatmulConfig | None, interpret: bool | None):
-  """The one launch of bf16_matmul (one weight) and bf16_matmul_group (several)."""
+def _launch(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype, config: MatmulConfig | None, interpret: bool | None,
+            keep_splits: bool = False):
+  """The one launch of bf16_matmul (one weight), bf16_matmul_group (several) and bf16_matmul_partials."""
   (m, k), ns = x.shape, tuple(w.shape[0] for w in ws)
   config = default_bf16_config(sum(ns), k) if config is None else config
   check_tensor_core_config(config, "bf16_matmul")
@@ -101,7 +102,7 @@ def _launch(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype, config: MatmulCo
   specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
            *(w_spec(first, count) for first, count in row_blocks(ns, config.block_n))]
   return skinny_call(kernel, [x, *ws], specs, m=m, n=ns if len(ws) > 1 else ns[0], dtype=jnp.dtype(out_dtype),
-                     config=config, interpret=interpret, name="bf16_matmul")
+                     config=config, interpret=interpret, name="bf16_matmul", keep_splits=keep_splits)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -134,6 +135,15 @@ def bf16_matmul_group(x: jax.Array, ws: tuple[jax.Array, ...], *, out_dtype=jnp.
   for w in ws:
     _check(x, w, out_dtype, "bf16_matmul_group")
   return _launch(x, tuple(ws), out_dtype, config, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def bf16_matmul_partials(x: jax.Array, w: jax.Array, *, config: MatmulConfig | None = None,
+                         interpret: bool | None = None) -> jax.Array:
+  """bf16_matmul's fp32 split-K partials [split_k, M, N], unsummed: for a kernel that sums them
+  itself in the same launch as its own work (pallas_kernels/moe_route.py), one XLA kernel fewer."""
+  _check(x, w, jnp.float32, "bf16_matmul_partials")
+  return _launch(x, (w,), jnp.float32, config, interpret, keep_splits=True)
 
 
 def bf16_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16) -> jax.Array:

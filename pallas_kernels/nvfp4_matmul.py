@@ -240,11 +240,12 @@ def local_block(j, first: int, blocks: int):
 
 
 def skinny_call(kernel, inputs, in_specs, *, m: int, n: int | tuple[int, ...], dtype, config: MatmulConfig,
-                interpret: bool, name: str):
+                interpret: bool, name: str, keep_splits: bool = False):
   """The (N / block_n, split_k) launch of a skinny-matmul kernel -> [M, N] in dtype. The kernel
   writes its [block_m, block_n] tile of an [split_k, M, N] output (fp32 when split: XLA sums
-  the partials). A tuple n (weights sharing x, bf16_matmul_group): the grid spans all their row
-  blocks (row_blocks), the kernel gets one output ref per weight, and a tuple comes back."""
+  the partials; keep_splits returns them unsummed, for a consumer that sums them itself). A
+  tuple n (weights sharing x, bf16_matmul_group): the grid spans all their row blocks
+  (row_blocks), the kernel gets one output ref per weight, and a tuple comes back."""
   ns = n if isinstance(n, tuple) else (n,)
   split = config.split_k
   blocks = row_blocks(ns, config.block_n)
@@ -260,7 +261,8 @@ def skinny_call(kernel, inputs, in_specs, *, m: int, n: int | tuple[int, ...], d
       interpret=interpret,
       name=name,
   )(*inputs)
-  outs = [out[0] if split == 1 else out.sum(0).astype(dtype) for out in outs]
+  if not keep_splits:
+    outs = [out[0] if split == 1 else out.sum(0).astype(dtype) for out in outs]
   return tuple(outs) if isinstance(n, tuple) else outs[0]
 
 

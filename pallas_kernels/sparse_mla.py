@@ -63,6 +63,7 @@ _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 _TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM
 COMBINES = ("xla", "pallas")
 _COMBINE_BLOCK = 64  # latent columns per program of the Pallas combine
+_MERGE_BLOCK_V, _MERGE_BLOCK_R = 64, 128  # value columns per program, latent columns per step of the merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +209,58 @@ def _combine(acc: jax.Array, m: jax.Array, l: jax.Array, config: SparseMLAConfig
   )(acc, m, l)
 
 
+def _merge_values_kernel(acc_ref, m_ref, l_ref, kv_b_ref, o_ref, *, tokens: int, nope: int, block_v: int,
+                         block_r: int):
+  """One (query token, head, block of value columns): the splits' merge and kv_b's value rows,
+  out = (sum_s w_s acc_s) . W_UV[h, vblock]^T / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)
+  (sparse_mla_decode_values' docstring); zeros where no split saw a valid token."""
+  # acc_ref [B, T, S, Hs, R] f32 ; m_ref, l_ref [B, T, S, Hs] f32 ; kv_b_ref [H, nope + V, R]
+  # bf16|f32 ; o_ref [B, T, H, V] f32: all whole, this program reads and writes its slices.
+  bt, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, t = bt // tokens, bt % tokens
+  splits, rank = acc_ref.shape[2], acc_ref.shape[-1]
+  values = o_ref.shape[-1]
+  sp = pl.next_power_of_2(splits)
+  split_ok = jnp.arange(sp) < splits
+  m = pltriton.load(m_ref.at[b, t, pl.ds(0, sp), h], mask=split_ok, other=-jnp.inf)
+  m_max = jnp.max(m)
+  w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [Sp]; 0 past the splits
+  den = jnp.sum(w * pltriton.load(l_ref.at[b, t, pl.ds(0, sp), h], mask=split_ok, other=0.0))
+  rows = j * block_v + jnp.arange(block_v)
+  rows_ok = rows < values
+  out = jnp.zeros((block_v,), jnp.float32)
+  for c in range(rank // block_r):  # independent column blocks: their loads can all be in flight
+    part = pltriton.load(acc_ref.at[b, t, pl.ds(0, sp), h, pl.ds(c * block_r, block_r)],
+                         mask=split_ok[:, None], other=0.0)                       # [Sp, br]
+    merged = jnp.sum(w[:, None] * part, axis=0)                                   # [br]
+    w_uv = pltriton.load(kv_b_ref.at[h, pl.ds(nope + j * block_v, block_v), pl.ds(c * block_r, block_r)],
+                         mask=rows_ok[:, None], other=0.0).astype(jnp.float32)   # [bv, br]
+    out += jnp.sum(w_uv * merged[None, :], axis=1)
+  out = jnp.where(den > 0, out / jnp.where(den > 0, den, 1.0), 0.0)
+  pltriton.store(o_ref.at[b, t, h, pl.ds(j * block_v, block_v)], out, mask=rows_ok)
+
+
+def _merge_values(acc: jax.Array, m: jax.Array, l: jax.Array, kv_b: jax.Array, nope: int,
+                  interpret: bool) -> jax.Array:
+  """[B, T, S, Hs, R] partial outputs, [B, T, S, Hs] maxima and sums, kv_b [H, nope + V, R]
+  -> [B, T, H, V] f32 in one launch: a program per (query token, head, 64 value columns)."""
+  b, t, _, _, rank = acc.shape
+  heads, values = kv_b.shape[0], kv_b.shape[1] - nope
+  block_v = min(_MERGE_BLOCK_V, pl.next_power_of_2(values))
+  whole = lambda shape: pl.BlockSpec(shape, lambda i, h, j: (0,) * len(shape))
+  return pl.pallas_call(
+      functools.partial(_merge_values_kernel, tokens=t, nope=nope, block_v=block_v,
+                        block_r=min(_MERGE_BLOCK_R, rank)),
+      grid=(b * t, heads, pl.cdiv(values, block_v)),
+      in_specs=[whole(acc.shape), whole(m.shape), whole(l.shape), whole(kv_b.shape)],
+      out_specs=whole((b, t, heads, values)),
+      out_shape=jax.ShapeDtypeStruct((b, t, heads, values), jnp.float32),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="sparse_mla_merge_values",
+  )(acc, m, l, kv_b)
+
+
 def check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table,
                           indices) -> None:
   """ValueError unless the arguments form a valid sparse MLA call (shared with the reference)."""
@@ -231,6 +284,47 @@ def check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_t
 def _num_splits(queries: int, k: int, block_n: int) -> int:
   """Splits per query token: about _TARGET_PROGRAMS programs, >= block_n tokens each."""
   return max(1, min(_TARGET_PROGRAMS // queries, pl.cdiv(k, block_n)))
+
+
+def _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices, *, softmax_scale: float,
+                  config: SparseMLAConfig, interpret: bool) -> list[jax.Array]:
+  """The main launch: each (sequence, query token, split)'s partial state, [acc [B, T, S, Hs, R],
+  m [B, T, S, Hs], l [B, T, S, Hs]] f32 (Hs: H rounded up to a power of two)."""
+  b, t, h, rank = q_latent.shape
+  rope_dim = q_rope.shape[-1]
+  k = indices.shape[-1]
+  for name, dim in (("R", rank), ("dr", rope_dim)):
+    if dim < _MIN_MMA or not is_pow2(dim):
+      raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
+  heads_out = pl.next_power_of_2(h)
+  hp = max(_MIN_MMA, heads_out)  # MMA rows; the kernel reads heads past H as zero queries
+  splits = config.num_splits or _num_splits(b * t, k, config.block_n)
+  chunk = pl.cdiv(k, splits * config.block_n) * config.block_n
+  splits = pl.cdiv(k, chunk)  # no empty splits
+  fp8 = latent_scale is not None
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, s, j: (0,) * x.ndim)
+  caches = [latent, latent_scale, k_rope] if fp8 else [latent, k_rope]
+  part_spec = pl.BlockSpec((None, None, None, heads_out), lambda i, s, j: (j, i, s, 0))
+  return pl.pallas_call(
+      functools.partial(_sparse_mla_kernel, k=k, chunk=chunk, block_n=config.block_n,
+                        page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8, heads=h,
+                        heads_out=heads_out),
+      grid=(t, splits, b),  # query token fastest: its programs share the selected rows
+      in_specs=[pl.BlockSpec((None, None, hp, rank), lambda i, s, j: (j, i, 0, 0)),
+                pl.BlockSpec((None, None, hp, rope_dim), lambda i, s, j: (j, i, 0, 0)),
+                pl.BlockSpec((None, page_table.shape[1]), lambda i, s, j: (j, 0)),
+                pl.BlockSpec((None, None, k), lambda i, s, j: (j, i, 0)),
+                *map(whole, caches)],
+      out_specs=[pl.BlockSpec((None, None, None, heads_out, rank),
+                              lambda i, s, j: (j, i, s, 0, 0)), part_spec, part_spec],
+      out_shape=[jax.ShapeDtypeStruct((b, t, splits, heads_out, rank), jnp.float32),
+                 jax.ShapeDtypeStruct((b, t, splits, heads_out), jnp.float32),
+                 jax.ShapeDtypeStruct((b, t, splits, heads_out), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
+      interpret=interpret,
+      name="sparse_mla_decode",
+  )(q_latent, q_rope, page_table, indices, *caches)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "config", "interpret"))
@@ -259,42 +353,46 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
   check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
   config = config or SparseMLAConfig()
   interpret = resolve_interpret(interpret)
-  b, t, h, rank = q_latent.shape
-  rope_dim = q_rope.shape[-1]
-  k = indices.shape[-1]
-  for name, dim in (("R", rank), ("dr", rope_dim)):
-    if dim < _MIN_MMA or not is_pow2(dim):
-      raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
-  heads_out = pl.next_power_of_2(h)
-  hp = max(_MIN_MMA, heads_out)  # MMA rows; the kernel reads heads past H as zero queries
-  splits = config.num_splits or _num_splits(b * t, k, config.block_n)
-  chunk = pl.cdiv(k, splits * config.block_n) * config.block_n
-  splits = pl.cdiv(k, chunk)  # no empty splits
-  fp8 = latent_scale is not None
-  whole = lambda x: pl.BlockSpec(x.shape, lambda i, s, j: (0,) * x.ndim)
-  caches = [latent, latent_scale, k_rope] if fp8 else [latent, k_rope]
-  part_spec = pl.BlockSpec((None, None, None, heads_out), lambda i, s, j: (j, i, s, 0))
-  acc, m, l = pl.pallas_call(
-      functools.partial(_sparse_mla_kernel, k=k, chunk=chunk, block_n=config.block_n,
-                        page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8, heads=h,
-                        heads_out=heads_out),
-      grid=(t, splits, b),  # query token fastest: its programs share the selected rows
-      in_specs=[pl.BlockSpec((None, None, hp, rank), lambda i, s, j: (j, i, 0, 0)),
-                pl.BlockSpec((None, None, hp, rope_dim), lambda i, s, j: (j, i, 0, 0)),
-                pl.BlockSpec((None, page_table.shape[1]), lambda i, s, j: (j, 0)),
-                pl.BlockSpec((None, None, k), lambda i, s, j: (j, i, 0)),
-                *map(whole, caches)],
-      out_specs=[pl.BlockSpec((None, None, None, heads_out, rank),
-                              lambda i, s, j: (j, i, s, 0, 0)), part_spec, part_spec],
-      out_shape=[jax.ShapeDtypeStruct((b, t, splits, heads_out, rank), jnp.float32),
-                 jax.ShapeDtypeStruct((b, t, splits, heads_out), jnp.float32),
-                 jax.ShapeDtypeStruct((b, t, splits, heads_out), jnp.float32)],
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
-                                              num_stages=config.num_stages),
-      interpret=interpret,
-      name="sparse_mla_decode",
-  )(q_latent, q_rope, page_table, indices, *caches)
-  return _combine(acc, m, l, config, interpret)[:, :, :h]
+  acc, m, l = _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices,
+                            softmax_scale=softmax_scale, config=config, interpret=interpret)
+  return _combine(acc, m, l, config, interpret)[:, :, :q_latent.shape[2]]
+
+
+def check_value_weights(kv_b: jax.Array, nope: int, heads: int, rank: int) -> None:
+  """ValueError unless kv_b is kv_b_proj's weight as bf16/f32 [H, nope + V, R] with V >= 1."""
+  if (kv_b.ndim != 3 or kv_b.shape[0] != heads or kv_b.shape[2] != rank or not 0 <= nope < kv_b.shape[1]
+      or kv_b.dtype not in (jnp.bfloat16, jnp.float32)):
+    raise ValueError(f"kv_b must be bf16/f32 [{heads}, nope={nope} + V, {rank}] with V >= 1, got "
+                     f"{kv_b.dtype}{list(kv_b.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("nope", "softmax_scale", "config", "interpret"))
+def sparse_mla_decode_values(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
+                             latent_scale: jax.Array | None, k_rope: jax.Array, page_table: jax.Array,
+                             indices: jax.Array, kv_b: jax.Array, *, nope: int, softmax_scale: float,
+                             config: SparseMLAConfig | None = None,
+                             interpret: bool | None = None) -> jax.Array:
+  """sparse_mla_decode's output through kv_b_proj's value half, per head: [B, T, H, V] f32.
+
+  The splits' merge and the value product run in one launch (`_merge_values`), where
+  sparse_mla_decode then an einsum are, on the H200 in a TEP=8 rank's layer, six XLA kernels
+  (the merge's four, W_UV's slice to fp32, the dot: about 13 us; BENCHMARKS.md run 21). The
+  product is fp32 on the CUDA cores ([V, R] per head and token: 0.1 MFLOP), dividing by the
+  softmax sum after it rather than before: equal to the two-step result to fp32 rounding.
+  Switch: `Runtime.value_merge` ("xla" | "pallas"). Not yet timed on the GPU.
+
+  Args: as sparse_mla_decode, and
+    kv_b: kv_b_proj's weight [H, nope + V, R], bf16 or f32: rows nope.. of each head are W_UV
+      (read in place: no sliced copy).
+    nope: the key half's rows per head (qk_nope_head_dim).
+  """
+  check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
+  check_value_weights(kv_b, nope, *q_latent.shape[2:])
+  config = config or SparseMLAConfig()
+  interpret = resolve_interpret(interpret)
+  acc, m, l = _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices,
+                            softmax_scale=softmax_scale, config=config, interpret=interpret)
+  return _merge_values(acc, m, l, kv_b, nope, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale",))

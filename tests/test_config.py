@@ -214,7 +214,8 @@ def test_tep8_shard_preset():
 
 
 @pytest.mark.parametrize("field,value", [("attention", "flash"), ("matmul", "cublas"), ("dense_matmul", "cublas"),
-                                         ("cache_write", "numpy"), ("moe_routing", "sort"),
+                                         ("cache_write", "numpy"), ("moe_routing", "sort"), ("router", "sort"),
+                                         ("value_merge", "atomic"),
                                          ("topk_ties", "random"), ("topk_method", "sort"), ("indexer_orientation", "rows"),
                                          ("indexer_queries", "float16"), ("attention_queries", "int8")])
 def test_runtime_rejects_unknown_switches(field, value):
@@ -228,3 +229,10 @@ def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
   with pytest.raises(ValueError, match="moe_routing='pairs'.*matmul='pallas_hfma2'"):
     Runtime(matmul="pallas_ptx_f16", moe_routing="pairs")
   assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"
+
+
+def test_runtime_value_merge_needs_the_pallas_attention():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="value_merge='pallas'.*attention='pallas'"):
+    Runtime(attention="sparse", value_merge="pallas")
+  assert Runtime(attention="pallas", value_merge="pallas").value_merge == "pallas"

@@ -21,7 +21,7 @@ from pallas_kernels.checks import bf16_parts
 from pallas_kernels.indexer_scores import (ORIENTATIONS, IndexerScoresConfig, indexer_scores,
                                            indexer_scores_reference)
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
-from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode,
+from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode, sparse_mla_decode_values,
                                        sparse_mla_decode_reference)
 from pallas_kernels import topk
 from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
@@ -394,6 +394,42 @@ def test_sparse_mla_empty_selection_and_default_config():
     assert np.all(np.asarray(got)[1] == 0)
 
 
+def _value_weights(seed: int, heads: int, nope: int, values: int, rank: int, dtype) -> jax.Array:
+  return jnp.asarray(_rng(seed).standard_normal((heads, nope + values, rank)) * 0.05, dtype)
+
+
+@pytest.mark.parametrize("t,fp8,heads,nope,values,rank,dtype", [
+    (5, True, 8, 192, 256, 512, jnp.bfloat16),   # a TEP=8 rank of GLM-5
+    (1, False, 4, 16, 32, 64, jnp.float32),
+    (2, True, 3, 24, 40, 256, jnp.bfloat16),     # odd heads, V not a multiple of the value block
+    (3, False, 5, 0, 72, 128, jnp.bfloat16)])
+def test_sparse_mla_values_match_the_two_steps(t, fp8, heads, nope, values, rank, dtype):
+  """The splits' merge and kv_b's value half in one launch: sparse_mla_decode, then W_UV per head."""
+  args = _mla_inputs(80 + t, t, fp8, heads=heads, rank=rank, k=96)
+  kv_b = _value_weights(81 + t, heads, nope, values, rank, dtype)
+  scale = 0.1
+  latent = sparse_mla_decode(*args, softmax_scale=scale, config=SparseMLAConfig(block_n=16))
+  want = jnp.einsum("bthr,hvr->bthv", latent, kv_b[:, nope:].astype(jnp.float32), precision="highest")
+  got = sparse_mla_decode_values(*args, kv_b, nope=nope, softmax_scale=scale, config=SparseMLAConfig(block_n=16))
+  assert got.shape == (*latent.shape[:3], values)
+  _assert_attention_close(got, want, 1e-5)
+  # and against the plain-jnp attention, through the same weights
+  ref = jnp.einsum("bthr,hvr->bthv", sparse_mla_decode_reference(*args, softmax_scale=scale),
+                   kv_b[:, nope:].astype(jnp.float32), precision="highest")
+  _assert_attention_close(got, ref, 1e-5)
+
+
+def test_sparse_mla_values_empty_selection_and_bad_weights():
+  args = list(_mla_inputs(61, 2, fp8=False))
+  args[-1] = args[-1].at[1].set(-1)  # the second sequence selects nothing
+  kv_b = _value_weights(62, 4, 16, 32, 64, jnp.bfloat16)
+  got = sparse_mla_decode_values(*args, kv_b, nope=16, softmax_scale=0.1)
+  assert np.all(np.asarray(got)[1] == 0) and np.any(np.asarray(got)[0] != 0)
+  for bad, nope in ((kv_b[:3], 16), (kv_b[..., :32], 16), (kv_b, 48), (kv_b.astype(jnp.float16), 16)):
+    with pytest.raises(ValueError, match="kv_b must be"):
+      sparse_mla_decode_values(*args, bad, nope=nope, softmax_scale=0.1)
+
+
 # --- validation ------------------------------------------------------------------------------
 
 def test_invalid_inputs_raise():
@@ -476,7 +512,9 @@ def test_lowers_for_h200():
                            interpret=False), idx_args) for o in ORIENTATIONS],
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, interpret=False), mla_args),
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, config=SparseMLAConfig(combine="pallas"),
-                                    interpret=False), mla_args)]
+                                    interpret=False), mla_args),
+      (lambda *a: sparse_mla_decode_values(*a, nope=192, softmax_scale=0.0625, interpret=False),
+       (*mla_args, s((8, 192 + 256, rank), bf16)))]
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")

@@ -37,11 +37,11 @@ def tiny():
   return config, init_params(config, jax.random.key(0))
 
 
-def _generate(tiny, attention: str, kv_dtype: str) -> np.ndarray:
+def _generate(tiny, attention: str, kv_dtype: str, **switches) -> np.ndarray:
   config, params = tiny
   prompt = np.random.default_rng(0).integers(2, config.vocab_size, (2, PROMPT)).astype(np.int32)
   return glmjax.generate(config, params, prompt, NEW, ignore_eos=True,
-                         runtime=Runtime(attention=attention), kv_dtype=kv_dtype, page_size=8)
+                         runtime=Runtime(attention=attention, **switches), kv_dtype=kv_dtype, page_size=8)
 
 
 def _record_pallas_calls(monkeypatch) -> list[tuple]:
@@ -90,6 +90,22 @@ def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
       err = np.abs(got - want).max() / np.abs(want).max()
       assert err <= 1e-5, f"call {i}: attention differs by {err:.2e} of its largest output"
   np.testing.assert_array_equal(pallas, sparse)
+
+
+def test_value_merge_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
+  """value_merge="pallas": decode steps run the split merge and the value product in one launch
+  (their two-step path is made to fail here; the prefill's dense path stays); tokens equal to
+  the two steps'."""
+  two_steps = _generate(tiny, "pallas", "fp8")
+  attention = dsa.cached_attention
+
+  def prefill_only(q_latent, *args):
+    if q_latent.shape[1] <= 8:
+      pytest.fail("a decode step took the two-step path")
+    return attention(q_latent, *args)
+
+  monkeypatch.setattr(dsa, "cached_attention", prefill_only)
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", value_merge="pallas"), two_steps)
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)

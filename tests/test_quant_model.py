@@ -150,6 +150,17 @@ def test_dense_pallas_matmul_matches_xla(params_bf16):
   assert rel_err(run(params_bf16, "pallas_grouped"), pallas) <= 2e-3
 
 
+def test_pallas_router_matches_xla(params_bf16):
+  """router="pallas": one more launch per MoE layer (the choice kernel, reading the router GEMV's
+  partials) and XLA's choice kernels gone; the same experts, so the logits agree to the fp32
+  order of the partials' sums."""
+  ids = tokens(4, 1, 8)
+  run = lambda p, router: glmjax.forward(CONFIG, p, ids, runtime=Runtime(dense_matmul="pallas_grouped", router=router))
+  launches = lambda router: kernel_launches(jax.make_jaxpr(lambda p: run(p, router))(params_bf16).jaxpr)
+  assert launches("pallas") == launches("xla") + len(MOE_LAYERS)
+  assert rel_err(run(params_bf16, "pallas"), run(params_bf16, "xla")) <= 1e-5
+
+
 @pytest.mark.parametrize("quantize", [quantize_nvfp4, quantize_fp8_block])
 def test_linear_checks_a_quantized_weights_logical_shape(quantize):
   x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 32)), jnp.float32)

@@ -47,7 +47,7 @@ DENSE_IMPLS = ("xla", "pallas", "pallas_grouped")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
 __all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight",
-           "linear", "linear_group", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
+           "linear", "linear_group", "linear_partials", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
            "quantize_params", "quantizes"]
 
 
@@ -139,6 +139,17 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
     return out.reshape(*x.shape[:-1], w.shape[0])
   return jnp.einsum("...k,nk->...n", x, w.dequantize(x.dtype),
                     preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def linear_partials(x: jax.Array, w, *, dense: str = "xla") -> jax.Array:
+  """fp32 x [..., in] @ w.T as terms [S, rows, out] that sum to it: the split-K GEMV's partials,
+  unsummed, where `linear` would run that kernel in fp32, else [1, rows, out] (`linear` in fp32).
+  For a consumer that sums them in its own launch (the router's, pallas_kernels/moe_route.py)."""
+  rows = math.prod(x.shape[:-1])
+  if not _takes_bf16_gemv(x, w, dense, jnp.float32):
+    return linear(x, w, dense=dense, dtype=jnp.float32).reshape(1, rows, w.shape[0])
+  from pallas_kernels.bf16_matmul import bf16_matmul_partials
+  return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w)
 
 
 def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla", dtype=None) -> list[jax.Array]:

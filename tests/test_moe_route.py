@@ -1,0 +1,94 @@
+"""The router's one-launch expert choice (pallas_kernels/moe_route.py) against glmjax.moe.route:
+random partial logits at GLM-5's, mini's and awkward routing shapes, ties, bad inputs, the H200
+lowering, and the GEMV partials it reads."""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import get_model_config
+from glmjax import quant
+from pallas_kernels.moe_route import route_select, route_select_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+TINY = get_model_config("tiny")
+# Non-power-of-two experts, groups and k; no renormalisation; a scale other than GLM-5's.
+AWKWARD = dataclasses.replace(TINY, n_routed_experts=24, n_group=3, topk_group=2, num_experts_per_tok=5,
+                              norm_topk_prob=False, routed_scaling_factor=1.75)
+ODD_SINGLE_GROUP = dataclasses.replace(TINY, n_routed_experts=40, num_experts_per_tok=3)
+CONFIGS = {"glm5": get_model_config("glm5"), "mini": get_model_config("mini"), "awkward": AWKWARD,
+           "odd_single_group": ODD_SINGLE_GROUP}
+
+
+def draw(config, splits: int, tokens: int, seed: int):
+  rng = np.random.default_rng(seed)
+  partials = jnp.asarray(rng.normal(size=(splits, tokens, config.n_routed_experts)), jnp.float32)
+  bias = jnp.asarray(0.1 * rng.normal(size=(config.n_routed_experts,)), jnp.float32)
+  return partials, bias
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("splits,tokens", [(1, 1), (8, 5), (3, 7)])
+def test_route_select_matches_route(name, splits, tokens):
+  config = CONFIGS[name]
+  partials, bias = draw(config, splits, tokens, seed=hash((name, splits, tokens)) % 2**31)
+  ids, weights = route_select(partials, bias, config)
+  want_ids, want_weights = route_select_reference(partials, bias, config)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)
+  assert ids.dtype == jnp.int32 and weights.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name", ["glm5", "awkward"])
+def test_equal_scores_choose_the_lower_index_as_top_k_does(name):
+  """Logits from three values and no bias: most scores tie, within and across groups."""
+  config = CONFIGS[name]
+  rng = np.random.default_rng(7)
+  partials = jnp.asarray(rng.integers(-1, 2, size=(1, 6, config.n_routed_experts)), jnp.float32)
+  bias = jnp.zeros((config.n_routed_experts,), jnp.float32)
+  ids, weights = route_select(partials, bias, config)
+  want_ids, want_weights = route_select_reference(partials, bias, config)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_allclose(weights, want_weights, rtol=2e-6)
+
+
+def test_bad_inputs_are_named():
+  config = CONFIGS["glm5"]
+  partials, bias = draw(config, 2, 3, seed=1)
+  with pytest.raises(ValueError, match=r"partials must be f32 \[splits, tokens, 256\]"):
+    route_select(partials[..., :255], bias, config)
+  with pytest.raises(ValueError, match="partials must be f32"):
+    route_select(partials.astype(jnp.bfloat16), bias, config)
+  with pytest.raises(ValueError, match=r"bias must be f32 \[256\]"):
+    route_select(partials, bias[:8], config)
+
+
+def test_route_select_lowers_to_triton_for_h200():
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  for name, splits, tokens in (("glm5", 8, 5), ("glm5", 1, 1), ("awkward", 2, 3)):
+    config = CONFIGS[name]
+    args = (jax.ShapeDtypeStruct((splits, tokens, config.n_routed_experts), jnp.float32),
+            jax.ShapeDtypeStruct((config.n_routed_experts,), jnp.float32))
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      text = jax.jit(lambda *a, c=config: route_select(*a, c, interpret=False)).trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("dense", ["xla", "pallas"])
+def test_linear_partials_sum_to_the_fp32_linear(dense):
+  """Under the Pallas GEMV: its K splits unsummed (more than one at this K); else one term."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(1, 5, 1536)), jnp.bfloat16)
+  w = jnp.asarray(0.05 * rng.normal(size=(72, 1536)), jnp.bfloat16)
+  parts = quant.linear_partials(x, w, dense=dense)
+  assert parts.dtype == jnp.float32 and parts.shape[1:] == (5, 72)
+  assert (parts.shape[0] > 1) == (dense == "pallas")
+  np.testing.assert_allclose(parts.sum(0), quant.linear(x, w, dense=dense, dtype=jnp.float32).reshape(5, 72),
+                             rtol=1e-5, atol=1e-5)
