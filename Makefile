@@ -23,8 +23,8 @@ demo: $(STAMP)
 # The main suite, and beside it a second process: the multi-device tests (8 simulated CPU
 # devices, fixed when JAX's backend starts) and the tests marked side_lane (long smoke tests that
 # run entry points or the notebook in their own subprocesses, which would otherwise lengthen the
-# main suite, and the training tests, kept out of the main suite's long process: see
-# tests/test_training.py; each file holding one is listed below); its log follows the main suite's. Either
+# main suite, and the training tests, which even out the two processes' times; each file holding
+# one is listed below); its log follows the main suite's. Either
 # failing fails the target; pytest exits 5 when it collected nothing, and that is a failure
 # here, not a pass.
 test: $(STAMP)

@@ -6,6 +6,7 @@ the level changes how fast the code runs, not what it computes. On 2 cores it cu
 engine and speculative tests from 220 s to 136 s.
 """
 
+import gc
 import os
 import pathlib
 
@@ -20,6 +21,17 @@ import glmjax
 
 FIXTURE = pathlib.Path(os.environ.get("GLMJAX_FIXTURES", pathlib.Path(__file__).resolve().parents[1].parent
                                       / "shared" / "fixtures")) / "hf_glm_moe_dsa_tiny"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops JAX's compiled programs after each test module. Every XLA CPU executable keeps a few
+  memory mappings; the main suite's one process compiles enough programs to reach the kernel's
+  limit (vm.max_map_count, 65,530 here), and the next compile then segfaults inside XLA (seen
+  twice in CI near the suite's end)."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,7 @@ TC = training.TrainConfig(steps=20, batch_size=4, seq_len=48, lr=3e-3, warmup=4,
 SMALL = dataclasses.replace(CONFIG, num_hidden_layers=2, indexer_types=("full", "shared"),
                             mlp_layer_types=("dense", "sparse"))
 EMAIL = data.stdlib_root() / "email"  # 29 real source files: a small corpus with both splits
-# In its own process beside the multi-device tests (Makefile): at the end of the main suite's long
-# process, XLA's CPU compiler crashed twice while test_resume_continues_identically compiled
-# (a segfault in backend_compile_and_load in CI; an abort once here), never in a shorter process.
+# In the second process beside the multi-device tests (Makefile), which is the shorter of the two.
 pytestmark = pytest.mark.side_lane
 
 
