@@ -27,19 +27,21 @@ from glmjax.bench import (agreement, bandwidth_tbs, kernel_breakdown, loop_break
                           time_device_carry)
 from glmjax.cache import paged
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
+from glmjax.dsa import value_projection
 from glmjax.footprint import H200_BANDWIDTH
 from pallas_kernels.indexer_scores import ORIENTATIONS, IndexerScoresConfig, indexer_scores, indexer_scores_reference
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
 from pallas_kernels.paged_write import paged_write
-from pallas_kernels.sparse_mla import SparseMLAConfig, sparse_mla_decode, sparse_mla_decode_reference
+from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode, sparse_mla_decode_reference,
+                                       sparse_mla_decode_values)
 from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
 
 FULL = dict(contexts=(8192, 32768, 81920, 131072), query_tokens=(1, 5), index_heads=32,
-            index_dim=128, heads=8, rank=512, rope=64, k=2048, page=64,
+            index_dim=128, heads=8, rank=512, rope=64, nope=192, values=256, k=2048, page=64,
             topk_rows=(1, 64), topk_n=131072)
 SOFTMAX_SCALE = (192 + 64) ** -0.5  # GLM-5's (qk_nope + qk_rope)^-0.5
 QUICK = dict(contexts=(256,), query_tokens=(1, 2), index_heads=4, index_dim=32, heads=4, rank=64,
-             rope=16, k=32, page=16, topk_rows=(2,), topk_n=512)
+             rope=16, nope=16, values=32, k=32, page=16, topk_rows=(2,), topk_n=512)
 
 
 def _timing(quick: bool) -> dict[str, int]:
@@ -131,6 +133,21 @@ def _mla_case(s: dict, context: int, t: int, fp8: bool, key: jax.Array):
   return args, num_bytes
 
 
+def _values_row(s: dict, case: str, q_tag: str, args: tuple, mla_bytes: float, key: jax.Array,
+                timing: dict[str, int], breakdown: bool) -> dict[str, Any]:
+  """Sparse MLA through kv_b_proj's value half: the merge and the value product in one launch
+  (sparse_mla_decode_values, --value_merge=pallas) against the model's two steps (the kernel,
+  then XLA's merge and dsa.value_projection). Bytes add W_UV's and the [T, H, V] output's."""
+  h, nope, values, rank = s["heads"], s["nope"], s["values"], s["rank"]
+  kv_b = jax.random.normal(key, (h, nope + values, rank), jnp.bfloat16) * 0.05
+  fused = functools.partial(sparse_mla_decode_values, nope=nope, softmax_scale=SOFTMAX_SCALE)
+  two_steps = lambda *a: value_projection(sparse_mla_decode(*a[:-1], softmax_scale=SOFTMAX_SCALE), a[-1], nope)
+  t = args[0].shape[1]
+  num_bytes = mla_bytes + h * values * rank * 2 + t * h * (values - rank) * 4
+  return _row(_named("sparse_mla_decode", q_tag, "values"), case, fused, two_steps, (*args, kv_b), num_bytes,
+              timing, breakdown)
+
+
 def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens: Sequence[int] = (),
              breakdown: bool = False, topk_methods: Sequence[str] = ("sampled",),
              query_dtypes: Sequence[str] = ("float32",),
@@ -142,7 +159,8 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
   set's (empty: keep). topk_methods: the top-k algorithms timed (indexer_topk and topk_indices
   rows, one per method; a method other than radix is named in the kernel column). query_dtypes: the dtypes of the queries fed
   to the indexer and attention kernels (float32: three bf16 MMA terms; bfloat16: one), likewise
-  named. mla_combines: how sparse MLA merges its splits (SparseMLAConfig.combine), likewise."""
+  named. mla_combines: how sparse MLA merges its splits (SparseMLAConfig.combine), likewise, or
+  "values": the merge with kv_b's value product in one launch against the two steps (`_values_row`)."""
   s = dict(QUICK if quick else FULL)
   s["contexts"] = tuple(contexts) or s["contexts"]
   s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]
@@ -172,6 +190,10 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
           args = (*(q.astype(queries) for q in fp32_mla_args[:2]), *fp32_mla_args[2:])
           q_bytes = (args[0].size + args[1].size) * (args[0].dtype.itemsize - 4)
           for combine in mla_combines:
+            if combine == "values":
+              key, sub = jax.random.split(key)
+              yield _values_row(s, case, q_tag, args, mla_bytes + q_bytes, sub, timing, breakdown)
+              continue
             yield _row(_named("sparse_mla_decode", q_tag, "" if combine == "xla" else f"{combine} combine"), case,
                        functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE,
                                          config=SparseMLAConfig(combine=combine)),

@@ -24,7 +24,9 @@ pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). `frac_of_c
 the H200's 4.22 TB/s copy.
 
 The projections of one TEP=8 rank that share an input also run as a group (`group_rows`:
-the GEMV once per weight against bf16_matmul_group's one launch, `pallas_grouped`).
+the GEMV once per weight against bf16_matmul_group's one launch, `pallas_grouped`), and the
+router's choice of 8 among 256 experts from its GEMV's partials, XLA's against one launch
+(`router_rows`, 1 and 5 tokens).
 
 Cases: GEMV [M, 8192] x [8192, 28672]; one GLM-5 expert's gate/up [2048, 6144] and down
 [6144, 2048] (the shapes of a TEP=8 rank's q_a_proj and o_proj too); each at M = 1, 5, 8; the
@@ -40,12 +42,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import get_model_config
 from glmjax.bench import agreement, bandwidth_tbs, time_device, time_own_kernels
+from glmjax.config import ModelConfig
+from glmjax.moe import route
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.moe_hfma2 import moe_hfma2
+from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (DECODES, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
@@ -110,6 +116,24 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
       if n % TMA_ROW_TILE == 0 and k % K_MULTIPLE == 0:  # the Mosaic GPU kernel's TMA shapes
         timed.append(_kernel_entry(fmt, nvfp4_matmul_mgpu, xla_dequant, (x, q), nbytes, timer, impl="pallas_mgpu"))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
+
+
+def router_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., float], splits: int = 8, seed: int = 0):
+  """The router's choice from its GEMV's split-K partials [splits, tokens, E]: XLA's (the sum,
+  then glmjax.moe.route) against the one launch (pallas_kernels/moe_route.py, --router=pallas),
+  checked by the [tokens, E] routing matrix both give (chosen ids and weights)."""
+  kp, kb = jax.random.split(jax.random.key(seed))
+  e = config.n_routed_experts
+  partials = jax.random.normal(kp, (splits, tokens, e), jnp.float32)
+  bias = 0.1 * jax.random.normal(kb, (e,), jnp.float32)
+  xla = jax.jit(lambda p, b: route(p.sum(0), b, config))
+  kernel = jax.jit(lambda p, b: route_select(p, b, config))
+  matrix = lambda ids, weights: jnp.zeros((tokens, e), jnp.float32).at[jnp.arange(tokens)[:, None], ids].set(weights)
+  nbytes = partials.size * 4 + e * 4 + tokens * config.num_experts_per_tok * 8
+  check = agreement(matrix(*kernel(partials, bias)), matrix(*xla(partials, bias)))
+  timed = [("fp32", "xla", timer(xla, partials, bias), nbytes),
+           ("fp32", "pallas", timer(kernel, partials, bias), nbytes, check)]
+  return _rows(dict(name="router", m=tokens, n=e, splits=splits), timed)
 
 
 def _moe_case(tokens: int, top_k: int, experts: int, d: int, i: int, seed: int = 0, routed: int = 0):
@@ -247,7 +271,7 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                             routed=4 * moe["experts"] if quick else 256, **moe)
 
 
-QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups")
+QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router")
 TIMERS = {"loop": time_device, "own": time_own_kernels}
 
 
@@ -276,3 +300,5 @@ def quant_rows(*, quick: bool = False, timer: str = "loop", cases: tuple[str, ..
             (("q_a+kv_a", (2048, 576)), ("wk+weights_proj", (128, 4)), ("gate+up", (2048, 2048))))
   for name, ns in groups if "groups" in cases else ():
     yield from group_rows(5, 64 if quick else 6144, ns, name=name, timer=timer)
+  for tokens in (1, 5) if "router" in cases else ():  # mini's group-limited routing at the quick shapes
+    yield from router_rows(tokens, get_model_config("mini" if quick else "glm5"), timer=timer)

@@ -33,7 +33,9 @@ _QUERY = flags.DEFINE_list("query_tokens", [], "dsa: query tokens per step (empt
 _TOPK = flags.DEFINE_list("topk_methods", ["radix", "sampled"], "dsa: top-k algorithms to time (pallas_kernels/topk.py)")
 _QUERIES = flags.DEFINE_list("query_dtypes", ["float32", "bfloat16"],
                              "dsa: dtypes of the queries fed to the indexer and attention kernels")
-_COMBINES = flags.DEFINE_list("mla_combines", ["xla", "pallas"], "dsa: sparse MLA split merges to time")
+_COMBINES = flags.DEFINE_list("mla_combines", ["xla", "pallas", "values"],
+                              "dsa: sparse MLA split merges to time (values: the merge with kv_b's value "
+                              "product in one launch, against the two steps)")
 _QUANT_TIMER = flags.DEFINE_enum("quant_timer", "loop", list(bench_quant.TIMERS),
                                   "quant: loop (many calls in one program, launch gaps included) or own "
                                   "(each implementation's own kernels' device time, from a profile)")

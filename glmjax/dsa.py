@@ -107,5 +107,11 @@ def cached_attention_values(q_latent, q_rope, layer: paged.LayerCache, page_tabl
     from pallas_kernels.sparse_mla import sparse_mla_decode_values
     return sparse_mla_decode_values(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table,
                                     topk, kv_b, nope=nope, softmax_scale=scale)
-  o_latent = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl)
+  return value_projection(cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl),
+                          kv_b, nope)
+
+
+def value_projection(o_latent: jax.Array, kv_b: jax.Array, nope: int) -> jax.Array:
+  """Latent attention outputs [B, T, H, R] through kv_b_proj's value half (kv_b [H, nope + V, R],
+  rows nope..) -> [B, T, H, V] fp32: XLA's einsum."""
   return jnp.einsum("bthr,hvr->bthv", o_latent, kv_b[:, nope:].astype(jnp.float32))

@@ -127,6 +127,25 @@ def test_group_rows_check_the_grouped_launch_against_the_lone_ones():
   assert all(r["max_rel_err"] <= 1e-2 for r in rows[1:]) and rows[0]["bytes"] == (48 + 16) * 64 * 2 + (3 * 64 + 3 * 64) * 2
 
 
+def test_router_rows_check_the_kernel_by_its_routing_matrix():
+  """XLA's choice first, then the one-launch kernel with the agreement of both [tokens, E]
+  matrices (mini: group-limited routing)."""
+  from configs import get_model_config
+  from experiments.bench_quant import router_rows
+  rows = router_rows(5, get_model_config("mini"), timer=lambda fn, *args: 2e-6, splits=3)
+  assert [r["impl"] for r in rows] == ["xla", "pallas"]
+  assert rows[1]["max_rel_err"] <= 1e-6 and rows[0]["bytes"] == 3 * 5 * 16 * 4 + 16 * 4 + 5 * 4 * 8
+
+
+def test_values_row_checks_the_fused_merge_against_the_two_steps():
+  import jax
+  from experiments.bench_dsa import QUICK, _mla_case, _values_row
+  args, mla_bytes = _mla_case(QUICK, 256, 2, True, jax.random.key(1))
+  row = _values_row(QUICK, "c", "", args, mla_bytes, jax.random.key(2), dict(iters=2, repeats=1, warmup=1), False)
+  assert row["kernel"] == "sparse_mla_decode (values)" and row["max_rel_err"] <= 1e-5
+  assert row["bytes"] == mla_bytes + 4 * 32 * 64 * 2 + 2 * 4 * (32 - 64) * 4 and row["us"] > 0 and row["xla_us"] > 0
+
+
 def test_cache_write_row_times_both_writes_and_checks_the_pages():
   """bench_dsa's cache-write row: both writes timed in a loop that carries the pages (time_device_carry),
   the kernel's pages equal to write_layer's."""
