@@ -148,5 +148,5 @@ class MLAttention(nn.Module):
     queries = jnp.dtype(runtime.attention_queries)
     out = dsa.cached_attention_values(q_latent.astype(queries), q_pe.astype(queries), layer, cache.page_table,
                                       positions, prev_topk, c.softmax_scale, runtime.attention, kv_b, nope,
-                                      fuse=runtime.value_merge == "pallas")
+                                      fuse=runtime.value_merge == "pallas", dtype=self.dtype)
     return out, prev_topk, layer

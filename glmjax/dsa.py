@@ -99,16 +99,18 @@ def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, posi
 
 
 def cached_attention_values(q_latent, q_rope, layer: paged.LayerCache, page_table, positions, topk,
-                            scale: float, impl: str, kv_b: jax.Array, nope: int, *, fuse: bool) -> jax.Array:
+                            scale: float, impl: str, kv_b: jax.Array, nope: int, *, fuse: bool,
+                            dtype=jnp.float32) -> jax.Array:
   """`cached_attention` through kv_b_proj's value half (kv_b [H, nope + V, R], rows nope..)
-  -> [B, T, H, V] fp32. fuse: where the Pallas kernel runs, the product happens in its split
-  merge (pallas_kernels/sparse_mla.sparse_mla_decode_values: one launch for XLA's six)."""
+  -> [B, T, H, V], computed in fp32 and rounded to dtype. fuse: where the Pallas kernel runs,
+  the product happens in its split merge (pallas_kernels/sparse_mla.sparse_mla_decode_values:
+  one launch for XLA's six)."""
   if fuse and impl == "pallas" and _gathers_selection(impl, q_latent):
     from pallas_kernels.sparse_mla import sparse_mla_decode_values
     return sparse_mla_decode_values(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table,
-                                    topk, kv_b, nope=nope, softmax_scale=scale)
-  return value_projection(cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl),
-                          kv_b, nope)
+                                    topk, kv_b, nope=nope, softmax_scale=scale, out_dtype=dtype)
+  o_latent = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl)
+  return value_projection(o_latent, kv_b, nope).astype(dtype)
 
 
 def value_projection(o_latent: jax.Array, kv_b: jax.Array, nope: int) -> jax.Array:

@@ -237,13 +237,13 @@ def _merge_values_kernel(acc_ref, m_ref, l_ref, kv_b_ref, o_ref, *, tokens: int,
                          mask=rows_ok[:, None], other=0.0).astype(jnp.float32)   # [bv, br]
     out += jnp.sum(w_uv * merged[None, :], axis=1)
   out = jnp.where(den > 0, out / jnp.where(den > 0, den, 1.0), 0.0)
-  pltriton.store(o_ref.at[b, t, h, pl.ds(j * block_v, block_v)], out, mask=rows_ok)
+  pltriton.store(o_ref.at[b, t, h, pl.ds(j * block_v, block_v)], out.astype(o_ref.dtype), mask=rows_ok)
 
 
-def _merge_values(acc: jax.Array, m: jax.Array, l: jax.Array, kv_b: jax.Array, nope: int,
+def _merge_values(acc: jax.Array, m: jax.Array, l: jax.Array, kv_b: jax.Array, nope: int, out_dtype,
                   interpret: bool) -> jax.Array:
   """[B, T, S, Hs, R] partial outputs, [B, T, S, Hs] maxima and sums, kv_b [H, nope + V, R]
-  -> [B, T, H, V] f32 in one launch: a program per (query token, head, 64 value columns)."""
+  -> [B, T, H, V] in out_dtype in one launch: a program per (query token, head, 64 value columns)."""
   b, t, _, _, rank = acc.shape
   heads, values = kv_b.shape[0], kv_b.shape[1] - nope
   block_v = min(_MERGE_BLOCK_V, pl.next_power_of_2(values))
@@ -254,7 +254,7 @@ def _merge_values(acc: jax.Array, m: jax.Array, l: jax.Array, kv_b: jax.Array, n
       grid=(b * t, heads, pl.cdiv(values, block_v)),
       in_specs=[whole(acc.shape), whole(m.shape), whole(l.shape), whole(kv_b.shape)],
       out_specs=whole((b, t, heads, values)),
-      out_shape=jax.ShapeDtypeStruct((b, t, heads, values), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((b, t, heads, values), out_dtype),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="sparse_mla_merge_values",
@@ -366,33 +366,37 @@ def check_value_weights(kv_b: jax.Array, nope: int, heads: int, rank: int) -> No
                      f"{kv_b.dtype}{list(kv_b.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("nope", "softmax_scale", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("nope", "softmax_scale", "out_dtype", "config", "interpret"))
 def sparse_mla_decode_values(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
                              latent_scale: jax.Array | None, k_rope: jax.Array, page_table: jax.Array,
                              indices: jax.Array, kv_b: jax.Array, *, nope: int, softmax_scale: float,
-                             config: SparseMLAConfig | None = None,
+                             out_dtype=jnp.float32, config: SparseMLAConfig | None = None,
                              interpret: bool | None = None) -> jax.Array:
-  """sparse_mla_decode's output through kv_b_proj's value half, per head: [B, T, H, V] f32.
+  """sparse_mla_decode's output through kv_b_proj's value half, per head: [B, T, H, V].
 
   The splits' merge and the value product run in one launch (`_merge_values`), where
   sparse_mla_decode then an einsum are, on the H200 in a TEP=8 rank's layer, six XLA kernels
   (the merge's four, W_UV's slice to fp32, the dot: about 13 us; BENCHMARKS.md run 21). The
   product is fp32 on the CUDA cores ([V, R] per head and token: 0.1 MFLOP), dividing by the
-  softmax sum after it rather than before: equal to the two-step result to fp32 rounding.
+  softmax sum after it rather than before: equal to the two-step result to fp32 rounding; it is
+  rounded once to out_dtype (bf16: what o_proj reads, so no XLA convert sits between).
   Switch: `Runtime.value_merge` ("xla" | "pallas"). Not yet timed on the GPU.
 
   Args: as sparse_mla_decode, and
     kv_b: kv_b_proj's weight [H, nope + V, R], bf16 or f32: rows nope.. of each head are W_UV
       (read in place: no sliced copy).
     nope: the key half's rows per head (qk_nope_head_dim).
+    out_dtype: the result's dtype, f32 or bf16.
   """
   check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
   check_value_weights(kv_b, nope, *q_latent.shape[2:])
+  if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f"out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype)}")
   config = config or SparseMLAConfig()
   interpret = resolve_interpret(interpret)
   acc, m, l = _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices,
                             softmax_scale=softmax_scale, config=config, interpret=interpret)
-  return _merge_values(acc, m, l, kv_b, nope, interpret)
+  return _merge_values(acc, m, l, kv_b, nope, jnp.dtype(out_dtype), interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale",))

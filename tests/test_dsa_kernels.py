@@ -417,6 +417,11 @@ def test_sparse_mla_values_match_the_two_steps(t, fp8, heads, nope, values, rank
   ref = jnp.einsum("bthr,hvr->bthv", sparse_mla_decode_reference(*args, softmax_scale=scale),
                    kv_b[:, nope:].astype(jnp.float32), precision="highest")
   _assert_attention_close(got, ref, 1e-5)
+  # bf16 out (what o_proj reads): the same fp32 result, rounded once
+  in_bf16 = sparse_mla_decode_values(*args, kv_b, nope=nope, softmax_scale=scale, out_dtype=jnp.bfloat16,
+                                     config=SparseMLAConfig(block_n=16))
+  assert in_bf16.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(in_bf16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
 
 
 def test_sparse_mla_values_empty_selection_and_bad_weights():
@@ -428,6 +433,8 @@ def test_sparse_mla_values_empty_selection_and_bad_weights():
   for bad, nope in ((kv_b[:3], 16), (kv_b[..., :32], 16), (kv_b, 48), (kv_b.astype(jnp.float16), 16)):
     with pytest.raises(ValueError, match="kv_b must be"):
       sparse_mla_decode_values(*args, bad, nope=nope, softmax_scale=0.1)
+  with pytest.raises(ValueError, match="out_dtype must be"):
+    sparse_mla_decode_values(*args, kv_b, nope=16, softmax_scale=0.1, out_dtype=jnp.float16)
 
 
 # --- validation ------------------------------------------------------------------------------
