@@ -16,7 +16,8 @@ the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where i
 allow: N a multiple of 8, K of 256; not at the quick shapes), and for the MoE
 `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing), and
 `pallas_hfma2_pairs`, each (token, local expert) pair a one-row product on the CUDA cores
-(pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model). The
+(pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model), and `pallas_hfma2_pairs_fused`,
+that with the activations' fp16 planes built in one launch each (`--moe_routing=pairs_fused`). The
 `*_f16` rows run fp16 tensor-core operands (MatmulConfig / MoEConfig operands="float16"): NVFP4
 with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
@@ -50,7 +51,7 @@ from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
-from pallas_kernels.moe_hfma2 import moe_hfma2
+from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
 from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (DECODES, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
@@ -183,6 +184,8 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
       timed.append(_kernel_entry(fmt, variant, xla, (x, *routing, *q), nbytes, timer, impl=impl))
     if fmt == "nvfp4":  # each (token, local expert) pair a one-row product on the CUDA cores
       timed.append(_kernel_entry(fmt, moe_hfma2, xla, (x, *routing, *q), nbytes, timer, impl="pallas_hfma2_pairs"))
+      fused = jax.jit(functools.partial(moe_hfma2, config=PairsConfig(fused_planes=True)))  # planes in one launch
+      timed.append(_kernel_entry(fmt, fused, xla, (x, *routing, *q), nbytes, timer, impl="pallas_hfma2_pairs_fused"))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, routed=routed or experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)
 

@@ -34,7 +34,8 @@ def define() -> Callable[[], dict[str, str]]:
   routing = flags.DEFINE_enum("moe_routing", "table", list(MOE_ROUTINGS),
                               "the MoE kernels' expert lookup: table (XLA) or scan (in-kernel) for the grouped "
                               "tensor-core kernels, or pairs (each token-expert pair a one-row product on "
-                              "the CUDA cores; NVFP4 experts, --matmul=pallas_hfma2)")
+                              "the CUDA cores; NVFP4 experts, --matmul=pallas_hfma2), pairs_fused (that, "
+                              "the activations' fp16 planes in one launch each)")
   router = flags.DEFINE_enum("router", "xla", list(ROUTERS),
                              "the MoE router's expert choice: xla (sum, sort, gather: about five kernels) or "
                              "pallas (one launch from the router GEMV's partials)")

@@ -8,14 +8,14 @@ import dataclasses
 from typing import Literal
 
 from glmjax.config import ModelConfig, derive_indexer_types
-from glmjax.quant import DENSE_IMPLS, IMPLS
+from glmjax.quant import DENSE_IMPLS, IMPLS, PAIR_ROUTINGS
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
 MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2 (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_layer or its one-launch kernel
-MOE_ROUTINGS = ("table", "scan", "pairs")  # how the MoE kernels find the chosen experts (glmjax.quant.moe_experts)
+MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 ROUTERS = ("xla", "pallas")  # the MoE router's expert choice: glmjax.moe.route or its one-launch kernel
 VALUE_MERGES = ("xla", "pallas")  # sparse MLA's split merge and value product: XLA's kernels or one launch
 
@@ -37,7 +37,8 @@ class Runtime:
   moe_routing: under a Pallas matmul, how the MoE kernels find the chosen experts: "table"
   (built by XLA) or "scan" (each program scans the step's ids; no XLA kernels) for the grouped
   tensor-core kernels, or "pairs": each (token, local expert) pair a one-row product on the CUDA
-  cores (pallas_kernels/moe_hfma2.py; NVFP4 experts under matmul="pallas_hfma2" only).
+  cores (pallas_kernels/moe_hfma2.py; NVFP4 experts under matmul="pallas_hfma2" only), or
+  "pairs_fused": that with the activations' fp16 planes built in one launch each.
   router: the MoE router's choice of experts from its logits, XLA's kernels (glmjax.moe.route:
   the split-K sum, a sort, the weights' gather and normalisation) or one Pallas launch from the
   GEMV's partials (pallas_kernels/moe_route.py; the same choices wherever the summed logits agree).
@@ -95,9 +96,9 @@ class Runtime:
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")
-    if self.moe_routing == "pairs" and self.matmul != "pallas_hfma2":
-      raise ValueError(f"moe_routing='pairs' runs the experts on the CUDA cores' fp16x2 FMAs: it needs "
-                       f"matmul='pallas_hfma2', got {self.matmul!r}")
+    if self.moe_routing in PAIR_ROUTINGS and self.matmul != "pallas_hfma2":
+      raise ValueError(f"moe_routing={self.moe_routing!r} runs the experts on the CUDA cores' fp16x2 FMAs: it "
+                       f"needs matmul='pallas_hfma2', got {self.matmul!r}")
     for name in ("indexer_queries", "attention_queries"):
       if getattr(self, name) not in QUERY_DTYPES:
         raise ValueError(f"{name} must be one of {QUERY_DTYPES}, got {getattr(self, name)!r}")

@@ -15,7 +15,8 @@ of rank p. Program (j, s, g) of a launch takes pairs g, g + G, ... < count, row 
   gate_up: rows j of gate and of up of the pair's expert against its token, summed over split s
            into fp32 partials [S, T*k, I] each (a pair's row p; rows >= count unwritten).
   XLA:     h = silu(sum_s g) * sum_s u per pair in bf16 (rows >= count zeroed), its fp16 rows
-           (f16_rows) as activation planes.
+           (f16_rows) as activation planes (with PairsConfig.fused_planes: one launch,
+           hfma2_planes.swiglu_planes, and likewise x's planes, rows_planes).
   down:    rows j of down against h[p], times the pair's routing weight, added into its
            token's row: fp32 partials [S * G, T, D], summed by XLA.
 
@@ -43,6 +44,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
 from pallas_kernels.checks import check_at_least, resolve_interpret
+from pallas_kernels.hfma2_planes import rows_planes, swiglu_planes
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.nvfp4_hfma2 import (PLANES, activation_planes, block_fma, code_words, kernel_name, load_planes,
                                         load_weights, row_result)
@@ -54,10 +56,13 @@ class PairsConfig:
   as MatmulConfig(dot="hfma2"); groups: programs sharing a row block and K split, taking
   every groups-th pair. The defaults are the best of 20 configs at one TEP=8 rank's view of
   GLM-5 (5 tokens, 6-7 local pairs; BENCHMARKS.md run 20): fewer programs with more pairs
-  each beat many short ones (8 or 16 groups, K split 3-12, 32-row tiles: 5-58% slower)."""
+  each beat many short ones (8 or 16 groups, K split 3-12, 32-row tiles: 5-58% slower).
+  fused_planes: x's and h's fp16 activation planes in one launch each (hfma2_planes.py: the
+  same bits) rather than XLA's glue (five kernels); not yet timed, so off by default."""
   gate_up: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=2, **HFMA2_FIELDS)
   down: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=1, **HFMA2_FIELDS)
   groups: int = 4
+  fused_planes: bool = False
 
   def __post_init__(self):
     for name in ("gate_up", "down"):
@@ -213,23 +218,31 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*inputs)
 
   up_cfg = config.gate_up
-  x16, x_amax = f16_rows(x)
+  if config.fused_planes:
+    x_planes, x_amax = rows_planes(x, interpret=interpret)
+  else:
+    x16, x_amax = f16_rows(x)
+    x_planes = activation_planes(x16).reshape(t * PLANES, d // BLOCK)
   partial = jax.ShapeDtypeStruct((up_cfg.split_k, slots, i), jnp.float32)
   partial_spec = pl.BlockSpec((None, pl.next_power_of_2(slots), up_cfg.block_n), lambda j, s, g: (s, 0, j))
   g, u = launch(_gate_up_kernel,
-                [ids, activation_planes(x16).reshape(t * PLANES, d // BLOCK), x_amax,
+                [ids, x_planes, x_amax,
                  *_operands(gate_proj), *_operands(up_proj)],
                 [choice_spec, _whole((t * PLANES, pl.cdiv(d, up_cfg.block_k) * up_cfg.block_k // BLOCK)), _whole((t,)),
                  *_weight_specs(gate_proj, up_cfg), *_weight_specs(up_proj, up_cfg)],
                 [partial, partial], [partial_spec, partial_spec], up_cfg, i, "moe_hfma2_gate_up")
 
-  local = jnp.sum((ids >= 0) & (ids < e))
-  h = jnp.where(jnp.arange(slots)[:, None] < local, jax.nn.silu(g.sum(0)) * u.sum(0), 0.0).astype(x.dtype)
-  h16, h_amax = f16_rows(h)
+  if config.fused_planes:
+    h_planes, h_amax = swiglu_planes(g, u, ids, experts=e, interpret=interpret)
+  else:
+    local = jnp.sum((ids >= 0) & (ids < e))
+    h = jnp.where(jnp.arange(slots)[:, None] < local, jax.nn.silu(g.sum(0)) * u.sum(0), 0.0).astype(x.dtype)
+    h16, h_amax = f16_rows(h)
+    h_planes = activation_planes(h16).reshape(slots * PLANES, i // BLOCK)
   down_cfg = config.down
   tp = pl.next_power_of_2(t)
   partials = launch(_down_kernel,
-                    [ids, weights, activation_planes(h16).reshape(slots * PLANES, i // BLOCK), h_amax,
+                    [ids, weights, h_planes, h_amax,
                      *_operands(down_proj)],
                     [choice_spec, choice_spec,
                      _whole((slots * PLANES, pl.cdiv(i, down_cfg.block_k) * down_cfg.block_k // BLOCK)),

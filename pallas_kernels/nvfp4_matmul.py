@@ -152,7 +152,7 @@ def f16_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   2^-17); smaller ones round in fp16's subnormals by at most 2^-39 of the row's largest, far
   under the fp32 accumulation's error. Non-finite values propagate."""
   amax = jnp.max(jnp.abs(a.astype(jnp.float32)), axis=-1)
-  return (a.astype(jnp.float32) * _pow2(row_shift(amax))[..., None]).astype(jnp.float16), amax
+  return (a.astype(jnp.float32) * row_scale(amax)[..., None]).astype(jnp.float16), amax
 
 
 def row_shift(amax: jax.Array) -> jax.Array:
@@ -166,6 +166,11 @@ def row_shift(amax: jax.Array) -> jax.Array:
 def _pow2(e: jax.Array) -> jax.Array:
   """Exactly 2^e in fp32 for int32 e in [-126, 127], from its bits (exp2 is not exact)."""
   return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def row_scale(amax: jax.Array) -> jax.Array:
+  """2^s (f16_rows' scale) for rows of these largest magnitudes."""
+  return _pow2(row_shift(amax))
 
 
 def row_inverse_scale(amax: jax.Array) -> jax.Array:

@@ -228,6 +228,8 @@ def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match="moe_routing='pairs'.*matmul='pallas_hfma2'"):
     Runtime(matmul="pallas_ptx_f16", moe_routing="pairs")
+  with pytest.raises(ValueError, match="moe_routing='pairs_fused'.*matmul='pallas_hfma2'"):
+    Runtime(matmul="pallas", moe_routing="pairs_fused")
   assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"
 
 

@@ -337,6 +337,9 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   grouped = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, decode="ptx", operands="float16"))
   assert rel_err(out, grouped) <= TOL
   np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
+  # x's and h's planes in one launch each: the same bits, so the same result
+  fused = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True))
+  np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(out, np.float32))
 
 
 def test_moe_experts_pairs_routing():
@@ -350,6 +353,8 @@ def test_moe_experts_pairs_routing():
   assert rel_err(pairs(*one, *experts), moe_grouped_matmul_reference(*one, *experts)) <= TOL
   with pytest.raises(ValueError, match="impl='pallas_hfma2'"):
     moe_experts(x, ids, weights, *experts, impl="pallas_ptx_f16", routing="pairs")
+  with pytest.raises(ValueError, match="routing='pairs_fused'.*impl='pallas_hfma2'"):
+    moe_experts(x, ids, weights, *experts, impl="pallas", routing="pairs_fused")
   with pytest.raises(ValueError, match="down_proj is Array"):
     pairs(x, ids, weights, *experts[:2], experts[2].dequantize())
 

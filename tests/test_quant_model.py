@@ -133,6 +133,9 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
     # Its routed experts too, a (token, expert) pair at a time (moe_routing="pairs").
     pairs = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_hfma2", moe_routing="pairs"))
     assert rel_err(pairs, pallas) <= 2e-3
+    # and with the activations' planes built in one launch each: the same bits
+    fused = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_hfma2", moe_routing="pairs_fused"))
+    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(pairs, np.float32))
 
 
 def test_dense_pallas_matmul_matches_xla(params_bf16):

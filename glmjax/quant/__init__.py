@@ -44,9 +44,12 @@ IMPLS = ("xla", "pallas", "pallas_ptx", "pallas_ptx_f16", "pallas_hfma2")
 # Plain bf16 weights: XLA's einsum, the split-K Pallas GEMV, or that with weights sharing their
 # input in one launch (linear_group).
 DENSE_IMPLS = ("xla", "pallas", "pallas_grouped")
+# The NVFP4 experts on the CUDA cores, a (token, expert) pair at a time: the activations' fp16
+# planes from XLA's glue, or built in one launch each (pallas_kernels/hfma2_planes.py).
+PAIR_ROUTINGS = ("pairs", "pairs_fused")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
-__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "POLICIES", "QuantizedWeight",
+__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight",
            "linear", "linear_group", "linear_partials", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
            "quantize_params", "quantizes"]
 
@@ -166,13 +169,13 @@ def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla"
   return [out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
 
 
-def _check_pairs(impl: str, *weights) -> None:
-  """routing="pairs" is the NVFP4 experts' CUDA-core path (moe_experts)."""
+def _check_pairs(impl: str, routing: str, *weights) -> None:
+  """The PAIR_ROUTINGS are the NVFP4 experts' CUDA-core path (moe_experts)."""
   if impl != "pallas_hfma2":
-    raise ValueError(f"moe_experts: routing='pairs' runs on the CUDA cores' fp16x2 FMAs: it needs "
+    raise ValueError(f"moe_experts: routing={routing!r} runs on the CUDA cores' fp16x2 FMAs: it needs "
                      f"impl='pallas_hfma2', got {impl!r}")
   from pallas_kernels.moe_hfma2 import check_nvfp4_experts  # the kernels import the formats
-  check_nvfp4_experts("moe_experts: routing='pairs'", dict(zip(("gate_proj", "up_proj", "down_proj"), weights)))
+  check_nvfp4_experts(f"moe_experts: routing={routing!r}", dict(zip(("gate_proj", "up_proj", "down_proj"), weights)))
 
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
@@ -186,17 +189,19 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   decode-sized bf16 x (else the reference, as in `linear`); `routing`: how the kernels find the
   chosen experts (MoEConfig.routing: "table" from XLA, or "scan" in-kernel), or "pairs": each
   (token, local expert) pair a one-row product on the CUDA cores (pallas_kernels/moe_hfma2.py;
-  NVFP4 weights under impl="pallas_hfma2" only, else a clear error); `chosen`: the
+  NVFP4 weights under impl="pallas_hfma2" only, else a clear error), "pairs_fused" that with the
+  activations' fp16 planes built in one launch each (PairsConfig.fused_planes); `chosen`: the
   distinct local experts a step is expected to read, which picks the kernels' tiles
   (default_moe_config; None: all of them).
   """
   _check_impl(impl)
-  if routing == "pairs":
-    _check_pairs(impl, gate_proj, up_proj, down_proj)
+  if routing in PAIR_ROUTINGS:
+    _check_pairs(impl, routing, gate_proj, up_proj, down_proj)
   if impl != "xla" and _kernel_sized(x, x.shape[0]):
-    if routing == "pairs":
-      from pallas_kernels.moe_hfma2 import moe_hfma2
-      return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+    if routing in PAIR_ROUTINGS:
+      from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
+      return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+                       config=PairsConfig(fused_planes=routing == "pairs_fused"))
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
     config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
                                 chosen=chosen, operands=_operands(impl))

@@ -1,0 +1,121 @@
+"""The CUDA-core NVFP4 kernels' fp16 activation planes, a row's in one program.
+
+nvfp4_hfma2's kernels read activations as `activation_planes` of `f16_rows` (the fp16 pairs its
+decoded weight registers multiply, each row scaled by a power of two into fp16's range). In
+XLA that is two kernels per activation, the row maxima and then the scaled, transposed planes,
+and for moe_hfma2's h, before them, the gate/up K-split sums with silu masked to the local
+pairs and their count: in a TEP=8 rank's layer five launches, about 10 us (BENCHMARKS.md run
+21). Here one launch per activation writes its planes and row maxima, the same bits: a program
+per row loads it as lines of one 16-column block, takes the maximum, scales and rounds to
+fp16, and packs each plane's pair of columns (picked per lane as integers, so the sign of a zero
+survives).
+
+`rows_planes(a)`: bf16 [M, K] -> (u32 [M * 8, K/16], f32 [M]): f16_rows, then activation_planes.
+`swiglu_planes(g, u, ids, experts)`: the gate and up K-split partials f32 [S, P, I] of P pair
+rows -> the planes and maxima of h = silu(sum g) * sum u, rounded to bf16, zero on the rows from
+the count of local pairs (ids in [0, experts)) on: moe_hfma2's XLA glue.
+Switch: `PairsConfig.fused_planes` (moe_hfma2). Not yet timed on the GPU.
+
+Lowering: Triton: a few KB a row, lane selections and integer packing in registers.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.nvfp4_hfma2 import PLANES
+from pallas_kernels.nvfp4_matmul import BLOCK, row_scale
+
+# Plane 4h + p packs columns 8h + 4 (p % 2) + p // 2 (low half) and that + 2 (high half) of each
+# 16-column block: activation_planes' order.
+_PLANE_COLUMNS = tuple((c, c + 2) for c in (8 * (i // 4) + 4 * (i % 2) + i % 4 // 2 for i in range(PLANES)))
+
+
+def _store_planes(a: jax.Array, blocks: int, planes_ref, amax_ref, row) -> None:
+  """a f32 [Bp, 16] (line b: columns 16b..16b+15; lines from `blocks` on are padding) ->
+  f16_rows' scaling of the row, packed into planes_ref [8, Bp], and its maximum to amax_ref[row]."""
+  a = jnp.where((jnp.arange(a.shape[0]) < blocks)[:, None], a, 0.0)
+  amax = jnp.max(jnp.max(jnp.abs(a), axis=1))  # one axis at a time: what the Triton lowering reduces
+  bits = lax.bitcast_convert_type((a * row_scale(amax)).astype(jnp.float16), jnp.uint16).astype(jnp.int32)
+  lane = jnp.arange(BLOCK)[None, :]
+  column = lambda c: jnp.max(jnp.where(lane == c, bits, 0), axis=1)  # the bits are >= 0: the lane's own
+  for plane, (low, high) in enumerate(_PLANE_COLUMNS):
+    planes_ref[plane, :] = lax.bitcast_convert_type(column(low) | (column(high) << 16), jnp.uint32)
+  pltriton.store(amax_ref.at[pl.ds(row, 1)], jnp.full((1,), amax), mask=jnp.full((1,), True))
+
+
+def _rows_kernel(a_ref, planes_ref, amax_ref, *, blocks: int):
+  # a_ref [Bp, 16] bf16 of the [M, K/16, 16] rows; planes_ref u32 [8, Bp] of [M * 8, K/16];
+  # amax_ref f32 [M], whole.
+  _store_planes(a_ref[...].astype(jnp.float32), blocks, planes_ref, amax_ref, pl.program_id(0))
+
+
+def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, slots: int, experts: int):
+  # ids_ref i32 [Sp] of the [P] ids, whole; g_ref, u_ref f32 [S, Bp, 16] of [S, P, I/16, 16].
+  row = pl.program_id(0)
+  ids = pltriton.load(ids_ref.at[pl.ds(0, ids_ref.shape[0])], mask=jnp.arange(ids_ref.shape[0]) < slots, other=-1)
+  local = jnp.sum(((ids >= 0) & (ids < experts)).astype(jnp.int32))
+  g, u = g_ref[0], u_ref[0]
+  for s in range(1, g_ref.shape[0]):
+    g, u = g + g_ref[s], u + u_ref[s]
+  h = (jax.nn.silu(g) * u).astype(jnp.bfloat16).astype(jnp.float32)
+  _store_planes(jnp.where(row < local, h, 0.0), blocks, planes_ref, amax_ref, row)
+
+
+def _launch(kernel, inputs, in_specs, rows: int, k: int, interpret: bool | None, name: str):
+  blocks = k // BLOCK
+  return pl.pallas_call(
+      functools.partial(kernel, blocks=blocks),
+      grid=(rows,),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((PLANES, pl.next_power_of_2(blocks)), lambda r: (r, 0)),
+                 pl.BlockSpec((pl.next_power_of_2(rows),), lambda r: (0,))],
+      out_shape=[jax.ShapeDtypeStruct((rows * PLANES, blocks), jnp.uint32),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name=name,
+  )(*inputs)
+
+
+def _lines(k: int) -> tuple[int, int]:
+  """(K/16, its power-of-two padding): a row's lines of one block and the tile that holds them."""
+  if k % BLOCK:
+    raise ValueError(f"the planes need K divisible by {BLOCK}, got {k}")
+  return k // BLOCK, pl.next_power_of_2(k // BLOCK)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def rows_planes(a: jax.Array, *, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """activation_planes(f16_rows(a)[0]) flattened to [M * 8, K/16] u32, and f16_rows(a)[1]
+  (the row maxima, f32 [M]), in one launch. a: bf16 [M, K], K divisible by 16."""
+  if a.ndim != 2 or a.dtype != jnp.bfloat16:
+    raise ValueError(f"rows_planes: a must be bf16 [M, K], got {a.dtype}{list(a.shape)}")
+  (m, k), (blocks, padded) = a.shape, _lines(a.shape[1])
+  return _launch(_rows_kernel, [a.reshape(m, blocks, BLOCK)],
+                 [pl.BlockSpec((None, padded, BLOCK), lambda r: (r, 0, 0))], m, k, interpret, "hfma2_rows_planes")
+
+
+@functools.partial(jax.jit, static_argnames=("experts", "interpret"))
+def swiglu_planes(g: jax.Array, u: jax.Array, ids: jax.Array, *, experts: int,
+                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """rows_planes of h = where(row < local pairs, silu(g.sum(0)) * u.sum(0), 0) in bf16, in one
+  launch. g, u: f32 [S, P, I] K-split partials of P pair rows; ids: int32 [P] (the pairs are
+  counted as ids in [0, experts))."""
+  if g.shape != u.shape or g.ndim != 3 or g.dtype != jnp.float32 or u.dtype != jnp.float32:
+    raise ValueError(f"swiglu_planes: g and u must be f32 [S, P, I] alike, got {g.dtype}{list(g.shape)} "
+                     f"and {u.dtype}{list(u.shape)}")
+  if ids.shape != g.shape[1:2] or ids.dtype != jnp.int32:
+    raise ValueError(f"swiglu_planes: ids must be int32 [{g.shape[1]}], got {ids.dtype}{list(ids.shape)}")
+  (splits, slots, i), (blocks, padded) = g.shape, _lines(g.shape[2])
+  part = pl.BlockSpec((splits, None, padded, BLOCK), lambda r: (0, r, 0, 0))
+  lines = lambda x: x.reshape(splits, slots, blocks, BLOCK)
+  return _launch(functools.partial(_swiglu_kernel, slots=slots, experts=experts),
+                 [ids, lines(g), lines(u)],
+                 [pl.BlockSpec((pl.next_power_of_2(slots),), lambda r: (0,)), part, part],
+                 slots, i, interpret, "hfma2_swiglu_planes")

@@ -1,0 +1,87 @@
+"""The CUDA-core kernels' activation planes in one launch (pallas_kernels/hfma2_planes.py): the
+same bits as XLA's f16_rows + activation_planes, and as moe_hfma2's h glue before them."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.hfma2_planes import rows_planes, swiglu_planes
+from pallas_kernels.nvfp4_hfma2 import activation_planes
+from pallas_kernels.nvfp4_matmul import f16_rows
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+
+
+def xla_planes(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  a16, amax = f16_rows(a)
+  return activation_planes(a16).reshape(-1, a.shape[1] // 16), amax
+
+
+def draw_rows(m: int, k: int, seed: int) -> jax.Array:
+  """Normal rows with exact and negative zeros, one row of zeros, one of large values."""
+  rng = np.random.default_rng(seed)
+  a = rng.standard_normal((m, k)).astype(np.float32)
+  a[rng.random((m, k)) < 0.05] = 0.0
+  a[rng.random((m, k)) < 0.05] = -0.0
+  a[0] = 0.0
+  if m > 1:
+    a[1] *= 3e4
+  return jnp.asarray(a, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m,k", [(5, 6144), (1, 2048), (3, 48), (2, 16)])
+def test_rows_planes_equal_xla_bit_for_bit(m, k):
+  a = draw_rows(m, k, seed=m * 1000 + k)
+  planes, amax = rows_planes(a)
+  want_planes, want_amax = xla_planes(a)
+  assert planes.dtype == jnp.uint32 and planes.shape == want_planes.shape
+  np.testing.assert_array_equal(planes, want_planes)
+  np.testing.assert_array_equal(amax, want_amax)
+
+
+@pytest.mark.parametrize("splits,slots,i,bad_ids", [(2, 40, 2048, 6), (1, 7, 96, 2), (3, 5, 32, 0)])
+def test_swiglu_planes_equal_moe_hfma2_glue(splits, slots, i, bad_ids):
+  rng = np.random.default_rng(slots + i)
+  g = jnp.asarray(rng.standard_normal((splits, slots, i)), jnp.float32)
+  u = jnp.asarray(rng.standard_normal((splits, slots, i)), jnp.float32)
+  experts = 32
+  ids = rng.integers(0, experts, slots)
+  ids[rng.choice(slots, bad_ids, replace=False)] = rng.choice([-1, experts, experts + 3], bad_ids)
+  ids = jnp.asarray(ids, jnp.int32)
+  local = jnp.sum((ids >= 0) & (ids < experts))
+  h = jnp.where(jnp.arange(slots)[:, None] < local, jax.nn.silu(g.sum(0)) * u.sum(0), 0.0).astype(jnp.bfloat16)
+  planes, amax = swiglu_planes(g, u, ids, experts=experts)
+  want_planes, want_amax = xla_planes(h)
+  np.testing.assert_array_equal(planes, want_planes)
+  np.testing.assert_array_equal(amax, want_amax)
+  assert int(local) == slots - bad_ids and np.all(np.asarray(amax)[slots - bad_ids:] == 0)
+
+
+def test_bad_inputs_are_named():
+  with pytest.raises(ValueError, match="K divisible by 16"):
+    rows_planes(jnp.ones((2, 40), jnp.bfloat16))
+  with pytest.raises(ValueError, match="a must be bf16"):
+    rows_planes(jnp.ones((2, 32), jnp.float32))
+  g = jnp.ones((2, 4, 32), jnp.float32)
+  with pytest.raises(ValueError, match="g and u must be"):
+    swiglu_planes(g, g[:1], jnp.zeros((4,), jnp.int32), experts=8)
+  with pytest.raises(ValueError, match=r"ids must be int32 \[4\]"):
+    swiglu_planes(g, g, jnp.zeros((5,), jnp.int32), experts=8)
+
+
+def test_planes_lower_to_triton_for_h200():
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  s = jax.ShapeDtypeStruct
+  cases = [(rows_planes, (s((5, 6144), jnp.bfloat16),)),
+           (lambda g, u, ids: swiglu_planes(g, u, ids, experts=32, interpret=False),
+            (s((2, 40, 2048), jnp.float32), s((2, 40, 2048), jnp.float32), s((40,), jnp.int32)))]
+  with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for fn, args in cases:
+      op = (lambda a: fn(a, interpret=False)) if fn is rows_planes else fn
+      text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      assert "__gpu$xla.gpu.triton" in text
