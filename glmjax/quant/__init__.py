@@ -50,8 +50,8 @@ PAIR_ROUTINGS = ("pairs", "pairs_fused")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
 __all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight",
-           "linear", "linear_group", "linear_partials", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
-           "quantize_params", "quantizes"]
+           "linear", "linear_group", "linear_partials", "moe_experts", "param", "quantize_fp8_block",
+           "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes"]
 
 
 def _check_impl(impl: str, dense: str = "xla") -> None:
