@@ -23,17 +23,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.checks import resolve_interpret
-from pallas_kernels.nvfp4_hfma2 import PLANES
+from pallas_kernels.nvfp4_hfma2 import PLANES, activation_planes
 from pallas_kernels.nvfp4_matmul import BLOCK, row_scale
 
-# Plane 4h + p packs columns 8h + 4 (p % 2) + p // 2 (low half) and that + 2 (high half) of each
-# 16-column block: activation_planes' order.
-_PLANE_COLUMNS = tuple((c, c + 2) for c in (8 * (i // 4) + 4 * (i % 2) + i % 4 // 2 for i in range(PLANES)))
+
+@functools.cache
+def _plane_columns() -> tuple[tuple[int, int], ...]:
+  """(low, high) half's column within a 16-column block, per plane: read off activation_planes
+  itself (run on the block's column numbers), so the layout is stated once."""
+  with jax.ensure_compile_time_eval():  # first called while a kernel traces: a constant, not a tracer
+    words = np.asarray(activation_planes(jnp.arange(BLOCK, dtype=jnp.float16)[None]))[0, :, 0]
+  column = lambda half: int(np.uint16(half).view(np.float16))
+  return tuple((column(w & 0xFFFF), column(w >> 16)) for w in words)
 
 
 def _store_planes(a: jax.Array, blocks: int, planes_ref, amax_ref, row) -> None:
@@ -44,7 +51,7 @@ def _store_planes(a: jax.Array, blocks: int, planes_ref, amax_ref, row) -> None:
   bits = lax.bitcast_convert_type((a * row_scale(amax)).astype(jnp.float16), jnp.uint16).astype(jnp.int32)
   lane = jnp.arange(BLOCK)[None, :]
   column = lambda c: jnp.max(jnp.where(lane == c, bits, 0), axis=1)  # the bits are >= 0: the lane's own
-  for plane, (low, high) in enumerate(_PLANE_COLUMNS):
+  for plane, (low, high) in enumerate(_plane_columns()):
     planes_ref[plane, :] = lax.bitcast_convert_type(column(low) | (column(high) << 16), jnp.uint32)
   pltriton.store(amax_ref.at[pl.ds(row, 1)], jnp.full((1,), amax), mask=jnp.full((1,), True))
 
@@ -67,13 +74,14 @@ def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, 
   _store_planes(jnp.where(row < local, h, 0.0), blocks, planes_ref, amax_ref, row)
 
 
-def _launch(kernel, inputs, in_specs, rows: int, k: int, interpret: bool | None, name: str):
-  blocks = k // BLOCK
+def _launch(kernel, inputs, in_specs, rows: int, lines: tuple[int, int], interpret: bool | None, name: str):
+  """One program per row; lines: `_lines` of the rows' K."""
+  blocks, padded = lines
   return pl.pallas_call(
       functools.partial(kernel, blocks=blocks),
       grid=(rows,),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((PLANES, pl.next_power_of_2(blocks)), lambda r: (r, 0)),
+      out_specs=[pl.BlockSpec((PLANES, padded), lambda r: (r, 0)),
                  pl.BlockSpec((pl.next_power_of_2(rows),), lambda r: (0,))],
       out_shape=[jax.ShapeDtypeStruct((rows * PLANES, blocks), jnp.uint32),
                  jax.ShapeDtypeStruct((rows,), jnp.float32)],
@@ -96,9 +104,10 @@ def rows_planes(a: jax.Array, *, interpret: bool | None = None) -> tuple[jax.Arr
   (the row maxima, f32 [M]), in one launch. a: bf16 [M, K], K divisible by 16."""
   if a.ndim != 2 or a.dtype != jnp.bfloat16:
     raise ValueError(f"rows_planes: a must be bf16 [M, K], got {a.dtype}{list(a.shape)}")
-  (m, k), (blocks, padded) = a.shape, _lines(a.shape[1])
-  return _launch(_rows_kernel, [a.reshape(m, blocks, BLOCK)],
-                 [pl.BlockSpec((None, padded, BLOCK), lambda r: (r, 0, 0))], m, k, interpret, "hfma2_rows_planes")
+  m, lines = a.shape[0], _lines(a.shape[1])
+  return _launch(_rows_kernel, [a.reshape(m, lines[0], BLOCK)],
+                 [pl.BlockSpec((None, lines[1], BLOCK), lambda r: (r, 0, 0))], m, lines, interpret,
+                 "hfma2_rows_planes")
 
 
 @functools.partial(jax.jit, static_argnames=("experts", "interpret"))
@@ -112,10 +121,10 @@ def swiglu_planes(g: jax.Array, u: jax.Array, ids: jax.Array, *, experts: int,
                      f"and {u.dtype}{list(u.shape)}")
   if ids.shape != g.shape[1:2] or ids.dtype != jnp.int32:
     raise ValueError(f"swiglu_planes: ids must be int32 [{g.shape[1]}], got {ids.dtype}{list(ids.shape)}")
-  (splits, slots, i), (blocks, padded) = g.shape, _lines(g.shape[2])
-  part = pl.BlockSpec((splits, None, padded, BLOCK), lambda r: (0, r, 0, 0))
-  lines = lambda x: x.reshape(splits, slots, blocks, BLOCK)
+  (splits, slots, _), lines = g.shape, _lines(g.shape[2])
+  part = pl.BlockSpec((splits, None, lines[1], BLOCK), lambda r: (0, r, 0, 0))
+  as_lines = lambda x: x.reshape(splits, slots, lines[0], BLOCK)
   return _launch(functools.partial(_swiglu_kernel, slots=slots, experts=experts),
-                 [ids, lines(g), lines(u)],
+                 [ids, as_lines(g), as_lines(u)],
                  [pl.BlockSpec((pl.next_power_of_2(slots),), lambda r: (0,)), part, part],
-                 slots, i, interpret, "hfma2_swiglu_planes")
+                 slots, lines, interpret, "hfma2_swiglu_planes")

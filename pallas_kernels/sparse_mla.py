@@ -166,15 +166,25 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
   l_ref[...] = _first_rows(l, heads_out)
 
 
+def _split_weights(m: jax.Array, l: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+  """The splits' merge weights along `axis`, w_s = exp(m_s - max_s m_s) (a maximum of -inf, no
+  valid token in any split, counts as 0), and the softmax sum sum_s w_s l_s."""
+  m_max = jnp.max(m, axis=axis, keepdims=True)
+  w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))
+  return w, jnp.sum(w * l, axis=axis)
+
+
+def _normalised(num: jax.Array, den: jax.Array) -> jax.Array:
+  """num / den (den broadcast against num), zeros where den is 0: no split saw a valid token."""
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int):
   """Merge one query token's split states over a block of latent columns:
   out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s); zeros where no split
   saw a valid token."""
   # acc_ref [S, Hs, cb] f32 ; m_ref, l_ref [S, Hs] f32 ; o_ref [Hs, cb] f32
-  m = m_ref[...]
-  m_max = jnp.max(m, axis=0)
-  w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)[None, :])  # [S, Hs]
-  den = jnp.sum(w * l_ref[...], axis=0)
+  w, den = _split_weights(m_ref[...], l_ref[...], axis=0)  # [S, Hs], [Hs]
 
   def body(s, num):
     pick = jnp.arange(splits, dtype=jnp.int32) == s
@@ -182,7 +192,7 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int):
     return num + w_s[:, None] * acc_ref[s]
 
   num = lax.fori_loop(0, splits, body, jnp.zeros(o_ref.shape, jnp.float32))
-  o_ref[...] = jnp.where(den[:, None] > 0, num / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
+  o_ref[...] = _normalised(num, den[:, None])
 
 
 def _combine(acc: jax.Array, m: jax.Array, l: jax.Array, config: SparseMLAConfig,
@@ -190,11 +200,8 @@ def _combine(acc: jax.Array, m: jax.Array, l: jax.Array, config: SparseMLAConfig
   """[B, T, S, Hs, R] partial outputs and [B, T, S, Hs] maxima and sums -> [B, T, Hs, R]."""
   b, t, splits, hs, rank = acc.shape
   if config.combine == "xla":
-    m_max = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [B, T, S, Hs]
-    den = jnp.sum(w * l, axis=2)
-    num = jnp.sum(w[..., None] * acc, axis=2)
-    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    w, den = _split_weights(m, l, axis=2)  # [B, T, S, Hs], [B, T, Hs]
+    return _normalised(jnp.sum(w[..., None] * acc, axis=2), den[..., None])
   cb = min(_COMBINE_BLOCK, rank)
   state = pl.BlockSpec((None, None, splits, hs), lambda i, j, c: (i, j, 0, 0))
   return pl.pallas_call(
@@ -222,10 +229,10 @@ def _merge_values_kernel(acc_ref, m_ref, l_ref, kv_b_ref, o_ref, *, tokens: int,
   values = o_ref.shape[-1]
   sp = pl.next_power_of_2(splits)
   split_ok = jnp.arange(sp) < splits
-  m = pltriton.load(m_ref.at[b, t, pl.ds(0, sp), h], mask=split_ok, other=-jnp.inf)
-  m_max = jnp.max(m)
-  w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [Sp]; 0 past the splits
-  den = jnp.sum(w * pltriton.load(l_ref.at[b, t, pl.ds(0, sp), h], mask=split_ok, other=0.0))
+  w, den = _split_weights(pltriton.load(m_ref.at[b, t, pl.ds(0, sp), h], mask=split_ok, other=-jnp.inf),
+                          pltriton.load(l_ref.at[b, t, pl.ds(0, sp), h], mask=split_ok, other=0.0),
+                          axis=0)  # w [Sp]: 0 past the splits
+
   rows = j * block_v + jnp.arange(block_v)
   rows_ok = rows < values
   out = jnp.zeros((block_v,), jnp.float32)
@@ -236,8 +243,7 @@ def _merge_values_kernel(acc_ref, m_ref, l_ref, kv_b_ref, o_ref, *, tokens: int,
     w_uv = pltriton.load(kv_b_ref.at[h, pl.ds(nope + j * block_v, block_v), pl.ds(c * block_r, block_r)],
                          mask=rows_ok[:, None], other=0.0).astype(jnp.float32)   # [bv, br]
     out += jnp.sum(w_uv * merged[None, :], axis=1)
-  out = jnp.where(den > 0, out / jnp.where(den > 0, den, 1.0), 0.0)
-  pltriton.store(o_ref.at[b, t, h, pl.ds(j * block_v, block_v)], out.astype(o_ref.dtype), mask=rows_ok)
+  pltriton.store(o_ref.at[b, t, h, pl.ds(j * block_v, block_v)], _normalised(out, den).astype(o_ref.dtype), mask=rows_ok)
 
 
 def _merge_values(acc: jax.Array, m: jax.Array, l: jax.Array, kv_b: jax.Array, nope: int, out_dtype,
