@@ -14,7 +14,7 @@ survives).
 `swiglu_planes(g, u, ids, experts)`: the gate and up K-split partials f32 [S, P, I] of P pair
 rows -> the planes and maxima of h = silu(sum g) * sum u, rounded to bf16, zero on the rows from
 the count of local pairs (ids in [0, experts)) on: moe_hfma2's XLA glue.
-Switch: `PairsConfig.fused_planes` (moe_hfma2). Not yet timed on the GPU.
+Switch: `PairsConfig.fused_planes` (moe_hfma2).
 
 Lowering: Triton: a few KB a row, lane selections and integer packing in registers.
 """
@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.nvfp4_hfma2 import PLANES, activation_planes
-from pallas_kernels.nvfp4_matmul import BLOCK, row_scale
+from pallas_kernels.nvfp4_matmul import BLOCK, load_tile, row_scale
 
 
 @functools.cache
@@ -43,23 +43,30 @@ def _plane_columns() -> tuple[tuple[int, int], ...]:
   return tuple((column(w & 0xFFFF), column(w >> 16)) for w in words)
 
 
-def _store_planes(a: jax.Array, blocks: int, planes_ref, amax_ref, row) -> None:
-  """a f32 [Bp, 16] (line b: columns 16b..16b+15; lines from `blocks` on are padding) ->
-  f16_rows' scaling of the row, packed into planes_ref [8, Bp], and its maximum to amax_ref[row]."""
-  a = jnp.where((jnp.arange(a.shape[0]) < blocks)[:, None], a, 0.0)
+def _real_lines(planes_ref, blocks: int) -> jax.Array:
+  """bool [Bp]: the tile's lines that exist. The Triton lowering does not clip a block to its
+  array, so every load and store past `blocks` (the power-of-two tile's padding) is masked."""
+  return jnp.arange(planes_ref.shape[1]) < blocks
+
+
+def _store_planes(a: jax.Array, lines_ok: jax.Array, planes_ref, amax_ref, row) -> None:
+  """a f32 [Bp, 16] (line b: columns 16b..16b+15; zeros where not lines_ok) -> f16_rows' scaling
+  of the row, packed into planes_ref [8, Bp] (its real lines), and its maximum to amax_ref[row]."""
   amax = jnp.max(jnp.max(jnp.abs(a), axis=1))  # one axis at a time: what the Triton lowering reduces
   bits = lax.bitcast_convert_type((a * row_scale(amax)).astype(jnp.float16), jnp.uint16).astype(jnp.int32)
   lane = jnp.arange(BLOCK)[None, :]
   column = lambda c: jnp.max(jnp.where(lane == c, bits, 0), axis=1)  # the bits are >= 0: the lane's own
   for plane, (low, high) in enumerate(_plane_columns()):
-    planes_ref[plane, :] = lax.bitcast_convert_type(column(low) | (column(high) << 16), jnp.uint32)
+    words = lax.bitcast_convert_type(column(low) | (column(high) << 16), jnp.uint32)
+    pltriton.store(planes_ref.at[jnp.int32(plane)], words, mask=lines_ok)
   pltriton.store(amax_ref.at[pl.ds(row, 1)], jnp.full((1,), amax), mask=jnp.full((1,), True))
 
 
 def _rows_kernel(a_ref, planes_ref, amax_ref, *, blocks: int):
   # a_ref [Bp, 16] bf16 of the [M, K/16, 16] rows; planes_ref u32 [8, Bp] of [M * 8, K/16];
   # amax_ref f32 [M], whole.
-  _store_planes(a_ref[...].astype(jnp.float32), blocks, planes_ref, amax_ref, pl.program_id(0))
+  lines_ok = _real_lines(planes_ref, blocks)
+  _store_planes(load_tile(a_ref, lines_ok, None).astype(jnp.float32), lines_ok, planes_ref, amax_ref, pl.program_id(0))
 
 
 def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, slots: int, experts: int):
@@ -67,11 +74,10 @@ def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, 
   row = pl.program_id(0)
   ids = pltriton.load(ids_ref.at[pl.ds(0, ids_ref.shape[0])], mask=jnp.arange(ids_ref.shape[0]) < slots, other=-1)
   local = jnp.sum(((ids >= 0) & (ids < experts)).astype(jnp.int32))
-  g, u = g_ref[0], u_ref[0]
-  for s in range(1, g_ref.shape[0]):
-    g, u = g + g_ref[s], u + u_ref[s]
+  lines_ok = _real_lines(planes_ref, blocks)
+  g, u = (sum(load_tile(ref.at[jnp.int32(s)], lines_ok, None) for s in range(ref.shape[0])) for ref in (g_ref, u_ref))
   h = (jax.nn.silu(g) * u).astype(jnp.bfloat16).astype(jnp.float32)
-  _store_planes(jnp.where(row < local, h, 0.0), blocks, planes_ref, amax_ref, row)
+  _store_planes(jnp.where(row < local, h, 0.0), lines_ok, planes_ref, amax_ref, row)
 
 
 def _launch(kernel, inputs, in_specs, rows: int, lines: tuple[int, int], interpret: bool | None, name: str):
