@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from glmjax import dsa
 from glmjax.cache import paged
 from glmjax.config import ModelConfig
+from glmjax import quant
 from glmjax.layers import LayerNorm, Linear, RMSNorm, Weight, apply_rope, linears
 from glmjax.runtime import Runtime
 
@@ -80,13 +81,12 @@ class MLAttention(nn.Module):
       q_a, kv_a = linears(x, [("q_a_proj", c.q_lora_rank, ("q_lora", "embed")),
                               ("kv_a_proj_with_mqa", r + rope, (None, "embed"))], **runtime.linear_impls, **kw)
       q_resid = RMSNorm(1e-6, name="q_a_layernorm", **kw)(q_a)
-      q = Linear(h * c.qk_head_dim, ("heads", "q_lora"), name="q_b_proj", **kw)(q_resid, **runtime.linear_impls)
-      q = q.reshape(b, t, h, c.qk_head_dim)
-      q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos, sin)
+      q_b = Weight((h * c.qk_head_dim, c.q_lora_rank), ("heads", "q_lora"), self.param_dtype, name="q_b_proj")()
       latent = RMSNorm(1e-6, name="kv_a_layernorm", **kw)(kv_a[..., :r])  # [b, t, r]
       k_pe = apply_rope(kv_a[..., r:], cos, sin)                            # [b, t, p]
       kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()
       kv_b = kv_b if isinstance(kv_b, jax.Array) else kv_b.dequantize(jnp.float32)  # used raw (absorbed)
+      kv_b = kv_b.reshape(h, nope + v, r)
 
     run_indexer = runtime.runs_indexer(layer_id, self.has_indexer) or prev_topk is None
     if run_indexer and not self.has_indexer:
@@ -99,21 +99,47 @@ class MLAttention(nn.Module):
       idx = (idx[0].astype(runtime.indexer_queries), *idx[1:])
 
     if cache is None:
+      q_nope, q_pe = self._query(q_resid, q_b, cos, sin, runtime)
       out, topk = self._reference(q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime)
       new_layer = None
     else:
-      out, topk, new_layer = self._cached(q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
+      q_latent, q_pe = self._absorbed_query(q_resid, q_b, kv_b, cos, sin, runtime)
+      out, topk, new_layer = self._cached(q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
                                           cache, cache_slot, runtime)
     out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype),
                                                                           **runtime.linear_impls)
     return out, topk, new_layer
+
+  def _query(self, q_resid, q_b, cos, sin, runtime):
+    """q_b_proj's output per head -> (q_nope [B, T, H, nope], q_pe [B, T, H, rope] rotated)."""
+    c = self.config
+    q = quant.linear(q_resid, q_b, impl=runtime.matmul, dense=runtime.dense_matmul, dtype=self.dtype)
+    q = q.reshape(*q_resid.shape[:2], c.num_attention_heads, c.qk_head_dim)
+    return q[..., :c.qk_nope_head_dim], apply_rope(q[..., c.qk_nope_head_dim:], cos, sin)
+
+  def _absorbed_query(self, q_resid, q_b, kv_b, cos, sin, runtime):
+    """The cached path's queries in Runtime.attention_queries: (q_latent [B, T, H, R], the q_nope
+    part through kv_b's key half; q_pe [B, T, H, rope]). With query_absorb="pallas" at decode
+    (quant.decode_sized), one launch from q_b's split-K partials."""
+    c = self.config
+    b, t, _ = q_resid.shape
+    queries = jnp.dtype(runtime.attention_queries)
+    if runtime.query_absorb == "pallas" and quant.decode_sized(q_resid):
+      from pallas_kernels import mla_query  # the kernels import the model
+      partials = quant.linear_partials(q_resid, q_b, impl=runtime.matmul, dense=runtime.dense_matmul)
+      angles = [a.reshape(b * t, -1) for a in (cos, sin)]
+      q_latent, q_pe = mla_query.absorbed_query(partials, kv_b, *angles, nope=c.qk_nope_head_dim,
+                                                q_dtype=self.dtype, out_dtype=queries)
+      return q_latent.reshape(b, t, *q_latent.shape[1:]), q_pe.reshape(b, t, *q_pe.shape[1:])
+    q_nope, q_pe = self._query(q_resid, q_b, cos, sin, runtime)
+    return dsa.query_absorption(q_nope, kv_b, c.qk_nope_head_dim).astype(queries), q_pe.astype(queries)
 
   def _reference(self, q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime):
     """transformers' expanded-KV attention over the sequence itself (no cache)."""
     c = self.config
     b, t, h, _ = q_nope.shape
     nope, v = c.qk_nope_head_dim, c.v_head_dim
-    kv = jnp.einsum("bsr,xr->bsx", latent, kv_b.astype(self.dtype)).reshape(b, t, h, nope + v)
+    kv = jnp.einsum("bsr,hxr->bshx", latent, kv_b.astype(self.dtype)).reshape(b, t, h, nope + v)
     k_nope, values = kv[..., :nope], kv[..., nope:]
     query = jnp.concatenate([q_nope, q_pe], axis=-1)
     key = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:])], -1)
@@ -127,10 +153,9 @@ class MLAttention(nn.Module):
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(self.dtype)
     return jnp.einsum("bhts,bshv->bthv", probs, values), prev_topk
 
-  def _cached(self, q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, cache, cache_slot, runtime):
+  def _cached(self, q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, cache, cache_slot, runtime):
     """Write the new tokens to the pages, then attend in latent space over the selection."""
     c = self.config
-    h, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
     layer = cache.layers[cache_slot]
     if runtime.cache_write == "pallas":
       from pallas_kernels.paged_write import paged_write as write  # the kernels import the cache
@@ -138,15 +163,12 @@ class MLAttention(nn.Module):
       write = paged.write_layer
     layer = write(layer, cache.page_table, positions, latent, k_pe,
                   None if idx is None or layer.index_k is None else idx[2])
-    kv_b = kv_b.reshape(h, nope + c.v_head_dim, r)
-    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), kv_b[:, :nope].astype(jnp.float32))
     if idx is not None:
       q_idx, w_idx, _ = idx
       prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,
                                   runtime.attention, runtime.topk_ties, runtime.topk_method,
                                   runtime.indexer_orientation)
-    queries = jnp.dtype(runtime.attention_queries)
-    out = dsa.cached_attention_values(q_latent.astype(queries), q_pe.astype(queries), layer, cache.page_table,
-                                      positions, prev_topk, c.softmax_scale, runtime.attention, kv_b, nope,
+    out = dsa.cached_attention_values(q_latent, q_pe, layer, cache.page_table, positions, prev_topk,
+                                      c.softmax_scale, runtime.attention, kv_b, c.qk_nope_head_dim,
                                       fuse=runtime.value_merge == "pallas", dtype=self.dtype)
     return out, prev_topk, layer

@@ -117,3 +117,9 @@ def value_projection(o_latent: jax.Array, kv_b: jax.Array, nope: int) -> jax.Arr
   """Latent attention outputs [B, T, H, R] through kv_b_proj's value half (kv_b [H, nope + V, R],
   rows nope..) -> [B, T, H, V] fp32: XLA's einsum."""
   return jnp.einsum("bthr,hvr->bthv", o_latent, kv_b[:, nope:].astype(jnp.float32))
+
+
+def query_absorption(q_nope: jax.Array, kv_b: jax.Array, nope: int) -> jax.Array:
+  """Queries' nope parts [..., H, nope] through kv_b_proj's key half (kv_b [H, nope + V, R], rows
+  ..nope) -> the absorbed queries [..., H, R] fp32: XLA's einsum."""
+  return jnp.einsum("...hn,hnr->...hr", q_nope.astype(jnp.float32), kv_b[:, :nope].astype(jnp.float32))

@@ -5,7 +5,8 @@ decoded weight registers multiply, each row scaled by a power of two into fp16's
 XLA that is two kernels per activation, the row maxima and then the scaled, transposed planes,
 and for moe_hfma2's h, before them, the gate/up K-split sums with silu masked to the local
 pairs and their count: in a TEP=8 rank's layer five launches, about 10 us (BENCHMARKS.md run
-21). Here one launch per activation writes its planes and row maxima, the same bits: a program
+21). Here one launch per activation writes its planes and row maxima (the same bits on the CPU;
+on the H200 silu's exp is Triton's, so h may round differently to bf16): a program
 per row loads it as lines of one 16-column block, takes the maximum, scales and rounds to
 fp16, and packs each plane's pair of columns (picked per lane as integers, so the sign of a zero
 survives).

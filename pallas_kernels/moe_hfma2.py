@@ -57,8 +57,9 @@ class PairsConfig:
   every groups-th pair. The defaults are the best of 20 configs at one TEP=8 rank's view of
   GLM-5 (5 tokens, 6-7 local pairs; BENCHMARKS.md run 20): fewer programs with more pairs
   each beat many short ones (8 or 16 groups, K split 3-12, 32-row tiles: 5-58% slower).
-  fused_planes: x's and h's fp16 activation planes in one launch each (hfma2_planes.py: the
-  same bits) rather than XLA's glue (five kernels); not yet timed, so off by default."""
+  fused_planes: x's and h's fp16 activation planes in one launch each (hfma2_planes.py)
+  rather than XLA's glue (five kernels): one rank's experts 58.2 against 61.6 us (BENCHMARKS.md
+  run 22); off by default, as every fold's switch (an ablation turns it on)."""
   gate_up: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=2, **HFMA2_FIELDS)
   down: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=1, **HFMA2_FIELDS)
   groups: int = 4

@@ -92,20 +92,33 @@ def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
   np.testing.assert_array_equal(pallas, sparse)
 
 
+def _fail_in_decode_steps(monkeypatch, module, name: str) -> None:
+  """Makes module.name fail where a decode step calls it (at most 8 query tokens on axis 1 of its
+  first argument); the prefill's calls go through."""
+  original = getattr(module, name)
+
+  def prefill_only(x, *args):
+    if x.shape[1] <= 8:
+      pytest.fail(f"a decode step called {name}")
+    return original(x, *args)
+
+  monkeypatch.setattr(module, name, prefill_only)
+
+
 def test_value_merge_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """value_merge="pallas": decode steps run the split merge and the value product in one launch
-  (their two-step path is made to fail here; the prefill's dense path stays); tokens equal to
-  the two steps'."""
+  (their two-step path fails here); tokens equal to the two steps'."""
   two_steps = _generate(tiny, "pallas", "fp8")
-  attention = dsa.cached_attention
-
-  def prefill_only(q_latent, *args):
-    if q_latent.shape[1] <= 8:
-      pytest.fail("a decode step took the two-step path")
-    return attention(q_latent, *args)
-
-  monkeypatch.setattr(dsa, "cached_attention", prefill_only)
+  _fail_in_decode_steps(monkeypatch, dsa, "cached_attention")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", value_merge="pallas"), two_steps)
+
+
+def test_query_absorb_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
+  """query_absorb="pallas": decode steps build the absorbed query in one launch from q_b's
+  partials (the XLA product fails for them here); tokens equal to the XLA path's."""
+  xla = _generate(tiny, "pallas", "fp8")
+  _fail_in_decode_steps(monkeypatch, dsa, "query_absorption")
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas"), xla)
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)

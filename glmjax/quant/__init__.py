@@ -50,7 +50,7 @@ PAIR_ROUTINGS = ("pairs", "pairs_fused")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
 __all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight",
-           "linear", "linear_group", "linear_partials", "moe_experts", "param", "quantize_fp8_block",
+           "decode_sized", "linear", "linear_group", "linear_partials", "moe_experts", "param", "quantize_fp8_block",
            "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes"]
 
 
@@ -77,17 +77,18 @@ def _dot(impl: str, rows: int) -> str:
   return "hfma2" if impl == "pallas_hfma2" and rows <= HFMA2_MAX_ROWS else "mma"
 
 
-def _kernel_sized(x: jax.Array, rows: int) -> bool:
-  """Whether impl="pallas[_ptx]" runs its kernels on x (decode-sized bf16), see the module docstring."""
+def decode_sized(x: jax.Array) -> bool:
+  """Whether x [..., in] is decode-sized bf16 (1 to nvfp4_matmul.MAX_ROWS rows): where the Pallas
+  matmuls run their kernels (see the module docstring) and the fused epilogues that read them."""
   from pallas_kernels.nvfp4_matmul import MAX_ROWS  # the kernels import the formats
-  return x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_ROWS
+  return x.dtype == jnp.bfloat16 and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS
 
 
 def _takes_bf16_gemv(x: jax.Array, w, dense: str, dtype) -> bool:
   """Whether x @ w.T in `dtype` runs the split-K bf16 GEMV: a plain bf16 w under a Pallas dense
   impl, decode-sized x, a bf16 or fp32 result (see `linear`)."""
   return (dense != "xla" and not isinstance(w, QuantizedWeight) and w.dtype == jnp.bfloat16
-          and dtype in (jnp.bfloat16, jnp.float32) and _kernel_sized(x, math.prod(x.shape[:-1])))
+          and dtype in (jnp.bfloat16, jnp.float32) and decode_sized(x))
 
 
 def param(module: nn.Module, name: str, init_fn, shape: tuple[int, ...], dtype):
@@ -129,7 +130,7 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
   x = x.astype(dtype)
   if w.ndim != 2 or w.shape[1] != x.shape[-1]:
     raise ValueError(f"linear: weight must be [out, in={x.shape[-1]}], got logical shape {w.shape}")
-  if impl != "xla" and _kernel_sized(x, rows):
+  if impl != "xla" and decode_sized(x):
     from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
     x2 = x.reshape(rows, x.shape[-1])
     if isinstance(w, NVFP4Weight):
@@ -144,13 +145,13 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def linear_partials(x: jax.Array, w, *, dense: str = "xla") -> jax.Array:
+def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla") -> jax.Array:
   """fp32 x [..., in] @ w.T as terms [S, rows, out] that sum to it: the split-K GEMV's partials,
   unsummed, where `linear` would run that kernel in fp32, else [1, rows, out] (`linear` in fp32).
-  For a consumer that sums them in its own launch (the router's, pallas_kernels/moe_route.py)."""
+  For a consumer that sums them in its own launch (pallas_kernels/moe_route.py, mla_query.py)."""
   rows = math.prod(x.shape[:-1])
   if not _takes_bf16_gemv(x, w, dense, jnp.float32):
-    return linear(x, w, dense=dense, dtype=jnp.float32).reshape(1, rows, w.shape[0])
+    return linear(x, w, impl=impl, dense=dense, dtype=jnp.float32).reshape(1, rows, w.shape[0])
   from pallas_kernels.bf16_matmul import bf16_matmul_partials
   return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w)
 
@@ -197,7 +198,7 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   _check_impl(impl)
   if routing in PAIR_ROUTINGS:
     _check_pairs(impl, routing, gate_proj, up_proj, down_proj)
-  if impl != "xla" and _kernel_sized(x, x.shape[0]):
+  if impl != "xla" and decode_sized(x):
     if routing in PAIR_ROUTINGS:
       from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
       return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,

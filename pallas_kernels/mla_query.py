@@ -1,0 +1,142 @@
+"""MLA's absorbed decode query in one launch: q_b_proj's split-K partials -> (q_latent, q_pe).
+
+The cached attention path (glmjax.attention.MLAttention) takes q_b_proj's output per head,
+rotates its rope part (apply_rope) and moves its nope part into the latent space through
+kv_b_proj's key half, q_latent = q_nope . W_UK (the absorbed query). On the H200 that is four
+XLA kernels of a TEP=8 rank's layer after the q_b GEMV: the GEMV's split-K sum rounded to bf16,
+the RoPE stack, W_UK's slice copied out of kv_b, the dot: about 10 us. Here one launch, 4.3 us
+there (BENCHMARKS.md run 22): a program per (token, head, block of latent columns) sums the
+head's nope partials, rounds them to q_dtype as q_b's output is, and multiplies them into its
+columns of W_UK, read in place inside kv_b, in fp32 on the CUDA cores (a head's product is 0.2
+MFLOP a token); the first column block's program also rotates the rope part, in q_dtype as
+apply_rope computes it.
+
+Numerics: the rope part equals the XLA path's wherever the summed partials round alike (the sums'
+order differs: split order here, XLA's there); q_latent equals it to fp32 rounding, before the
+one rounding to out_dtype. Switch: `Runtime.query_absorb` ("xla" | "pallas").
+
+Lowering: Triton: per program one [nope, 32] weight tile and a few 1 KB rows, products and sums
+in registers; nothing here for Mosaic GPU's TMA or wgmma (a GEMV of 5 rows).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.dsa import query_absorption
+from glmjax.layers import apply_rope
+from pallas_kernels.checks import resolve_interpret
+
+_BLOCK_R = 32  # latent columns a program: a [256, 32] fp32 weight tile is 64 registers a thread
+
+
+def _summed(partials_ref, row, start, size: int, ok) -> jax.Array:
+  """sum over the splits of partials_ref[s, row, start:start + size] (0 where not ok); a trailing
+  pair axis comes along whole."""
+  load = lambda s: pltriton.load(partials_ref.at[jnp.int32(s), row, pl.ds(start, size)], mask=ok, other=0.0)
+  total = load(0)
+  for s in range(1, partials_ref.shape[0]):
+    total += load(s)
+  return total
+
+
+def _absorb_kernel(partials_ref, pairs_ref, kv_b_ref, cos_ref, sin_ref, latent_ref, pe_ref, *, nope: int,
+                   rope: int, q_dtype):
+  # partials_ref f32 [S, n, H * (nope + rope)] and pairs_ref, the same as [S, n, H * (nope + rope) / 2, 2];
+  # kv_b_ref [H, nope + V, R] ; cos_ref, sin_ref f32 [n, rope / 2] ; latent_ref [n, H, R] ;
+  # pe_ref [n, H, rope / 2, 2]: all whole, each program its slices.
+  row, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  start = h * (nope + rope)
+  rank = latent_ref.shape[-1]
+
+  n_pad = pl.next_power_of_2(nope)
+  nope_ok = jnp.arange(n_pad) < nope
+  q = _summed(partials_ref, row, start, n_pad, nope_ok).astype(q_dtype).astype(jnp.float32)
+  cols = c * _BLOCK_R + jnp.arange(_BLOCK_R)
+  cols_ok = cols < rank
+  w_uk = pltriton.load(kv_b_ref.at[h, pl.ds(0, n_pad), pl.ds(c * _BLOCK_R, _BLOCK_R)],
+                       mask=nope_ok[:, None] & cols_ok[None, :], other=0.0).astype(jnp.float32)
+  latent = jnp.sum(w_uk * q[:, None], axis=0)
+  pltriton.store(latent_ref.at[row, h, pl.ds(c * _BLOCK_R, _BLOCK_R)], latent.astype(latent_ref.dtype), mask=cols_ok)
+
+  @pl.when(c == 0)
+  def _():  # apply_rope's pairs (2i, 2i + 1) as the rows of a [rope / 2, 2] tile
+    half = rope // 2
+    h_pad = pl.next_power_of_2(half)
+    ok = jnp.arange(h_pad) < half
+    pairs = _summed(pairs_ref, row, (start + nope) // 2, h_pad, ok[:, None]).astype(q_dtype).astype(jnp.float32)
+    first = jnp.arange(2)[None, :] == 0
+    x1, x2 = (jnp.sum(jnp.where(lane, pairs, 0.0), axis=1).astype(q_dtype) for lane in (first, ~first))
+    cos, sin = (pltriton.load(ref.at[row, pl.ds(0, h_pad)], mask=ok, other=0.0).astype(q_dtype)
+                for ref in (cos_ref, sin_ref))
+    rotated = jnp.where(first, (x1 * cos - x2 * sin)[:, None], (x2 * cos + x1 * sin)[:, None])
+    pltriton.store(pe_ref.at[row, h, pl.ds(0, h_pad)], rotated.astype(pe_ref.dtype), mask=ok[:, None])
+
+
+def check_absorb_args(partials: jax.Array, kv_b: jax.Array, cos: jax.Array, sin: jax.Array, nope: int) -> int:
+  """The rope width per head; ValueError naming the argument whose shape or dtype does not fit."""
+  if kv_b.ndim != 3 or kv_b.dtype not in (jnp.bfloat16, jnp.float32) or not 0 < nope < kv_b.shape[1]:
+    raise ValueError(f"absorbed_query: kv_b must be bf16 or f32 [heads, nope + values, rank] with nope={nope} "
+                     f"rows of keys, got {kv_b.dtype}{list(kv_b.shape)}")
+  heads = kv_b.shape[0]
+  if partials.ndim != 3 or partials.dtype != jnp.float32 or partials.shape[-1] % heads:
+    raise ValueError(f"absorbed_query: partials must be f32 [splits, tokens, {heads} * (nope + rope)], got "
+                     f"{partials.dtype}{list(partials.shape)}")
+  rope = partials.shape[-1] // heads - nope
+  if rope <= 0 or rope % 2 or nope % 2:
+    raise ValueError(f"absorbed_query: each head's {partials.shape[-1] // heads} columns split into nope={nope} "
+                     f"and {rope} rope columns: both must be positive and even")
+  for name, table in (("cos", cos), ("sin", sin)):
+    if table.shape != (partials.shape[1], rope // 2) or table.dtype != jnp.float32:
+      raise ValueError(f"absorbed_query: {name} must be f32 [{partials.shape[1]}, {rope // 2}], got "
+                       f"{table.dtype}{list(table.shape)}")
+  return rope
+
+
+@functools.partial(jax.jit, static_argnames=("nope", "q_dtype", "out_dtype", "interpret"))
+def absorbed_query(partials: jax.Array, kv_b: jax.Array, cos: jax.Array, sin: jax.Array, *, nope: int,
+                   q_dtype=jnp.bfloat16, out_dtype=jnp.float32,
+                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """absorbed_query_reference in one launch (module docstring).
+
+  Args:
+    partials: f32 [S, n, H * (nope + rope)]: q_b_proj's split-K partial outputs (S = 1: the output).
+    kv_b: kv_b_proj's weight [H, nope + V, R], bf16 or f32: each head's first nope rows are W_UK.
+    cos, sin: f32 [n, rope / 2]: the tokens' RoPE angles.
+    nope: the key half's columns per head (qk_nope_head_dim).
+    q_dtype: what q_b_proj's output is rounded to (the model's dtype).
+    out_dtype: the queries' dtype (Runtime.attention_queries).
+    interpret: run the Pallas interpreter; None: only on a CPU backend.
+  Returns:
+    (q_latent [n, H, R], q_pe [n, H, rope]), both out_dtype.
+  """
+  rope = check_absorb_args(partials, kv_b, cos, sin, nope)
+  (splits, n, width), (heads, _, rank) = partials.shape, kv_b.shape
+  pairs = partials.reshape(splits, n, width // 2, 2)
+  whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  q_latent, q_pe = pl.pallas_call(
+      functools.partial(_absorb_kernel, nope=nope, rope=rope, q_dtype=jnp.dtype(q_dtype)),
+      grid=(n, heads, pl.cdiv(rank, _BLOCK_R)),
+      in_specs=[whole(partials.shape), whole(pairs.shape), whole(kv_b.shape), whole(cos.shape), whole(sin.shape)],
+      out_specs=[whole((n, heads, rank)), whole((n, heads, rope // 2, 2))],
+      out_shape=[jax.ShapeDtypeStruct((n, heads, rank), out_dtype),
+                 jax.ShapeDtypeStruct((n, heads, rope // 2, 2), out_dtype)],
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name="mla_absorbed_query",
+  )(partials, pairs, kv_b, cos, sin)
+  return q_latent, q_pe.reshape(n, heads, rope)
+
+
+def absorbed_query_reference(partials: jax.Array, kv_b: jax.Array, cos: jax.Array, sin: jax.Array, *, nope: int,
+                             q_dtype=jnp.bfloat16, out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """The XLA path: q = partials summed and rounded to q_dtype, per head [nope | rope]; q_pe =
+  apply_rope(rope part); q_latent = q_nope . W_UK in fp32 (MLAttention's cached path)."""
+  check_absorb_args(partials, kv_b, cos, sin, nope)
+  q = jnp.sum(partials, axis=0).astype(q_dtype).reshape(partials.shape[1], kv_b.shape[0], -1)
+  q_pe = apply_rope(q[None, :, :, nope:], cos[None], sin[None])[0]
+  return query_absorption(q[..., :nope], kv_b, nope).astype(out_dtype), q_pe.astype(out_dtype)
+

@@ -1,0 +1,84 @@
+"""MLA's one-launch absorbed query (pallas_kernels/mla_query.py) against the XLA path it replaces:
+random q_b partials at a TEP=8 rank's GLM-5 shapes and awkward ones, bad inputs, the H200
+lowering."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_query import absorbed_query, absorbed_query_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+# (splits, tokens, heads, nope, rope, values, rank): a rank's GLM-5 layer at 5 tokens and at 1;
+# then no power of two anywhere (nope 22, a rope of 3 pairs, 40 latent columns: not a whole block).
+SHAPES = [(8, 5, 8, 192, 64, 256, 512), (1, 1, 8, 192, 64, 256, 512), (3, 7, 3, 22, 6, 10, 40)]
+
+
+def draw(shape, kv_dtype, seed: int):
+  """Partials on a grid of 1/64 (|p| < 256): their fp32 sums are exact in any order, so the kernel's
+  q rounds to bf16 as the reference's does, whichever order each sums its splits in."""
+  splits, tokens, heads, nope, rope, values, rank = shape
+  rng = np.random.default_rng(seed)
+  partials = jnp.asarray(rng.integers(-2**14, 2**14, size=(splits, tokens, heads * (nope + rope))) / 64, jnp.float32)
+  kv_b = jnp.asarray(0.05 * rng.normal(size=(heads, nope + values, rank)), kv_dtype)
+  angles = rng.uniform(0, 2 * np.pi, size=(tokens, rope // 2))
+  return partials, kv_b, jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kv_dtype,out_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
+                                                (jnp.float32, jnp.float32)])
+def test_absorbed_query_matches_the_xla_path(shape, kv_dtype, out_dtype):
+  partials, kv_b, cos, sin = draw(shape, kv_dtype, seed=hash((shape, kv_dtype, out_dtype)) % 2**31)
+  nope = shape[3]
+  got = absorbed_query(partials, kv_b, cos, sin, nope=nope, out_dtype=out_dtype)
+  want = absorbed_query_reference(partials, kv_b, cos, sin, nope=nope, out_dtype=out_dtype)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == jnp.dtype(out_dtype)
+  q_latent, q_pe = (np.asarray(a, np.float32) for a in got)
+  want_latent, want_pe = (np.asarray(a, np.float32) for a in want)
+  # The products' fp32 sum in another order, then one rounding to out_dtype: within its ulp.
+  ulp = 2.0 ** (-7 if out_dtype == jnp.bfloat16 else -20)
+  np.testing.assert_allclose(q_latent, want_latent, rtol=ulp, atol=ulp * np.abs(want_latent).max())
+  np.testing.assert_array_equal(q_pe, want_pe)  # the same bf16 q: the reference's rotation, bit for bit
+
+
+def test_pairs_rotate_in_place():
+  """A rotation by a quarter turn maps each pair (x, y) to (-y, x): the pairs are (2i, 2i + 1)."""
+  partials, kv_b, _, _ = draw(SHAPES[2], jnp.bfloat16, seed=3)
+  quarter = jnp.zeros((7, 3), jnp.float32), jnp.ones((7, 3), jnp.float32)
+  _, q_pe = absorbed_query(partials, kv_b, *quarter, nope=22)
+  q = np.asarray(jnp.sum(partials, axis=0).astype(jnp.bfloat16).astype(jnp.float32)).reshape(7, 3, 28)[..., 22:]
+  np.testing.assert_allclose(np.asarray(q_pe)[..., 0::2], -q[..., 1::2], rtol=2.0 ** -8)
+  np.testing.assert_allclose(np.asarray(q_pe)[..., 1::2], q[..., 0::2], rtol=2.0 ** -8)
+
+
+def test_bad_inputs_are_named():
+  partials, kv_b, cos, sin = draw(SHAPES[2], jnp.bfloat16, seed=1)
+  with pytest.raises(ValueError, match="kv_b must be bf16 or f32"):
+    absorbed_query(partials, kv_b[0], cos, sin, nope=22)
+  with pytest.raises(ValueError, match="kv_b must be"):
+    absorbed_query(partials, kv_b, cos, sin, nope=32)
+  with pytest.raises(ValueError, match=r"partials must be f32 \[splits, tokens, 3 \* \(nope \+ rope\)\]"):
+    absorbed_query(partials[..., :-1], kv_b, cos, sin, nope=22)
+  with pytest.raises(ValueError, match="both must be positive and even"):
+    absorbed_query(partials, kv_b, cos, sin, nope=21)
+  with pytest.raises(ValueError, match=r"sin must be f32 \[7, 3\]"):
+    absorbed_query(partials, kv_b, cos, sin[:5], nope=22)
+
+
+def test_absorbed_query_lowers_to_triton_for_h200():
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  for splits, tokens, heads, nope, rope, values, rank in SHAPES:
+    s = jax.ShapeDtypeStruct
+    args = (s((splits, tokens, heads * (nope + rope)), jnp.float32), s((heads, nope + values, rank), jnp.bfloat16),
+            s((tokens, rope // 2), jnp.float32), s((tokens, rope // 2), jnp.float32))
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      op = lambda *a, nope=nope: absorbed_query(*a, nope=nope, out_dtype=jnp.bfloat16, interpret=False)
+      text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
