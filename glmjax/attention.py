@@ -19,7 +19,7 @@ from glmjax import dsa
 from glmjax.cache import paged
 from glmjax.config import ModelConfig
 from glmjax import quant
-from glmjax.layers import LayerNorm, Linear, RMSNorm, Weight, apply_rope, linears
+from glmjax.layers import LayerNorm, Linear, RMSNorm, Weight, apply_rope, apply_rope_leading, linears
 from glmjax.runtime import Runtime
 
 NEG_INF = float("-inf")
@@ -36,25 +36,29 @@ class Indexer(nn.Module):
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, dense: str = "xla"):
+  def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, dense: str = "xla",
+               keys: str = "xla"):
     """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped).
-    dense: the projections' plain-weight matmul (glmjax.quant.linear, linear_group)."""
+    dense: the projections' plain-weight matmul (glmjax.quant.linear, linear_group). keys:
+    Runtime.indexer_keys ("pallas": k and the weights from their GEMV's partials in one launch
+    at decode, pallas_kernels/indexer_keys.py)."""
     c = self.config
     kw = dict(dtype=jnp.float32, param_dtype=self.param_dtype)
     b, t, _ = x.shape
-    rope = c.qk_rope_head_dim
     q = Linear(c.index_n_heads * c.index_head_dim, ("index_heads", "q_lora"), name="wq_b", **kw)(q_resid, dense=dense)
     q = q.reshape(b, t, c.index_n_heads, c.index_head_dim)
-    # In the indexer the RoPE part comes first in each head ([rope | nope]).
-    q = jnp.concatenate([apply_rope(q[..., :rope], cos, sin), q[..., rope:]], axis=-1)
+    q = apply_rope_leading(q, cos, sin)
     # Both from x, in one launch under dense="pallas_grouped"; the head weights kept in fp32: bf16
     # rounding of them flips near-tied selections.
-    k, weights = linears(x, [("wk", c.index_head_dim, (None, "embed")),
-                             ("weights_proj", c.index_n_heads, ("index_heads", "embed"))], dense=dense, **kw)
-    k = LayerNorm(eps=1e-6, name="k_norm", **kw)(k)
-    k = jnp.concatenate([apply_rope(k[..., :rope], cos, sin), k[..., rope:]], axis=-1)
-    weights = weights * c.index_n_heads ** -0.5
-    return q, weights, k
+    specs = [("wk", c.index_head_dim, (None, "embed")), ("weights_proj", c.index_n_heads, ("index_heads", "embed"))]
+    k_norm = LayerNorm(c.index_head_dim, eps=1e-6, name="k_norm", **kw)
+    if keys == "pallas" and quant.decode_sized(x):
+      from pallas_kernels.indexer_keys import indexer_keys  # the kernels import the model
+      k, weights = indexer_keys(*linears(x, specs, dense=dense, partials=True, **kw), k_norm.weight, k_norm.bias,
+                                *(a.reshape(b * t, -1) for a in (cos, sin)), eps=k_norm.eps)
+      return q, weights.reshape(b, t, -1), k.reshape(b, t, -1)
+    k, weights = linears(x, specs, dense=dense, **kw)
+    return q, weights * c.index_n_heads ** -0.5, apply_rope_leading(k_norm(k), cos, sin)
 
 
 class MLAttention(nn.Module):
@@ -93,7 +97,8 @@ class MLAttention(nn.Module):
       raise ValueError(f"layer {layer_id} must run its indexer but has no indexer weights "
                        "(a 'shared' layer in the checkpoint): choose an IndexShare pattern whose "
                        "full layers have indexers")
-    idx = (Indexer(c, name="indexer", **kw)(x, q_resid, cos, sin, dense=runtime.dense_matmul)
+    idx = (Indexer(c, name="indexer", **kw)(x, q_resid, cos, sin, dense=runtime.dense_matmul,
+                                            keys=runtime.indexer_keys)
            if (self.has_indexer and run_indexer) else None)
     if idx is not None and runtime.indexer_queries != "float32":  # one bf16 MMA term in the kernel, not three
       idx = (idx[0].astype(runtime.indexer_queries), *idx[1:])

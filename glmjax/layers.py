@@ -48,11 +48,14 @@ class Weight(nn.Module):
 
 
 def linears(x: jax.Array, specs: Sequence[tuple[str, int, tuple[str | None, str | None]]], *, dtype, param_dtype,
-            matmul: str = "xla", dense: str = "xla") -> list[jax.Array]:
+            matmul: str = "xla", dense: str = "xla", partials: bool = False) -> list[jax.Array]:
   """Linear(features, axes, name=name)(x) for each (name, features, axes) of `specs`, inside the
   calling module, with the same parameters; applied together (glmjax.quant.linear_group: one
-  launch for plain bf16 weights under dense="pallas_grouped")."""
+  launch for plain bf16 weights under dense="pallas_grouped"). partials: their fp32 split-K
+  partials [S, rows, features] instead (quant.linear_group_partials), for a fused epilogue."""
   weights = [Weight((features, x.shape[-1]), axes, param_dtype, name=name)() for name, features, axes in specs]
+  if partials:
+    return quant.linear_group_partials(x, weights, impl=matmul, dense=dense)
   return quant.linear_group(x, weights, impl=matmul, dense=dense, dtype=dtype)
 
 
@@ -72,24 +75,37 @@ class RMSNorm(nn.Module):
     return weight.astype(self.dtype) * normed.astype(self.dtype)
 
 
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+  """LayerNorm over the last axis with statistics in fp32 -> fp32."""
+  xf = x.astype(jnp.float32)
+  mean = jnp.mean(xf, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+  return (xf - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+
+
 class LayerNorm(nn.Module):
-  """LayerNorm with bias (the indexer's k_norm), statistics in fp32."""
+  """LayerNorm with bias over `dim` features (the indexer's k_norm), statistics in fp32; its
+  weight and bias are attributes, for a kernel that applies them itself."""
+  dim: int
   eps: float = 1e-6
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
-  @nn.compact
+  def setup(self):
+    self.weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (self.dim,),
+                             self.param_dtype)
+    self.bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (self.dim,),
+                           self.param_dtype)
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    dim = x.shape[-1]
-    weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (dim,),
-                        self.param_dtype)
-    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (dim,),
-                      self.param_dtype)
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    normed = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+    return layer_norm(x, self.weight, self.bias, self.eps).astype(self.dtype)
+
+
+def apply_rope_leading(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """apply_rope on x's first 2 * cos.shape[-1] columns, the rest as they are: the indexer's
+  heads and key put their rope part first ([rope | nope])."""
+  rope = 2 * cos.shape[-1]
+  return jnp.concatenate([apply_rope(x[..., :rope], cos, sin), x[..., rope:]], axis=-1)
 
 
 def rope_cos_sin(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

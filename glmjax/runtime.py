@@ -18,6 +18,7 @@ CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_l
 MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 ROUTERS = ("xla", "pallas")  # the MoE router's expert choice: glmjax.moe.route or its one-launch kernel
 VALUE_MERGES = ("xla", "pallas")  # sparse MLA's split merge and value product: XLA's kernels or one launch
+INDEXER_KEYS = ("xla", "pallas")  # the indexer's key and head weights from wk's GEMV: XLA's kernels or one launch
 QUERY_ABSORBS = ("xla", "pallas")  # MLA's absorbed decode query from q_b's partials: XLA's kernels or one launch
 
 
@@ -50,6 +51,9 @@ class Runtime:
   and moved into the latent space through kv_b_proj's key half (nope part): XLA's kernels (the
   split-K sum, the RoPE stack, W_UK's copy, the dot) or one Pallas launch from q_b's partials
   (pallas_kernels/mla_query.py; equal to fp32 rounding).
+  indexer_keys: the indexer's new key (k_norm, RoPE) and head weights (the H^-0.5 scale) from
+  their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
+  (pallas_kernels/indexer_keys.py; equal to fp32 rounding).
   topk_ties: "index" (lower position wins among equal indexer scores) or "torch_cpu" (torch's
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
@@ -76,6 +80,7 @@ class Runtime:
   router: str = "xla"
   value_merge: str = "xla"
   query_absorb: str = "xla"
+  indexer_keys: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"
@@ -101,6 +106,8 @@ class Runtime:
       raise ValueError(f"value_merge must be one of {VALUE_MERGES}, got {self.value_merge!r}")
     if self.query_absorb not in QUERY_ABSORBS:
       raise ValueError(f"query_absorb must be one of {QUERY_ABSORBS}, got {self.query_absorb!r}")
+    if self.indexer_keys not in INDEXER_KEYS:
+      raise ValueError(f"indexer_keys must be one of {INDEXER_KEYS}, got {self.indexer_keys!r}")
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")
@@ -133,7 +140,7 @@ class Runtime:
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
                  matmul: str = "xla", dense_matmul: str = "xla", cache_write: str = "xla",
                  moe_routing: str = "table", router: str = "xla", value_merge: str = "xla",
-                 query_absorb: str = "xla", topk_method: str = "sampled",
+                 query_absorb: str = "xla", indexer_keys: str = "xla", topk_method: str = "sampled",
                  indexer_orientation: str = "keys", indexer_queries: str = "float32",
                  attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
@@ -149,6 +156,6 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
                  dense_matmul=dense_matmul, cache_write=cache_write, moe_routing=moe_routing, router=router,
-                 value_merge=value_merge, query_absorb=query_absorb,
+                 value_merge=value_merge, query_absorb=query_absorb, indexer_keys=indexer_keys,
                  topk_method=topk_method, indexer_orientation=indexer_orientation, indexer_queries=indexer_queries,
                  attention_queries=attention_queries)

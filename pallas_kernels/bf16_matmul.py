@@ -138,12 +138,14 @@ def bf16_matmul_group(x: jax.Array, ws: tuple[jax.Array, ...], *, out_dtype=jnp.
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def bf16_matmul_partials(x: jax.Array, w: jax.Array, *, config: MatmulConfig | None = None,
-                         interpret: bool | None = None) -> jax.Array:
+def bf16_matmul_partials(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, config: MatmulConfig | None = None,
+                         interpret: bool | None = None) -> jax.Array | tuple[jax.Array, ...]:
   """bf16_matmul's fp32 split-K partials [split_k, M, N], unsummed: for a kernel that sums them
-  itself in the same launch as its own work (pallas_kernels/moe_route.py), one XLA kernel fewer."""
-  _check(x, w, jnp.float32, "bf16_matmul_partials")
-  return _launch(x, (w,), jnp.float32, config, interpret, keep_splits=True)
+  itself in the same launch as its own work (pallas_kernels/moe_route.py), one XLA kernel fewer.
+  A tuple of weights sharing x: bf16_matmul_group's launch, a tuple of partials."""
+  for weight in w if isinstance(w, tuple) else (w,):
+    _check(x, weight, jnp.float32, "bf16_matmul_partials")
+  return _launch(x, w if isinstance(w, tuple) else (w,), jnp.float32, config, interpret, keep_splits=True)
 
 
 def bf16_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16) -> jax.Array:

@@ -92,3 +92,17 @@ def test_linear_partials_sum_to_the_fp32_linear(dense):
   assert (parts.shape[0] > 1) == (dense == "pallas")
   np.testing.assert_allclose(parts.sum(0), quant.linear(x, w, dense=dense, dtype=jnp.float32).reshape(5, 72),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dense", ["xla", "pallas", "pallas_grouped"])
+def test_linear_group_partials_sum_to_the_group(dense):
+  """Weights sharing x: their partials in the group's one launch under pallas_grouped (its K
+  splits unsummed), else each weight's; summed, each equals linear_group's fp32 output."""
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(1, 5, 1536)), jnp.bfloat16)
+  ws = [jnp.asarray(0.05 * rng.normal(size=(n, 1536)), jnp.bfloat16) for n in (72, 5)]
+  groups = quant.linear_group(x, ws, dense=dense, dtype=jnp.float32)
+  for parts, out, w in zip(quant.linear_group_partials(x, ws, dense=dense), groups, ws, strict=True):
+    assert parts.dtype == jnp.float32 and parts.shape[1:] == (5, w.shape[0])
+    assert (parts.shape[0] > 1) == (dense != "xla")
+    np.testing.assert_allclose(parts.sum(0), out.reshape(5, -1), rtol=1e-5, atol=1e-5)

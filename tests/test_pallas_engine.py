@@ -23,7 +23,7 @@ from jax.experimental.pallas import fuser  # noqa: F401
 
 import glmjax
 from configs import get_model_config
-from glmjax import dsa
+from glmjax import dsa, layers
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
 
@@ -119,6 +119,14 @@ def test_query_absorb_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch)
   xla = _generate(tiny, "pallas", "fp8")
   _fail_in_decode_steps(monkeypatch, dsa, "query_absorption")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas"), xla)
+
+
+def test_indexer_keys_in_the_kernel_generate_the_same_tokens(tiny, monkeypatch):
+  """indexer_keys="pallas": decode steps finish the indexer's key and head weights in one launch
+  from their GEMV's partials (k_norm's XLA path fails for them here); tokens equal."""
+  xla = _generate(tiny, "pallas", "fp8")
+  _fail_in_decode_steps(monkeypatch, layers, "layer_norm")
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", indexer_keys="pallas"), xla)
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)

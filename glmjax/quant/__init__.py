@@ -50,8 +50,8 @@ PAIR_ROUTINGS = ("pairs", "pairs_fused")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight
 
 __all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight",
-           "decode_sized", "linear", "linear_group", "linear_partials", "moe_experts", "param", "quantize_fp8_block",
-           "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes"]
+           "decode_sized", "linear", "linear_group", "linear_group_partials", "linear_partials", "moe_experts",
+           "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes"]
 
 
 def _check_impl(impl: str, dense: str = "xla") -> None:
@@ -156,6 +156,11 @@ def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla") -
   return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w)
 
 
+def _grouped(x: jax.Array, weights, dense: str, dtype) -> bool:
+  """Whether x @ w.T for the weights runs as one split-K launch (see linear_group)."""
+  return dense == "pallas_grouped" and len(weights) > 1 and all(_takes_bf16_gemv(x, w, dense, dtype) for w in weights)
+
+
 def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla", dtype=None) -> list[jax.Array]:
   """[linear(x, w, ...) for w in weights], with plain bf16 weights under dense="pallas_grouped"
   in one split-K launch (pallas_kernels/bf16_matmul.bf16_matmul_group) where x is decode-sized: the
@@ -163,11 +168,21 @@ def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla"
   gate and up) cost one launch, not two."""
   _check_impl(impl, dense)
   dtype = x.dtype if dtype is None else jnp.dtype(dtype)
-  if dense != "pallas_grouped" or len(weights) < 2 or not all(_takes_bf16_gemv(x, w, dense, dtype) for w in weights):
+  if not _grouped(x, weights, dense, dtype):
     return [linear(x, w, impl=impl, dense=dense, dtype=dtype) for w in weights]
   from pallas_kernels.bf16_matmul import bf16_matmul_group
   outs = bf16_matmul_group(x.reshape(-1, x.shape[-1]), tuple(weights), out_dtype=dtype)
   return [out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
+
+
+def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla") -> list[jax.Array]:
+  """[linear_partials(x, w, ...) for w in weights], in linear_group's one launch where it would
+  group them: for a consumer that sums them in its own launch (pallas_kernels/indexer_keys.py)."""
+  _check_impl(impl, dense)
+  if not _grouped(x, weights, dense, jnp.float32):
+    return [linear_partials(x, w, impl=impl, dense=dense) for w in weights]
+  from pallas_kernels.bf16_matmul import bf16_matmul_partials
+  return list(bf16_matmul_partials(x.reshape(-1, x.shape[-1]), tuple(weights)))
 
 
 def _check_pairs(impl: str, routing: str, *weights) -> None:
