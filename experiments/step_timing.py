@@ -1,7 +1,8 @@
 """Timing one decode step of a model on the default device or a mesh, without dispatch in the
 number: random params (in any weight layout, made in place on a mesh) and a random cache of the
 context, two loop lengths of the engine's decode program (plain, or speculative with k drafts),
-the difference of their times over the difference of their steps. Used by
+the difference of their times over the difference of their steps. Several programs (the layer
+counts of `measure_rank_step`) are timed in turn, round after round (`_step_times`). Used by
 experiments.tep_project (one TEP rank) and experiments.multigpu_run (TEP over N GPUs).
 `measure_rank_step(kernels=True)` also profiles both layer counts and differences their device
 kernels into what one decoder layer launches (`layer_kernels`: launches, own time and the idle
@@ -17,7 +18,7 @@ import re
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -103,54 +104,82 @@ class StepTime:
   long_loop_steps: int
 
 
-def time_decode_step(config: ModelConfig, *, context: int, attention: str, matmul: str, kv_dtype: str, dtype: str,
-                     steps_apart: int, quick: bool, draft_steps: int = 0, weights: str = "bf16",
-                     mesh=None, trace_dir: str = "", kernel_switches: dict | None = None) -> StepTime:
+def time_decode_step(config: ModelConfig, *, quick: bool, mesh=None, trace_dir: str = "", **kw) -> StepTime:
   """Time per decode step of `config` at `context` (batch 1), on the default device or under
   `mesh`; with draft_steps, per speculative step (k drafts + a (k+1)-token verify). trace_dir:
-  also write a jax.profiler trace (perfetto) of one call of the longer loop there.
-  kernel_switches: more `make_runtime` arguments (experiments/kernel_flags.py).
-
-  Each length's program is compiled once and called on fresh copies of the same cache (the
-  loops donate theirs); a call's copy, dispatch and sync are the same for both lengths and drop
-  out of the difference, so no timing loop (and no second compile per length) is needed.
-  """
-  with contextlib.ExitStack() as stack:
-    if mesh is not None:
-      stack.enter_context(parallel.use_mesh(mesh))
-    params = random_params(config, dtype, weights=weights, mesh=mesh)
-    spec = steps.StepSpec(config, make_runtime(config, attention=attention, matmul=matmul,
-                                               **(kernel_switches or {})), dtype)
-    lengths = (2, 2 + steps_apart)
-    cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
-    program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,
-                                   jax.random.key(2))
-    if mesh is not None:
-      cache, mtp = parallel.shard_cache(cache, mesh), jax.device_put(mtp, NamedSharding(mesh, P()))
-    return _time_lengths(program, params, cache, mtp, lengths, 1 if quick else 5, trace_dir)
+  also write a jax.profiler trace (perfetto) of one call of the longer loop there. The other
+  arguments: `_prepare`'s."""
+  with _on(mesh):
+    return _step_times([_prepare(config, mesh=mesh, **kw)], 1 if quick else 5, [trace_dir])[0]
 
 
-def _time_lengths(program, params, cache, mtp, lengths: tuple[int, int], repeats: int, trace_dir: str) -> StepTime:
-  """The difference of the two loop lengths' median times over that of their steps."""
+def _on(mesh):
+  return contextlib.nullcontext() if mesh is None else parallel.use_mesh(mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """A decode program ready to time: once(n) runs its n-token loop on a fresh copy of the cache
+  (the loops donate theirs) and returns (seconds, loop steps); `lengths`, the two loop lengths
+  whose difference is the measurement."""
+  once: Callable[[int], tuple[float, int]]
+  lengths: tuple[int, int]
+
+
+def _prepare(config: ModelConfig, *, context: int, attention: str, matmul: str, kv_dtype: str, dtype: str,
+             steps_apart: int, draft_steps: int = 0, weights: str = "bf16", mesh=None,
+             kernel_switches: dict | None = None) -> _Program:
+  """Random params (the `weights` layout) and a random cache of `context` tokens for config's
+  decode program, the plain loop or with draft_steps the speculative one. kernel_switches: more
+  `make_runtime` arguments (experiments/kernel_flags.py). A call's copy, dispatch and sync are the
+  same for both lengths and drop out of their difference, so no timing loop is needed."""
+  params = random_params(config, dtype, weights=weights, mesh=mesh)
+  spec = steps.StepSpec(config, make_runtime(config, attention=attention, matmul=matmul, **(kernel_switches or {})),
+                        dtype)
+  lengths = (2, 2 + steps_apart)
+  cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
+  program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,
+                                 jax.random.key(2))
+  if mesh is not None:
+    cache, mtp = parallel.shard_cache(cache, mesh), jax.device_put(mtp, NamedSharding(mesh, P()))
+
   def once(n: int) -> tuple[float, int]:
     inputs = jax.block_until_ready(jax.tree.map(jnp.copy, (cache, mtp)))
     start = time.perf_counter()
     out = jax.block_until_ready(program(n)(params, *inputs))
     return time.perf_counter() - start, int(out[2])
 
-  def timed(n: int) -> tuple[float, int]:
-    once(n)  # compiles
-    runs = [once(n) for _ in range(repeats)]
-    return statistics.median(t for t, _ in runs), runs[0][1]
+  return _Program(once, lengths)
 
-  (short, short_steps), (long, long_steps) = (timed(n) for n in lengths)
-  if trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      once(lengths[-1])
-  if long <= short or long_steps <= short_steps:
-    raise ValueError(f"{lengths[1] - lengths[0]} more tokens were not slower ({long:.6f} s vs {short:.6f} s, "
-                     f"loop steps {short_steps} vs {long_steps}): timing noise; raise --decode_steps or drop --quick")
-  return StepTime((long - short) / (long_steps - short_steps), long_steps)
+
+def _step_times(programs: list[_Program], repeats: int, trace_dirs: list[str]) -> list[StepTime]:
+  """Each program's step time: the difference of its two loop lengths' median times over that of
+  their steps. Every length of every program is compiled first, then all are timed in turn,
+  `repeats` rounds, so that a drift of the device's speed during the measurement reaches every
+  program alike (timed one program after another, one 8-layer program's step moved 8% between
+  two processes while its 3- and 5-layer ones repeated to 1.5%: BENCHMARKS.md run 23). A
+  program's trace_dir (or ""): a jax.profiler trace of one more call of its longer loop."""
+  for program in programs:
+    for n in program.lengths:
+      program.once(n)  # compiles
+  runs = collections.defaultdict(list)
+  for _ in range(repeats):
+    for i, program in enumerate(programs):
+      for n in program.lengths:
+        runs[i, n].append(program.once(n))
+  out = []
+  for i, (program, trace_dir) in enumerate(zip(programs, trace_dirs, strict=True)):
+    (short, short_steps), (long, long_steps) = ((statistics.median(t for t, _ in runs[i, n]), runs[i, n][0][1])
+                                                for n in program.lengths)
+    if trace_dir:
+      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        program.once(program.lengths[-1])
+    if long <= short or long_steps <= short_steps:
+      raise ValueError(f"{program.lengths[1] - program.lengths[0]} more tokens were not slower ({long:.6f} s vs "
+                       f"{short:.6f} s, loop steps {short_steps} vs {long_steps}): timing noise; raise "
+                       f"--decode_steps or drop --quick")
+    out.append(StepTime((long - short) / (long_steps - short_steps), long_steps))
+  return out
 
 
 def kernel_family(name: str) -> str:
@@ -188,13 +217,17 @@ def slowest_first(kernels: Kernels) -> list[tuple[str, float, float, float]]:
   return sorted(((name, *values) for name, values in kernels.items()), key=lambda r: -(r[2] + r[3]))
 
 
-def _timed_with_kernels(config: ModelConfig, kernels: bool, **kw) -> tuple[float, dict]:
-  """(seconds per step, per-step kernel families or {}) of one config."""
-  if not kernels:
-    return time_decode_step(config, **kw).seconds, {}
-  with tempfile.TemporaryDirectory() as trace_dir:
-    timed = time_decode_step(config, trace_dir=trace_dir, **kw)
-    return timed.seconds, step_kernels(device_kernel_times(trace_dir), timed.long_loop_steps)
+def _timed_counts(configs: list[ModelConfig], kernels: bool, *, quick: bool, mesh=None,
+                  **kw) -> list[tuple[float, Kernels]]:
+  """(seconds per step, per-step kernel families or {}) of each config, timed together
+  (`_step_times`), so all their params are held at once (tep8_shard's 3, 5 and 8 layers: about
+  40 GB in bf16); kernels: each profiled once after the timing."""
+  with _on(mesh), contextlib.ExitStack() as stack:
+    programs = [_prepare(config, mesh=mesh, **kw) for config in configs]
+    trace_dirs = [stack.enter_context(tempfile.TemporaryDirectory()) if kernels else "" for _ in configs]
+    timed = _step_times(programs, 1 if quick else 5, trace_dirs)
+    return [(t.seconds, step_kernels(device_kernel_times(d), t.long_loop_steps) if d else {})
+            for t, d in zip(timed, trace_dirs)]
 
 
 def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels: bool = False,
@@ -208,7 +241,7 @@ def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels
   program once after its timing; `layer_kernels` lists one decoder layer's (family, launches,
   us, idle us) from the fewest and most layers' difference, else `step_kernels` the step's."""
   if not measure_layers:
-    seconds, per_step = _timed_with_kernels(config, kernels, **kw)
+    (seconds, per_step), = _timed_counts([config], kernels, **kw)
     out = dict(rank_step_s=seconds, measured_layers=[config.num_hidden_layers])
     return out | (dict(step_kernels=slowest_first(per_step)) if kernels else {})
   counts = sorted(set(measure_layers))
@@ -216,8 +249,7 @@ def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels
   if len(counts) < 2 or not 0 < counts[0] < counts[-1] <= config.num_hidden_layers or len(set(types[counts[0]:])) != 1:
     raise ValueError(f"measure_layers {measure_layers}: need two or more counts in 1..{config.num_hidden_layers}, "
                      f"the layers from the fewest on all of one MLP type (got {sorted(set(types[counts[0]:]))})")
-  timed = [_timed_with_kernels(with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0), kernels, **kw)
-           for n in counts]
+  timed = _timed_counts([with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0) for n in counts], kernels, **kw)
   seconds = [t for t, _ in timed]
   (per_layer, base), residuals = np.polyfit(counts, seconds, 1, full=True)[:2]
   out = dict(rank_step_s=float(base + config.num_hidden_layers * per_layer), measured_layers=counts,

@@ -181,9 +181,9 @@ def test_rank_step_fits_a_line_through_the_layer_counts(monkeypatch):
   from configs import get_model_config
   from experiments import step_timing
   noise = {1: 1e-5, 2: -2e-5, 4: 1e-5}
-  monkeypatch.setattr(step_timing, "_timed_with_kernels", lambda config, kernels, **kw: (
-      1e-3 + 2e-4 * config.num_hidden_layers + noise[config.num_hidden_layers],
-      {"moe_down": (float(config.num_hidden_layers), 10.0 * config.num_hidden_layers, 0.0)}))
+  monkeypatch.setattr(step_timing, "_timed_counts", lambda configs, kernels, **kw: [(
+      1e-3 + 2e-4 * c.num_hidden_layers + noise[c.num_hidden_layers],
+      {"moe_down": (float(c.num_hidden_layers), 10.0 * c.num_hidden_layers, 0.0)}) for c in configs])
   config = get_model_config("tiny")
   out = step_timing.measure_rank_step(config, [4, 1, 2], kernels=True)
   slope, base = np.polyfit([1, 2, 4], [1.21e-3, 1.38e-3, 1.81e-3], 1)
@@ -197,3 +197,22 @@ def test_rank_step_fits_a_line_through_the_layer_counts(monkeypatch):
     step_timing.measure_rank_step(config, [2])
   with pytest.raises(ValueError, match="one MLP type"):
     step_timing.measure_rank_step(config, [0, 2])
+
+
+def test_step_times_interleave_the_programs():
+  """All lengths compile first, then every program's lengths are timed in turn, round after
+  round; each step time is its lengths' median times apart over their steps, so a slow round
+  (the device's clocks) moves no median."""
+  from experiments import step_timing
+  calls = []
+
+  def program(name, per_step):
+    def once(n):
+      calls.append((name, n))
+      slow = 5.0 if len(calls) in (7, 8) else 1.0  # program b's first timed round, both lengths
+      return slow * (0.5 + per_step * n), n  # loop steps = n
+    return step_timing._Program(once, (2, 6))
+
+  times = step_timing._step_times([program("a", 0.1), program("b", 0.3)], repeats=3, trace_dirs=["", ""])
+  assert calls == [("a", 2), ("a", 6), ("b", 2), ("b", 6)] * 4
+  assert [t.seconds for t in times] == pytest.approx([0.1, 0.3]) and [t.long_loop_steps for t in times] == [6, 6]
