@@ -1,7 +1,7 @@
 """Kernel switches as absl flags, shared by the experiments that build a Runtime (replay,
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
 default), and --dense_matmul, --cache_write, --moe_routing, --router, --value_merge,
---query_absorb, --indexer_keys with the DSA kernels' --topk_method, --indexer_orientation,
+--query_absorb, --indexer_keys, --mla_epilogue with the DSA kernels' --topk_method, --indexer_orientation,
 --indexer_queries, --attention_queries (`define`);
 glmjax.runtime.Runtime's fields of those names."""
 
@@ -10,8 +10,8 @@ from typing import Callable
 from absl import flags
 
 from glmjax.quant import DENSE_IMPLS
-from glmjax.runtime import (CACHE_WRITES, INDEXER_KEYS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_ABSORBS, QUERY_DTYPES,
-                            ROUTERS, VALUE_MERGES)
+from glmjax.runtime import (CACHE_WRITES, INDEXER_KEYS, MATMUL_IMPLS, MLA_EPILOGUES, MOE_ROUTINGS, QUERY_ABSORBS,
+                            QUERY_DTYPES, ROUTERS, VALUE_MERGES)
 from pallas_kernels.indexer_scores import ORIENTATIONS
 from pallas_kernels.topk import METHODS
 
@@ -50,6 +50,9 @@ def define() -> Callable[[], dict[str, str]]:
   keys = flags.DEFINE_enum("indexer_keys", "xla", list(INDEXER_KEYS),
                            "the indexer's new key and head weights from their GEMV: xla (k_norm, RoPE, scale: "
                            "about four kernels) or pallas (one launch from the GEMV's partials)")
+  epilogue = flags.DEFINE_enum("mla_epilogue", "xla", list(MLA_EPILOGUES),
+                               "MLA's q_a and kv_a RMSNorms and k_pe RoPE after their GEMV: xla (three kernels) or "
+                               "pallas (one launch from the GEMV's partials)")
   topk = flags.DEFINE_enum("topk_method", "sampled", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
   orientation = flags.DEFINE_enum("indexer_orientation", "keys", list(ORIENTATIONS),
                                   "the Pallas indexer scores kernel's MMA rows: keys (head sums within a warp) "
@@ -59,6 +62,6 @@ def define() -> Callable[[], dict[str, str]]:
                                 "precision of the decode attention's queries (bfloat16: FlashMLA's numerics)")
   return lambda: dict(dense_matmul=dense.value, cache_write=write.value, moe_routing=routing.value,
                       router=router.value, value_merge=merge.value, query_absorb=absorb.value,
-                      indexer_keys=keys.value, topk_method=topk.value,
+                      indexer_keys=keys.value, mla_epilogue=epilogue.value, topk_method=topk.value,
                       indexer_orientation=orientation.value, indexer_queries=indexer.value,
                       attention_queries=attention.value)

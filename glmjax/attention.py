@@ -82,12 +82,8 @@ class MLAttention(nn.Module):
     h, nope, rope, r, v = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
                            c.kv_lora_rank, c.v_head_dim)
     with jax.named_scope("mla_proj"):
-      q_a, kv_a = linears(x, [("q_a_proj", c.q_lora_rank, ("q_lora", "embed")),
-                              ("kv_a_proj_with_mqa", r + rope, (None, "embed"))], **runtime.linear_impls, **kw)
-      q_resid = RMSNorm(1e-6, name="q_a_layernorm", **kw)(q_a)
+      q_resid, latent, k_pe = self._projections(x, cos, sin, runtime)  # [b, t, q_lora], [b, t, r], [b, t, p]
       q_b = Weight((h * c.qk_head_dim, c.q_lora_rank), ("heads", "q_lora"), self.param_dtype, name="q_b_proj")()
-      latent = RMSNorm(1e-6, name="kv_a_layernorm", **kw)(kv_a[..., :r])  # [b, t, r]
-      k_pe = apply_rope(kv_a[..., r:], cos, sin)                            # [b, t, p]
       kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()
       kv_b = kv_b if isinstance(kv_b, jax.Array) else kv_b.dequantize(jnp.float32)  # used raw (absorbed)
       kv_b = kv_b.reshape(h, nope + v, r)
@@ -114,6 +110,26 @@ class MLAttention(nn.Module):
     out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype),
                                                                           **runtime.linear_impls)
     return out, topk, new_layer
+
+  def _projections(self, x, cos, sin, runtime):
+    """x through q_a_proj and kv_a_proj_with_mqa (one launch under dense="pallas_grouped") and
+    their norms -> (q_resid, latent, k_pe roped). With mla_epilogue="pallas" at decode
+    (quant.decode_sized), the norms and the rotation in one launch from the GEMV's partials."""
+    c = self.config
+    b, t, _ = x.shape
+    r, rope = c.kv_lora_rank, c.qk_rope_head_dim
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    specs = [("q_a_proj", c.q_lora_rank, ("q_lora", "embed")), ("kv_a_proj_with_mqa", r + rope, (None, "embed"))]
+    q_norm = RMSNorm(c.q_lora_rank, 1e-6, name="q_a_layernorm", **kw)
+    kv_norm = RMSNorm(r, 1e-6, name="kv_a_layernorm", **kw)
+    if runtime.mla_epilogue == "pallas" and quant.decode_sized(x):
+      from pallas_kernels.mla_epilogue import mla_epilogue  # the kernels import the model
+      outs = mla_epilogue(*linears(x, specs, partials=True, **runtime.linear_impls, **kw), q_norm.weight,
+                          kv_norm.weight, *(a.reshape(b * t, -1) for a in (cos, sin)), eps=q_norm.eps,
+                          dtype=self.dtype)
+      return tuple(a.reshape(b, t, -1) for a in outs)
+    q_a, kv_a = linears(x, specs, **runtime.linear_impls, **kw)
+    return q_norm(q_a), kv_norm(kv_a[..., :r]), apply_rope(kv_a[..., r:], cos, sin)
 
   def _query(self, q_resid, q_b, cos, sin, runtime):
     """q_b_proj's output per head -> (q_nope [B, T, H, nope], q_pe [B, T, H, rope] rotated)."""

@@ -59,20 +59,27 @@ def linears(x: jax.Array, specs: Sequence[tuple[str, int, tuple[str | None, str 
   return quant.linear_group(x, weights, impl=matmul, dense=dense, dtype=dtype)
 
 
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype) -> jax.Array:
+  """RMSNorm as transformers computes it: normalise in fp32, cast to dtype, then scale in dtype."""
+  xf = x.astype(jnp.float32)
+  normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return weight.astype(dtype) * normed.astype(dtype)
+
+
 class RMSNorm(nn.Module):
-  """RMSNorm as transformers computes it: normalise in fp32, cast back, then scale."""
+  """rms_norm over `dim` features; its weight is an attribute, for a kernel that applies it itself."""
+  dim: int
   eps: float
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
   axis_name: str | None = None
 
-  @nn.compact
+  def setup(self):
+    self.weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                             (self.dim,), self.param_dtype)
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
-                        (x.shape[-1],), self.param_dtype)
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return weight.astype(self.dtype) * normed.astype(self.dtype)
+    return rms_norm(x, self.weight, self.eps, self.dtype)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:

@@ -48,12 +48,12 @@ class DecoderLayer(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     with jax.named_scope(f"layer{self.layer_id}_attn"):
       attn, topk, layer_cache = MLAttention(c, self.has_indexer, name="self_attn", **kw)(
-          RMSNorm(c.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, prev_topk,
+          RMSNorm(c.hidden_size, c.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, prev_topk,
           positions=positions, runtime=runtime, layer_id=self.layer_id, cache=cache,
           cache_slot=cache_slot)
       x = x + attn.astype(x.dtype)
     with jax.named_scope(f"layer{self.layer_id}_mlp"):
-      h = RMSNorm(c.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
+      h = RMSNorm(c.hidden_size, c.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
       else:
@@ -72,12 +72,12 @@ class MTPBlock(nn.Module):
   def __call__(self, embedded, hidden, cos, sin, *, positions, runtime, cache, prev_topk=None):
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    joined = jnp.concatenate([RMSNorm(c.rms_norm_eps, name="enorm", **kw)(embedded),
-                              RMSNorm(c.rms_norm_eps, name="hnorm", **kw)(hidden)], axis=-1)
+    joined = jnp.concatenate([RMSNorm(c.hidden_size, c.rms_norm_eps, name="enorm", **kw)(embedded),
+                              RMSNorm(c.hidden_size, c.rms_norm_eps, name="hnorm", **kw)(hidden)], axis=-1)
     x = Linear(c.hidden_size, ("embed", None), name="eh_proj", **kw)(joined, **runtime.linear_impls)
     x, topk, layer_cache = DecoderLayer(c, c.num_hidden_layers, True, True, name="block", **kw)(
         x, cos, sin, prev_topk, positions=positions, runtime=runtime, cache=cache, cache_slot=0)
-    return x, RMSNorm(c.rms_norm_eps, name="shared_head_norm", **kw)(x), topk, layer_cache
+    return x, RMSNorm(c.hidden_size, c.rms_norm_eps, name="shared_head_norm", **kw)(x), topk, layer_cache
 
 
 class CausalLM(nn.Module):
@@ -92,7 +92,7 @@ class CausalLM(nn.Module):
     self.embed_tokens = Embed(c.vocab_size, c.hidden_size, self.param_dtype)
     self.layers = [DecoderLayer(c, i, c.mlp_layer_types[i] == "sparse", c.indexer_types[i] == "full", **kw)
                    for i in range(c.num_hidden_layers)]
-    self.norm = RMSNorm(c.rms_norm_eps, **kw)
+    self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **kw)
     self.lm_head = Linear(c.vocab_size, ("vocab", "embed"), **kw)
     if c.num_nextn_predict_layers:
       self.mtp = MTPBlock(c, **kw)

@@ -18,6 +18,7 @@ CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_l
 MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 ROUTERS = ("xla", "pallas")  # the MoE router's expert choice: glmjax.moe.route or its one-launch kernel
 VALUE_MERGES = ("xla", "pallas")  # sparse MLA's split merge and value product: XLA's kernels or one launch
+MLA_EPILOGUES = ("xla", "pallas")  # q_a's and kv_a's RMSNorms and k_pe's RoPE: XLA's kernels or one launch
 INDEXER_KEYS = ("xla", "pallas")  # the indexer's key and head weights from wk's GEMV: XLA's kernels or one launch
 QUERY_ABSORBS = ("xla", "pallas")  # MLA's absorbed decode query from q_b's partials: XLA's kernels or one launch
 
@@ -51,6 +52,9 @@ class Runtime:
   and moved into the latent space through kv_b_proj's key half (nope part): XLA's kernels (the
   split-K sum, the RoPE stack, W_UK's copy, the dot) or one Pallas launch from q_b's partials
   (pallas_kernels/mla_query.py; equal to fp32 rounding).
+  mla_epilogue: MLA's projection epilogue, q_a's and kv_a's RMSNorms and k_pe's RoPE after
+  their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
+  (pallas_kernels/mla_epilogue.py; equal up to the fp32 statistics' order).
   indexer_keys: the indexer's new key (k_norm, RoPE) and head weights (the H^-0.5 scale) from
   their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
   (pallas_kernels/indexer_keys.py; equal to fp32 rounding).
@@ -81,6 +85,7 @@ class Runtime:
   value_merge: str = "xla"
   query_absorb: str = "xla"
   indexer_keys: str = "xla"
+  mla_epilogue: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"
@@ -108,6 +113,8 @@ class Runtime:
       raise ValueError(f"query_absorb must be one of {QUERY_ABSORBS}, got {self.query_absorb!r}")
     if self.indexer_keys not in INDEXER_KEYS:
       raise ValueError(f"indexer_keys must be one of {INDEXER_KEYS}, got {self.indexer_keys!r}")
+    if self.mla_epilogue not in MLA_EPILOGUES:
+      raise ValueError(f"mla_epilogue must be one of {MLA_EPILOGUES}, got {self.mla_epilogue!r}")
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")
@@ -140,7 +147,8 @@ class Runtime:
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
                  matmul: str = "xla", dense_matmul: str = "xla", cache_write: str = "xla",
                  moe_routing: str = "table", router: str = "xla", value_merge: str = "xla",
-                 query_absorb: str = "xla", indexer_keys: str = "xla", topk_method: str = "sampled",
+                 query_absorb: str = "xla", indexer_keys: str = "xla", mla_epilogue: str = "xla",
+                 topk_method: str = "sampled",
                  indexer_orientation: str = "keys", indexer_queries: str = "float32",
                  attention_queries: str = "float32") -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
@@ -157,5 +165,6 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
   return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
                  dense_matmul=dense_matmul, cache_write=cache_write, moe_routing=moe_routing, router=router,
                  value_merge=value_merge, query_absorb=query_absorb, indexer_keys=indexer_keys,
+                 mla_epilogue=mla_epilogue,
                  topk_method=topk_method, indexer_orientation=indexer_orientation, indexer_queries=indexer_queries,
                  attention_queries=attention_queries)

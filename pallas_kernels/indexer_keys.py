@@ -26,15 +26,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.layers import apply_rope_leading, layer_norm
 from pallas_kernels.checks import resolve_interpret
-
-
-def _summed(ref, row, size: int, ok) -> jax.Array:
-  """sum over the splits of ref[s, row, :size] (0 where not ok); a trailing pair axis comes along."""
-  load = lambda s: pltriton.load(ref.at[jnp.int32(s), row, pl.ds(0, size)], mask=ok, other=0.0)
-  total = load(0)
-  for s in range(1, ref.shape[0]):
-    total += load(s)
-  return total
+from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, split_sum
 
 
 def _keys_kernel(k_ref, w_ref, norm_w_ref, norm_b_ref, cos_ref, sin_ref, k_out_ref, w_out_ref, *, dim: int,
@@ -45,7 +37,7 @@ def _keys_kernel(k_ref, w_ref, norm_w_ref, norm_b_ref, cos_ref, sin_ref, k_out_r
   pairs = pl.next_power_of_2(dim // 2)
   pair = jnp.arange(pairs)
   ok = (pair < dim // 2)[:, None]
-  k = _summed(k_ref, row, pairs, ok)                                  # [pairs, 2], 0 past D
+  k = split_sum(k_ref, row, 0, pairs, ok)                                  # [pairs, 2], 0 past D
   mean = jnp.sum(jnp.sum(k, axis=1)) / dim
   centred = jnp.where(ok, k - mean, 0.0)
   var = jnp.sum(jnp.sum(centred * centred, axis=1)) / dim
@@ -53,36 +45,28 @@ def _keys_kernel(k_ref, w_ref, norm_w_ref, norm_b_ref, cos_ref, sin_ref, k_out_r
                   for ref in (norm_w_ref, norm_b_ref))
   k = centred * jax.lax.rsqrt(var + eps) * scale + shift
 
-  first = jnp.arange(2)[None, :] == 0
-  x1, x2 = (jnp.sum(jnp.where(lane, k, 0.0), axis=1) for lane in (first, ~first))
   roped = pair < rope // 2
-  cos, sin = (pltriton.load(ref.at[row, pl.ds(0, pairs)], mask=roped, other=0.0) for ref in (cos_ref, sin_ref))
-  rotated = jnp.where(first, (x1 * cos - x2 * sin)[:, None], (x2 * cos + x1 * sin)[:, None])
+  rotated = rotate_pairs(k, cos_ref, sin_ref, row, roped, jnp.float32)
   pltriton.store(k_out_ref.at[row, pl.ds(0, pairs)], jnp.where(roped[:, None], rotated, k), mask=ok)
 
   h_pad = pl.next_power_of_2(heads)
   h_ok = jnp.arange(h_pad) < heads
-  weights = _summed(w_ref, row, h_pad, h_ok) * heads ** -0.5
+  weights = split_sum(w_ref, row, 0, h_pad, h_ok) * heads ** -0.5
   pltriton.store(w_out_ref.at[row, pl.ds(0, h_pad)], weights, mask=h_ok)
 
 
 def check_keys_args(k_partials, w_partials, norm_weight, norm_bias, cos, sin) -> None:
   """ValueError naming the argument whose shape or dtype does not fit."""
-  if k_partials.ndim != 3 or k_partials.dtype != jnp.float32 or k_partials.shape[-1] % 2:
-    raise ValueError(f"indexer_keys: k_partials must be f32 [splits, tokens, D] with D even, got "
-                     f"{k_partials.dtype}{list(k_partials.shape)}")
+  check_partials("indexer_keys", "k_partials", k_partials, "D (even)", multiple=2)
   splits, n, dim = k_partials.shape
-  if w_partials.ndim != 3 or w_partials.shape[:2] != (splits, n) or w_partials.dtype != jnp.float32:
-    raise ValueError(f"indexer_keys: w_partials must be f32 [{splits}, {n}, heads], got "
-                     f"{w_partials.dtype}{list(w_partials.shape)}")
+  check_partials("indexer_keys", "w_partials", w_partials, "heads", lead=(splits, n))
   for name, p in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
     if p.shape != (dim,):
       raise ValueError(f"indexer_keys: {name} must be [{dim}], got {list(p.shape)}")
-  if cos.ndim != 2 or cos.shape[0] != n or not 0 < 2 * cos.shape[1] <= dim:
+  if cos.ndim != 2 or not 0 < 2 * cos.shape[1] <= dim:
     raise ValueError(f"indexer_keys: cos must be f32 [{n}, rope / 2] with rope <= {dim}, got "
                      f"{cos.dtype}{list(cos.shape)}")
-  if sin.shape != cos.shape or cos.dtype != jnp.float32 or sin.dtype != jnp.float32:
-    raise ValueError(f"indexer_keys: sin must be f32 {list(cos.shape)} as cos, got {sin.dtype}{list(sin.shape)}")
+  check_angles("indexer_keys", cos, sin, n, cos.shape[1])
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))

@@ -29,18 +29,9 @@ from jax.experimental.pallas import triton as pltriton
 from glmjax.dsa import query_absorption
 from glmjax.layers import apply_rope
 from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, split_sum
 
 _BLOCK_R = 32  # latent columns a program: a [256, 32] fp32 weight tile is 64 registers a thread
-
-
-def _summed(partials_ref, row, start, size: int, ok) -> jax.Array:
-  """sum over the splits of partials_ref[s, row, start:start + size] (0 where not ok); a trailing
-  pair axis comes along whole."""
-  load = lambda s: pltriton.load(partials_ref.at[jnp.int32(s), row, pl.ds(start, size)], mask=ok, other=0.0)
-  total = load(0)
-  for s in range(1, partials_ref.shape[0]):
-    total += load(s)
-  return total
 
 
 def _absorb_kernel(partials_ref, pairs_ref, kv_b_ref, cos_ref, sin_ref, latent_ref, pe_ref, *, nope: int,
@@ -54,7 +45,7 @@ def _absorb_kernel(partials_ref, pairs_ref, kv_b_ref, cos_ref, sin_ref, latent_r
 
   n_pad = pl.next_power_of_2(nope)
   nope_ok = jnp.arange(n_pad) < nope
-  q = _summed(partials_ref, row, start, n_pad, nope_ok).astype(q_dtype).astype(jnp.float32)
+  q = split_sum(partials_ref, row, start, n_pad, nope_ok).astype(q_dtype).astype(jnp.float32)
   cols = c * _BLOCK_R + jnp.arange(_BLOCK_R)
   cols_ok = cols < rank
   w_uk = pltriton.load(kv_b_ref.at[h, pl.ds(0, n_pad), pl.ds(c * _BLOCK_R, _BLOCK_R)],
@@ -67,12 +58,8 @@ def _absorb_kernel(partials_ref, pairs_ref, kv_b_ref, cos_ref, sin_ref, latent_r
     half = rope // 2
     h_pad = pl.next_power_of_2(half)
     ok = jnp.arange(h_pad) < half
-    pairs = _summed(pairs_ref, row, (start + nope) // 2, h_pad, ok[:, None]).astype(q_dtype).astype(jnp.float32)
-    first = jnp.arange(2)[None, :] == 0
-    x1, x2 = (jnp.sum(jnp.where(lane, pairs, 0.0), axis=1).astype(q_dtype) for lane in (first, ~first))
-    cos, sin = (pltriton.load(ref.at[row, pl.ds(0, h_pad)], mask=ok, other=0.0).astype(q_dtype)
-                for ref in (cos_ref, sin_ref))
-    rotated = jnp.where(first, (x1 * cos - x2 * sin)[:, None], (x2 * cos + x1 * sin)[:, None])
+    pairs = split_sum(pairs_ref, row, (start + nope) // 2, h_pad, ok[:, None]).astype(q_dtype).astype(jnp.float32)
+    rotated = rotate_pairs(pairs, cos_ref, sin_ref, row, ok, q_dtype)
     pltriton.store(pe_ref.at[row, h, pl.ds(0, h_pad)], rotated.astype(pe_ref.dtype), mask=ok[:, None])
 
 
@@ -82,17 +69,12 @@ def check_absorb_args(partials: jax.Array, kv_b: jax.Array, cos: jax.Array, sin:
     raise ValueError(f"absorbed_query: kv_b must be bf16 or f32 [heads, nope + values, rank] with nope={nope} "
                      f"rows of keys, got {kv_b.dtype}{list(kv_b.shape)}")
   heads = kv_b.shape[0]
-  if partials.ndim != 3 or partials.dtype != jnp.float32 or partials.shape[-1] % heads:
-    raise ValueError(f"absorbed_query: partials must be f32 [splits, tokens, {heads} * (nope + rope)], got "
-                     f"{partials.dtype}{list(partials.shape)}")
+  check_partials("absorbed_query", "partials", partials, f"{heads} * (nope + rope)", multiple=heads)
   rope = partials.shape[-1] // heads - nope
   if rope <= 0 or rope % 2 or nope % 2:
     raise ValueError(f"absorbed_query: each head's {partials.shape[-1] // heads} columns split into nope={nope} "
                      f"and {rope} rope columns: both must be positive and even")
-  for name, table in (("cos", cos), ("sin", sin)):
-    if table.shape != (partials.shape[1], rope // 2) or table.dtype != jnp.float32:
-      raise ValueError(f"absorbed_query: {name} must be f32 [{partials.shape[1]}, {rope // 2}], got "
-                       f"{table.dtype}{list(table.shape)}")
+  check_angles("absorbed_query", cos, sin, partials.shape[1], rope // 2)
   return rope
 
 

@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 from glmjax.config import ModelConfig
 from glmjax.moe import route
 from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.partials import split_sum
 
 
 def _pow2(v: int) -> int:
@@ -60,7 +61,7 @@ def _group_mask(choice: jax.Array, col: jax.Array, *, n_group: int, topk_group: 
   return keep
 
 
-def _route_kernel(partials_ref, bias_ref, ids_ref, weights_ref, *, splits: int, experts: int, k: int,
+def _route_kernel(partials_ref, bias_ref, ids_ref, weights_ref, *, experts: int, k: int,
                   n_group: int, topk_group: int, normalize: bool, scaling: float):
   # partials_ref [S, n, E] f32 and bias_ref [E] f32, whole; ids_ref [n, k] i32 and weights_ref
   # [n, k] f32, whole: this program (token `row`) writes its row.
@@ -68,11 +69,7 @@ def _route_kernel(partials_ref, bias_ref, ids_ref, weights_ref, *, splits: int, 
   width = _pow2(experts)
   col = jnp.arange(width, dtype=jnp.int32)
   valid = col < experts
-  load = lambda s: pltriton.load(partials_ref.at[jnp.int32(s), row, pl.ds(0, width)], mask=valid, other=0.0)
-  logits = load(0)
-  for s in range(1, splits):
-    logits += load(s)
-  scores = jax.nn.sigmoid(logits)
+  scores = jax.nn.sigmoid(split_sum(partials_ref, row, 0, width, valid))
   bias = pltriton.load(bias_ref.at[pl.ds(0, width)], mask=valid, other=0.0)
   choice = jnp.where(valid, scores + bias, -jnp.inf)
   if topk_group < n_group:
@@ -119,10 +116,10 @@ def route_select(partials: jax.Array, bias: jax.Array, config: ModelConfig, *,
     (expert ids int32 [n, k], weights f32 [n, k]).
   """
   check_route_args(partials, bias, config)
-  splits, n, e = partials.shape
+  n, e = partials.shape[1:]
   k = config.num_experts_per_tok
   whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-  kernel = functools.partial(_route_kernel, splits=splits, experts=e, k=k, n_group=config.n_group,
+  kernel = functools.partial(_route_kernel, experts=e, k=k, n_group=config.n_group,
                              topk_group=config.topk_group, normalize=config.norm_topk_prob,
                              scaling=float(config.routed_scaling_factor))
   return pl.pallas_call(

@@ -216,9 +216,9 @@ def test_tep8_shard_preset():
 @pytest.mark.parametrize("field,value", [("attention", "flash"), ("matmul", "cublas"), ("dense_matmul", "cublas"),
                                          ("cache_write", "numpy"), ("moe_routing", "sort"), ("router", "sort"),
                                          ("value_merge", "atomic"), ("query_absorb", "triton"),
-                                         ("indexer_keys", "cuda"), ("topk_ties", "random"), ("topk_method", "sort"),
-                                         ("indexer_orientation", "rows"), ("indexer_queries", "float16"),
-                                         ("attention_queries", "int8")])
+                                         ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("topk_ties", "random"),
+                                         ("topk_method", "sort"), ("indexer_orientation", "rows"),
+                                         ("indexer_queries", "float16"), ("attention_queries", "int8")])
 def test_runtime_rejects_unknown_switches(field, value):
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match=field):

@@ -1,8 +1,6 @@
 """The CUDA-core kernels' activation planes in one launch (pallas_kernels/hfma2_planes.py): the
 same bits as XLA's f16_rows + activation_planes, and as moe_hfma2's h glue before them."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +9,7 @@ import pytest
 from pallas_kernels.hfma2_planes import rows_planes, swiglu_planes
 from pallas_kernels.nvfp4_hfma2 import activation_planes
 from pallas_kernels.nvfp4_matmul import f16_rows
+from tests.h200_lowering import TRITON_CALL, h200_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 
@@ -73,15 +72,7 @@ def test_bad_inputs_are_named():
 
 
 def test_planes_lower_to_triton_for_h200():
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   s = jax.ShapeDtypeStruct
-  cases = [(rows_planes, (s((5, 6144), jnp.bfloat16),)),
-           (lambda g, u, ids: swiglu_planes(g, u, ids, experts=32, interpret=False),
-            (s((2, 40, 2048), jnp.float32), s((2, 40, 2048), jnp.float32), s((40,), jnp.int32)))]
-  with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    for fn, args in cases:
-      op = (lambda a: fn(a, interpret=False)) if fn is rows_planes else fn
-      text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-      assert "__gpu$xla.gpu.triton" in text
+  assert TRITON_CALL in h200_text(lambda a: rows_planes(a, interpret=False), s((5, 6144), jnp.bfloat16))
+  assert TRITON_CALL in h200_text(lambda g, u, ids: swiglu_planes(g, u, ids, experts=32, interpret=False),
+                                  s((2, 40, 2048), jnp.float32), s((2, 40, 2048), jnp.float32), s((40,), jnp.int32))

@@ -2,14 +2,13 @@
 XLA path it replaces: random wk and weights_proj partials at a TEP=8 rank's GLM-5 shapes and
 awkward ones, the rotation's pairs, bad inputs, the H200 lowering."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
+from tests.h200_lowering import TRITON_CALL, h200_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 # (splits, tokens, key dims D, heads H, rope): a rank's GLM-5 layer at 5 tokens and at 1; then
@@ -66,15 +65,9 @@ def test_bad_inputs_are_named():
 
 
 def test_indexer_keys_lower_to_triton_for_h200():
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   s = jax.ShapeDtypeStruct
   for splits, tokens, dim, heads, rope in SHAPES:
     args = (s((splits, tokens, dim), jnp.float32), s((splits, tokens, heads), jnp.float32),
             s((dim,), jnp.bfloat16), s((dim,), jnp.bfloat16), s((tokens, rope // 2), jnp.float32),
             s((tokens, rope // 2), jnp.float32))
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-      warnings.simplefilter("ignore", DeprecationWarning)
-      text = jax.jit(lambda *a: indexer_keys(*a, interpret=False)).trace(*args).lower(
-          lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
+    assert TRITON_CALL in h200_text(lambda *a: indexer_keys(*a, interpret=False), *args)

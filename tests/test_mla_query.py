@@ -2,14 +2,13 @@
 random q_b partials at a TEP=8 rank's GLM-5 shapes and awkward ones, bad inputs, the H200
 lowering."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.mla_query import absorbed_query, absorbed_query_reference
+from tests.h200_lowering import TRITON_CALL, h200_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 # (splits, tokens, heads, nope, rope, values, rank): a rank's GLM-5 layer at 5 tokens and at 1;
@@ -71,14 +70,9 @@ def test_bad_inputs_are_named():
 
 
 def test_absorbed_query_lowers_to_triton_for_h200():
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  s = jax.ShapeDtypeStruct
   for splits, tokens, heads, nope, rope, values, rank in SHAPES:
-    s = jax.ShapeDtypeStruct
     args = (s((splits, tokens, heads * (nope + rope)), jnp.float32), s((heads, nope + values, rank), jnp.bfloat16),
             s((tokens, rope // 2), jnp.float32), s((tokens, rope // 2), jnp.float32))
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-      warnings.simplefilter("ignore", DeprecationWarning)
-      op = lambda *a, nope=nope: absorbed_query(*a, nope=nope, out_dtype=jnp.bfloat16, interpret=False)
-      text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
+    op = lambda *a, nope=nope: absorbed_query(*a, nope=nope, out_dtype=jnp.bfloat16, interpret=False)
+    assert TRITON_CALL in h200_text(op, *args)

@@ -3,7 +3,6 @@ random partial logits at GLM-5's, mini's and awkward routing shapes, ties, bad i
 lowering, and the GEMV partials it reads."""
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import pytest
 from configs import get_model_config
 from glmjax import quant
 from pallas_kernels.moe_route import route_select, route_select_reference
+from tests.h200_lowering import TRITON_CALL, h200_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 TINY = get_model_config("tiny")
@@ -68,17 +68,11 @@ def test_bad_inputs_are_named():
 
 
 def test_route_select_lowers_to_triton_for_h200():
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   for name, splits, tokens in (("glm5", 8, 5), ("glm5", 1, 1), ("awkward", 2, 3)):
     config = CONFIGS[name]
     args = (jax.ShapeDtypeStruct((splits, tokens, config.n_routed_experts), jnp.float32),
             jax.ShapeDtypeStruct((config.n_routed_experts,), jnp.float32))
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-      warnings.simplefilter("ignore", DeprecationWarning)
-      text = jax.jit(lambda *a, c=config: route_select(*a, c, interpret=False)).trace(*args).lower(
-          lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
+    assert TRITON_CALL in h200_text(lambda *a, c=config: route_select(*a, c, interpret=False), *args)
 
 
 @pytest.mark.parametrize("dense", ["xla", "pallas"])

@@ -2,8 +2,6 @@
 paged.write_layer: the same pages bit for bit, padding written nowhere, the model's cached
 forward writing through it when asked, and a lowering to Triton for an H200."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +12,7 @@ from glmjax.cache import paged
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
 from pallas_kernels.paged_write import paged_write
+from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.test_quant_model import kernel_launches
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
@@ -102,10 +101,4 @@ def test_paged_write_lowers_to_triton_for_h200():
                            s((65, 64, 1), jnp.float32))
   args = (layer, s((1, 64), jnp.int32), s((1, 5), jnp.int32), s((1, 5, 512), jnp.bfloat16),
           s((1, 5, 64), jnp.bfloat16), s((1, 5, 128), jnp.bfloat16))
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-    warnings.simplefilter("ignore", DeprecationWarning)
-    text = jax.jit(lambda *a: paged_write(*a, interpret=False)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert "__gpu$xla.gpu.triton" in text
+  assert TRITON_CALL in h200_text(lambda *a: paged_write(*a, interpret=False), *args)

@@ -23,7 +23,7 @@ from jax.experimental.pallas import fuser  # noqa: F401
 
 import glmjax
 from configs import get_model_config
-from glmjax import dsa, layers
+from glmjax import attention, dsa, layers
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
 
@@ -127,6 +127,15 @@ def test_indexer_keys_in_the_kernel_generate_the_same_tokens(tiny, monkeypatch):
   xla = _generate(tiny, "pallas", "fp8")
   _fail_in_decode_steps(monkeypatch, layers, "layer_norm")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", indexer_keys="pallas"), xla)
+
+
+def test_mla_epilogue_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
+  """mla_epilogue="pallas": decode steps normalise q_a and kv_a and rotate k_pe in one launch from
+  their GEMV's partials (attention's XLA rotation fails for them here, the query's RoPE being in
+  the absorbed-query kernel); tokens equal."""
+  xla = _generate(tiny, "pallas", "fp8", query_absorb="pallas")
+  _fail_in_decode_steps(monkeypatch, attention, "apply_rope")
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas", mla_epilogue="pallas"), xla)
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)

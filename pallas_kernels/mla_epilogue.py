@@ -1,0 +1,122 @@
+"""MLA's projection epilogue in one launch: q_a's and kv_a's GEMV partials -> q_resid, latent, k_pe.
+
+glmjax.attention.MLAttention projects x through q_a_proj and kv_a_proj_with_mqa in one split-K
+launch, then normalises q_a (q_a_layernorm) and kv_a's latent part (kv_a_layernorm), both
+RMSNorms, and rotates kv_a's rope part (apply_rope): on the H200 three XLA kernels of a TEP=8
+rank's layer (BENCHMARKS.md run 23's map). Here one launch: a program per (token, output): the
+first sums q_a's partials and normalises them, the second kv_a's latent part, and rotates its
+rope part as pairs (a [rope / 2, 2] tile of a free reshape).
+
+Numerics: as the model computes them: the sums rounded to the activations' dtype, RMSNorm's
+statistics in fp32, its scale and the rotation in that dtype. Equal to the XLA path wherever the
+summed partials round alike (split order here, XLA's there) and the fp32 statistics do (their
+sums' order differs too). Switch: `Runtime.mla_epilogue` ("xla" | "pallas").
+
+Lowering: Triton: a row of a few thousand values, one reduction, elementwise work in registers.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.layers import apply_rope, rms_norm
+from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, split_sum
+
+
+def _normalised(ref, row, weight_ref, out_ref, *, width: int, eps: float) -> None:
+  """RMSNorm of the first `width` summed partials of ref's row into out_ref[row] (rms_norm's steps)."""
+  pad = pl.next_power_of_2(width)
+  ok = jnp.arange(pad) < width
+  x = split_sum(ref, row, 0, pad, ok).astype(out_ref.dtype).astype(jnp.float32)
+  rstd = jax.lax.rsqrt(jnp.sum(x * x) / width + eps)
+  weight = pltriton.load(weight_ref.at[pl.ds(0, pad)], mask=ok, other=0.0).astype(out_ref.dtype)
+  pltriton.store(out_ref.at[row, pl.ds(0, pad)], weight * (x * rstd).astype(out_ref.dtype), mask=ok)
+
+
+def _epilogue_kernel(q_ref, kv_ref, kv_pairs_ref, q_w_ref, kv_w_ref, cos_ref, sin_ref, q_out_ref, latent_ref,
+                     pe_ref, *, rank: int, rope: int, eps: float):
+  # q_ref f32 [S, n, Q] ; kv_ref f32 [S, n, R + P] and kv_pairs_ref, the same as [S, n, (R + P) / 2, 2] ;
+  # q_w_ref [Q] ; kv_w_ref [R] ; cos_ref, sin_ref f32 [n, P / 2] ; q_out_ref [n, Q] ; latent_ref
+  # [n, R] ; pe_ref [n, P / 2, 2]: all whole, each program its row.
+  row, part = pl.program_id(0), pl.program_id(1)
+
+  @pl.when(part == 0)
+  def _():
+    _normalised(q_ref, row, q_w_ref, q_out_ref, width=q_out_ref.shape[-1], eps=eps)
+
+  @pl.when(part == 1)
+  def _():
+    _normalised(kv_ref, row, kv_w_ref, latent_ref, width=rank, eps=eps)
+    dtype, half = pe_ref.dtype, rope // 2
+    pad = pl.next_power_of_2(half)
+    ok = jnp.arange(pad) < half
+    start = jnp.int32(rank // 2)  # traced: the interpreter's static bound check would refuse the padded tile
+    pairs = split_sum(kv_pairs_ref, row, start, pad, ok[:, None]).astype(dtype).astype(jnp.float32)
+    rotated = rotate_pairs(pairs, cos_ref, sin_ref, row, ok, dtype)
+    pltriton.store(pe_ref.at[row, pl.ds(0, pad)], rotated, mask=ok[:, None])
+
+
+def check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin) -> int:
+  """kv_a's latent width R; ValueError naming the argument whose shape or dtype does not fit."""
+  check_partials("mla_epilogue", "q_partials", q_partials, "q_lora")
+  splits, n, q_lora = q_partials.shape
+  check_partials("mla_epilogue", "kv_partials", kv_partials, "rank + rope", lead=(splits, n))
+  if q_norm.shape != (q_lora,):
+    raise ValueError(f"mla_epilogue: q_norm must be [{q_lora}], got {list(q_norm.shape)}")
+  rank = kv_norm.shape[0] if kv_norm.ndim == 1 else -1
+  rope = kv_partials.shape[-1] - rank
+  if rank <= 0 or rank % 2 or rope <= 0 or rope % 2:
+    raise ValueError(f"mla_epilogue: kv_norm must be [rank] with rank and {kv_partials.shape[-1]} - rank even "
+                     f"and positive, got {list(kv_norm.shape)}")
+  check_angles("mla_epilogue", cos, sin, n, rope // 2)
+  return rank
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "interpret"))
+def mla_epilogue(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Array, kv_norm: jax.Array,
+                 cos: jax.Array, sin: jax.Array, *, eps: float = 1e-6, dtype=jnp.bfloat16,
+                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """mla_epilogue_reference in one launch (module docstring).
+
+  Args:
+    q_partials: f32 [S, n, Q]: q_a_proj's split-K partial outputs (S = 1: the output).
+    kv_partials: f32 [S, n, R + P]: kv_a_proj_with_mqa's.
+    q_norm, kv_norm: q_a_layernorm's [Q] and kv_a_layernorm's [R] weights.
+    cos, sin: f32 [n, P / 2]: the tokens' RoPE angles.
+    eps: the RMSNorms' epsilon.
+    dtype: the activations' dtype (the model's).
+    interpret: run the Pallas interpreter; None: only on a CPU backend.
+  Returns:
+    (q_resid [n, Q], latent [n, R], k_pe [n, P]), all dtype.
+  """
+  rank = check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin)
+  (splits, n, q_lora), rope = q_partials.shape, kv_partials.shape[-1] - rank
+  inputs = (q_partials, kv_partials, kv_partials.reshape(splits, n, -1, 2), q_norm, kv_norm, cos, sin)
+  shapes = [(n, q_lora), (n, rank), (n, rope // 2, 2)]
+  whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  q_resid, latent, k_pe = pl.pallas_call(
+      functools.partial(_epilogue_kernel, rank=rank, rope=rope, eps=eps),
+      grid=(n, 2),
+      in_specs=[whole(a.shape) for a in inputs],
+      out_specs=[whole(shape) for shape in shapes],
+      out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape in shapes],
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name="mla_epilogue",
+  )(*inputs)
+  return q_resid, latent, k_pe.reshape(n, rope)
+
+
+def mla_epilogue_reference(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Array, kv_norm: jax.Array,
+                           cos: jax.Array, sin: jax.Array, *, eps: float = 1e-6,
+                           dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The XLA path (MLAttention's): the partials summed and rounded to dtype, the two RMSNorms,
+  kv_a's rope part rotated."""
+  rank = check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin)
+  q_a, kv_a = (jnp.sum(p, axis=0).astype(dtype) for p in (q_partials, kv_partials))
+  k_pe = apply_rope(kv_a[None, :, rank:], cos[None], sin[None])[0]
+  return rms_norm(q_a, q_norm, eps, dtype), rms_norm(kv_a[:, :rank], kv_norm, eps, dtype), k_pe

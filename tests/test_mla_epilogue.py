@@ -1,0 +1,74 @@
+"""MLA's one-launch projection epilogue (pallas_kernels/mla_epilogue.py) against the XLA path it
+replaces: random q_a and kv_a partials at a TEP=8 rank's GLM-5 shapes and awkward ones, the
+rotation's pairs, bad inputs, the H200 lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
+from tests.h200_lowering import TRITON_CALL, h200_text
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+# (splits, tokens, q_lora Q, latent rank R, rope P): a rank's GLM-5 layer at 5 tokens and at 1;
+# then no power of two (Q 40, R 22, a rope of 3 pairs).
+SHAPES = [(8, 5, 2048, 512, 64), (1, 1, 2048, 512, 64), (3, 7, 40, 22, 6)]
+
+
+def draw(shape, seed: int):
+  """Partials on a grid of 1/64 (|p| < 256): their fp32 sums are exact in any order, so both
+  paths round the same sums to bf16."""
+  splits, tokens, q_lora, rank, rope = shape
+  rng = np.random.default_rng(seed)
+  grid = lambda width: jnp.asarray(rng.integers(-2**14, 2**14, size=(splits, tokens, width)) / 64, jnp.float32)
+  norms = [jnp.asarray(1 + 0.1 * rng.normal(size=width), jnp.bfloat16) for width in (q_lora, rank)]
+  angles = rng.uniform(0, 2 * np.pi, size=(tokens, rope // 2))
+  cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
+  return grid(q_lora), grid(rank + rope), *norms, cos, sin
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mla_epilogue_matches_the_xla_path(shape):
+  args = draw(shape, seed=hash(shape) % 2**31)
+  got = mla_epilogue(*args)
+  want = mla_epilogue_reference(*args)
+  for g, w in zip(got, want, strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype == jnp.bfloat16
+  as_f32 = lambda arrays: [np.asarray(a, np.float32) for a in arrays]
+  (q_resid, latent, k_pe), (want_q, want_latent, want_pe) = as_f32(got), as_f32(want)
+  for g, w in ((q_resid, want_q), (latent, want_latent)):  # fp32 statistics in another order: one bf16 ulp
+    np.testing.assert_allclose(g, w, rtol=2.0 ** -7, atol=0)
+  np.testing.assert_array_equal(k_pe, want_pe)  # the same bf16 sums: the reference's rotation, bit for bit
+
+
+def test_rope_pairs_rotate_in_place():
+  """A quarter turn maps each pair (x, y) of kv_a's rope part to (-y, x)."""
+  q, kv, q_norm, kv_norm, cos, _ = draw(SHAPES[2], seed=5)
+  _, _, k_pe = mla_epilogue(q, kv, q_norm, kv_norm, jnp.zeros_like(cos), jnp.ones_like(cos))
+  rope = np.asarray(jnp.sum(kv, axis=0).astype(jnp.bfloat16).astype(jnp.float32))[:, 22:]
+  np.testing.assert_array_equal(np.asarray(k_pe, np.float32)[:, 0::2], -rope[:, 1::2])
+  np.testing.assert_array_equal(np.asarray(k_pe, np.float32)[:, 1::2], rope[:, 0::2])
+
+
+def test_bad_inputs_are_named():
+  q, kv, q_norm, kv_norm, cos, sin = draw(SHAPES[2], seed=1)
+  with pytest.raises(ValueError, match="q_partials must be f32"):
+    mla_epilogue(q.astype(jnp.bfloat16), kv, q_norm, kv_norm, cos, sin)
+  with pytest.raises(ValueError, match=r"kv_partials must be f32 \[3, 7, rank \+ rope\]"):
+    mla_epilogue(q, kv[:, :5], q_norm, kv_norm, cos, sin)
+  with pytest.raises(ValueError, match=r"q_norm must be \[40\]"):
+    mla_epilogue(q, kv, q_norm[:8], kv_norm, cos, sin)
+  with pytest.raises(ValueError, match="kv_norm must be"):
+    mla_epilogue(q, kv, q_norm, kv_norm[:21], cos, sin)
+  with pytest.raises(ValueError, match=r"cos must be f32 \[7, 3\]"):
+    mla_epilogue(q, kv, q_norm, kv_norm, cos[:, :2], sin)
+
+
+def test_mla_epilogue_lowers_to_triton_for_h200():
+  s = jax.ShapeDtypeStruct
+  for splits, tokens, q_lora, rank, rope in SHAPES:
+    args = (s((splits, tokens, q_lora), jnp.float32), s((splits, tokens, rank + rope), jnp.float32),
+            s((q_lora,), jnp.bfloat16), s((rank,), jnp.bfloat16), s((tokens, rope // 2), jnp.float32),
+            s((tokens, rope // 2), jnp.float32))
+    assert TRITON_CALL in h200_text(lambda *a: mla_epilogue(*a, interpret=False), *args)
