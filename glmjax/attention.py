@@ -15,10 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glmjax import dsa
+from glmjax import dsa, quant
 from glmjax.cache import paged
 from glmjax.config import ModelConfig
-from glmjax import quant
 from glmjax.layers import LayerNorm, Linear, RMSNorm, Weight, apply_rope, apply_rope_leading, linears
 from glmjax.runtime import Runtime
 
@@ -79,8 +78,7 @@ class MLAttention(nn.Module):
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     b, t, _ = x.shape
-    h, nope, rope, r, v = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
-                           c.kv_lora_rank, c.v_head_dim)
+    h, nope, r, v = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim
     with jax.named_scope("mla_proj"):
       q_resid, latent, k_pe = self._projections(x, cos, sin, runtime)  # [b, t, q_lora], [b, t, r], [b, t, p]
       q_b = Weight((h * c.qk_head_dim, c.q_lora_rank), ("heads", "q_lora"), self.param_dtype, name="q_b_proj")()
