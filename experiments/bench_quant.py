@@ -27,7 +27,8 @@ the H200's 4.22 TB/s copy.
 The projections of one TEP=8 rank that share an input also run as a group (`group_rows`:
 the GEMV once per weight against bf16_matmul_group's one launch, `pallas_grouped`), and the
 router's choice of 8 among 256 experts from its GEMV's partials, XLA's against one launch
-(`router_rows`, 1 and 5 tokens).
+(`router_rows`, 1 and 5 tokens), and so do the epilogues of MLA's and the indexer's projections
+(`epilogue_rows`: the absorbed query, the indexer's keys, MLA's norms; 5 tokens).
 
 Cases: GEMV [M, 8192] x [8192, 28672]; one GLM-5 expert's gate/up [2048, 6144] and down
 [6144, 2048] (the shapes of a TEP=8 rank's q_a_proj and o_proj too); each at M = 1, 5, 8; the
@@ -50,6 +51,9 @@ from glmjax.moe import route
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
+from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
+from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
+from pallas_kernels.mla_query import absorbed_query, absorbed_query_reference
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
 from pallas_kernels.moe_route import route_select
@@ -135,6 +139,41 @@ def router_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., float]
   timed = [("fp32", "xla", timer(xla, partials, bias), nbytes),
            ("fp32", "pallas", timer(kernel, partials, bias), nbytes, check)]
   return _rows(dict(name="router", m=tokens, n=e, splits=splits), timed)
+
+
+def epilogue_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., float], splits: int = 8, seed: int = 0):
+  """The one-launch epilogues of MLA's and the indexer's projections (pallas_kernels/mla_query.py,
+  indexer_keys.py, mla_epilogue.py: --query_absorb, --indexer_keys, --mla_epilogue) against their
+  XLA paths (the kernels' references) on random split-K partials of `config`'s projections (one
+  TEP=8 rank's: tep8_shard); each output compared, the row reporting the worst."""
+  c, bf16 = config, jnp.bfloat16
+  keys = iter(jax.random.split(jax.random.key(seed), 12))
+  normal = lambda shape, dtype=jnp.float32, scale=1.0: (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+  norm = lambda width: (1 + normal((width,), scale=0.1)).astype(bf16)
+  angles = normal((tokens, c.qk_rope_head_dim // 2), scale=3.0)
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  heads, nope = c.num_attention_heads, c.qk_nope_head_dim
+  cases = {
+      "absorbed_query": (functools.partial(absorbed_query, nope=nope, out_dtype=bf16),
+                         functools.partial(absorbed_query_reference, nope=nope, out_dtype=bf16),
+                         (normal((splits, tokens, heads * c.qk_head_dim)),
+                          normal((heads, nope + c.v_head_dim, c.kv_lora_rank), bf16, 0.05), cos, sin)),
+      "indexer_keys": (indexer_keys, indexer_keys_reference,
+                       (normal((splits, tokens, c.index_head_dim)), normal((splits, tokens, c.index_n_heads)),
+                        norm(c.index_head_dim), normal((c.index_head_dim,), bf16, 0.1), cos, sin)),
+      "mla_epilogue": (mla_epilogue, mla_epilogue_reference,
+                       (normal((splits, tokens, c.q_lora_rank)),
+                        normal((splits, tokens, c.kv_lora_rank + c.qk_rope_head_dim)),
+                        norm(c.q_lora_rank), norm(c.kv_lora_rank), cos, sin)),
+  }
+  for name, (kernel, reference, args) in cases.items():
+    kernel, reference = jax.jit(kernel), jax.jit(reference)
+    outputs = jax.eval_shape(reference, *args)
+    nbytes = sum(a.size * a.dtype.itemsize for a in (*args, *outputs))
+    check = max((agreement(g, w) for g, w in zip(kernel(*args), reference(*args), strict=True)),
+                key=lambda a: a["max_rel_err"])
+    yield from _rows(dict(name=name, m=tokens, splits=splits), [("fp32", "xla", timer(reference, *args), nbytes),
+                                                              ("fp32", "pallas", timer(kernel, *args), nbytes, check)])
 
 
 def _moe_case(tokens: int, top_k: int, experts: int, d: int, i: int, seed: int = 0, routed: int = 0):
@@ -274,7 +313,7 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                             routed=4 * moe["experts"] if quick else 256, **moe)
 
 
-QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router")
+QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues")
 TIMERS = {"loop": time_device, "own": time_own_kernels}
 
 
@@ -305,3 +344,5 @@ def quant_rows(*, quick: bool = False, timer: str = "loop", cases: tuple[str, ..
     yield from group_rows(5, 64 if quick else 6144, ns, name=name, timer=timer)
   for tokens in (1, 5) if "router" in cases else ():  # mini's group-limited routing at the quick shapes
     yield from router_rows(tokens, get_model_config("mini" if quick else "glm5"), timer=timer)
+  if "epilogues" in cases:
+    yield from epilogue_rows(5, get_model_config("mini" if quick else "tep8_shard"), timer=timer)
