@@ -28,36 +28,43 @@ class Indexer(nn.Module):
   """Lightning indexer: per-token queries/weights and one key head; scores pick the top-k keys.
 
   Computed in fp32 whatever the model's dtype: it is a small share of the work, and bf16
-  rounding of its queries and head weights flips near-tied selections.
+  rounding of its queries and head weights flips near-tied selections. Its weights are
+  attributes (wq_b, wk, weights_proj, k_norm), so MLAttention can group wq_b with q_b_proj.
   """
   config: ModelConfig
   dtype: jnp.dtype
   param_dtype: jnp.dtype
 
-  @nn.compact
+  def setup(self):
+    c = self.config
+    self.wq_b = Weight((c.index_n_heads * c.index_head_dim, c.q_lora_rank), ("index_heads", "q_lora"),
+                       self.param_dtype)
+    self.wk = Weight((c.index_head_dim, c.hidden_size), (None, "embed"), self.param_dtype)
+    self.weights_proj = Weight((c.index_n_heads, c.hidden_size), ("index_heads", "embed"), self.param_dtype)
+    self.k_norm = LayerNorm(c.index_head_dim, eps=1e-6, dtype=jnp.float32, param_dtype=self.param_dtype)
+
   def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, dense: str = "xla",
-               keys: str = "xla"):
+               keys: str = "xla", q_partials: jax.Array | None = None):
     """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped).
     dense: the projections' plain-weight matmul (glmjax.quant.linear, linear_group). keys:
     Runtime.indexer_keys ("pallas": k and the weights from their GEMV's partials in one launch
-    at decode, pallas_kernels/indexer_keys.py)."""
+    at decode, pallas_kernels/indexer_keys.py). q_partials: wq_b's split-K partials where the
+    caller ran it (grouped with q_b_proj), else wq_b runs here."""
     c = self.config
-    kw = dict(dtype=jnp.float32, param_dtype=self.param_dtype)
     b, t, _ = x.shape
-    q = Linear(c.index_n_heads * c.index_head_dim, ("index_heads", "q_lora"), name="wq_b", **kw)(q_resid, dense=dense)
-    q = q.reshape(b, t, c.index_n_heads, c.index_head_dim)
-    q = apply_rope_leading(q, cos, sin)
+    q = (jnp.sum(q_partials, axis=0) if q_partials is not None
+         else quant.linear(q_resid, self.wq_b(), dense=dense, dtype=jnp.float32))
+    q = apply_rope_leading(q.reshape(b, t, c.index_n_heads, c.index_head_dim), cos, sin)
     # Both from x, in one launch under dense="pallas_grouped"; the head weights kept in fp32: bf16
     # rounding of them flips near-tied selections.
-    specs = [("wk", c.index_head_dim, (None, "embed")), ("weights_proj", c.index_n_heads, ("index_heads", "embed"))]
-    k_norm = LayerNorm(c.index_head_dim, eps=1e-6, name="k_norm", **kw)
+    projections = [self.wk(), self.weights_proj()]
     if keys == "pallas" and quant.decode_sized(x):
       from pallas_kernels.indexer_keys import indexer_keys  # the kernels import the model
-      k, weights = indexer_keys(*linears(x, specs, dense=dense, partials=True, **kw), k_norm.weight, k_norm.bias,
-                                *(a.reshape(b * t, -1) for a in (cos, sin)), eps=k_norm.eps)
+      k, weights = indexer_keys(*quant.linear_group_partials(x, projections, dense=dense), self.k_norm.weight,
+                                self.k_norm.bias, *(a.reshape(b * t, -1) for a in (cos, sin)), eps=self.k_norm.eps)
       return q, weights.reshape(b, t, -1), k.reshape(b, t, -1)
-    k, weights = linears(x, specs, dense=dense, **kw)
-    return q, weights * c.index_n_heads ** -0.5, apply_rope_leading(k_norm(k), cos, sin)
+    k, weights = quant.linear_group(x, projections, dense=dense, dtype=jnp.float32)
+    return q, weights * c.index_n_heads ** -0.5, apply_rope_leading(self.k_norm(k), cos, sin)
 
 
 class MLAttention(nn.Module):
@@ -91,23 +98,30 @@ class MLAttention(nn.Module):
       raise ValueError(f"layer {layer_id} must run its indexer but has no indexer weights "
                        "(a 'shared' layer in the checkpoint): choose an IndexShare pattern whose "
                        "full layers have indexers")
-    idx = (Indexer(c, name="indexer", **kw)(x, q_resid, cos, sin, dense=runtime.dense_matmul,
-                                            keys=runtime.indexer_keys)
-           if (self.has_indexer and run_indexer) else None)
-    if idx is not None and runtime.indexer_queries != "float32":  # one bf16 MMA term in the kernel, not three
-      idx = (idx[0].astype(runtime.indexer_queries), *idx[1:])
-
+    indexer = Indexer(c, name="indexer", **kw) if (self.has_indexer and run_indexer) else None
     if cache is None:
       q_nope, q_pe = self._query(q_resid, q_b, cos, sin, runtime)
+      idx = self._index(indexer, x, q_resid, cos, sin, runtime)
       out, topk = self._reference(q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime)
       new_layer = None
     else:
-      q_latent, q_pe = self._absorbed_query(q_resid, q_b, kv_b, cos, sin, runtime)
+      q_latent, q_pe, index_q = self._absorbed_query(q_resid, q_b, kv_b, cos, sin, runtime,
+                                                     None if indexer is None else indexer.wq_b())
+      idx = self._index(indexer, x, q_resid, cos, sin, runtime, q_partials=index_q)
       out, topk, new_layer = self._cached(q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
                                           cache, cache_slot, runtime)
     out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype),
                                                                           **runtime.linear_impls)
     return out, topk, new_layer
+
+  def _index(self, indexer, x, q_resid, cos, sin, runtime, q_partials=None):
+    """The indexer's (q, weights, k), q in Runtime.indexer_queries (bfloat16: one MMA term in the
+    scores kernel, not three); None without an indexer to run (the layer reuses a top-k)."""
+    if indexer is None:
+      return None
+    q, weights, k = indexer(x, q_resid, cos, sin, dense=runtime.dense_matmul, keys=runtime.indexer_keys,
+                            q_partials=q_partials)
+    return q.astype(runtime.indexer_queries), weights, k
 
   def _projections(self, x, cos, sin, runtime):
     """x through q_a_proj and kv_a_proj_with_mqa (one launch under dense="pallas_grouped") and
@@ -136,22 +150,26 @@ class MLAttention(nn.Module):
     q = q.reshape(*q_resid.shape[:2], c.num_attention_heads, c.qk_head_dim)
     return q[..., :c.qk_nope_head_dim], apply_rope(q[..., c.qk_nope_head_dim:], cos, sin)
 
-  def _absorbed_query(self, q_resid, q_b, kv_b, cos, sin, runtime):
+  def _absorbed_query(self, q_resid, q_b, kv_b, cos, sin, runtime, index_wq):
     """The cached path's queries in Runtime.attention_queries: (q_latent [B, T, H, R], the q_nope
-    part through kv_b's key half; q_pe [B, T, H, rope]). With query_absorb="pallas" at decode
-    (quant.decode_sized), one launch from q_b's split-K partials."""
+    part through kv_b's key half; q_pe [B, T, H, rope]; the partials of the indexer's wq_b or
+    None). With query_absorb="pallas" at decode (quant.decode_sized), one launch from q_b's
+    split-K partials, and index_wq (the indexer's wq_b, which also reads q_resid, or None) in
+    q_b's GEMV launch under dense="pallas_grouped"."""
     c = self.config
     b, t, _ = q_resid.shape
     queries = jnp.dtype(runtime.attention_queries)
     if runtime.query_absorb == "pallas" and quant.decode_sized(q_resid):
       from pallas_kernels import mla_query  # the kernels import the model
-      partials = quant.linear_partials(q_resid, q_b, impl=runtime.matmul, dense=runtime.dense_matmul)
+      partials, *index_q = quant.linear_group_partials(q_resid, [q_b] + ([] if index_wq is None else [index_wq]),
+                                                       impl=runtime.matmul, dense=runtime.dense_matmul)
       angles = [a.reshape(b * t, -1) for a in (cos, sin)]
       q_latent, q_pe = mla_query.absorbed_query(partials, kv_b, *angles, nope=c.qk_nope_head_dim,
                                                 q_dtype=self.dtype, out_dtype=queries)
-      return q_latent.reshape(b, t, *q_latent.shape[1:]), q_pe.reshape(b, t, *q_pe.shape[1:])
+      index_partials = index_q[0] if index_q else None
+      return q_latent.reshape(b, t, *q_latent.shape[1:]), q_pe.reshape(b, t, *q_pe.shape[1:]), index_partials
     q_nope, q_pe = self._query(q_resid, q_b, cos, sin, runtime)
-    return dsa.query_absorption(q_nope, kv_b, c.qk_nope_head_dim).astype(queries), q_pe.astype(queries)
+    return dsa.query_absorption(q_nope, kv_b, c.qk_nope_head_dim).astype(queries), q_pe.astype(queries), None
 
   def _reference(self, q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime):
     """transformers' expanded-KV attention over the sequence itself (no cache)."""

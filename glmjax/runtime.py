@@ -51,7 +51,8 @@ class Runtime:
   query_absorb: the cached path's decode query, q_b_proj's output per head rotated (rope part)
   and moved into the latent space through kv_b_proj's key half (nope part): XLA's kernels (the
   split-K sum, the RoPE stack, W_UK's copy, the dot) or one Pallas launch from q_b's partials
-  (pallas_kernels/mla_query.py; equal to fp32 rounding).
+  (pallas_kernels/mla_query.py; equal to fp32 rounding); under dense_matmul="pallas_grouped"
+  the indexer's wq_b, which reads q_resid too, joins q_b's GEMV launch.
   mla_epilogue: MLA's projection epilogue, q_a's and kv_a's RMSNorms and k_pe's RoPE after
   their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
   (pallas_kernels/mla_epilogue.py; equal up to the fp32 statistics' order).

@@ -23,7 +23,7 @@ from jax.experimental.pallas import fuser  # noqa: F401
 
 import glmjax
 from configs import get_model_config
-from glmjax import attention, dsa, layers
+from glmjax import attention, dsa, layers, quant
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
 
@@ -119,6 +119,18 @@ def test_query_absorb_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch)
   xla = _generate(tiny, "pallas", "fp8")
   _fail_in_decode_steps(monkeypatch, dsa, "query_absorption")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas"), xla)
+
+
+def test_query_absorb_groups_q_b_with_the_indexers_wq_b(tiny, monkeypatch):
+  """Under dense_matmul="pallas_grouped", query_absorb="pallas" runs the indexer's wq_b in q_b's
+  GEMV launch (both read q_resid): decode steps hand both weights to one group; tokens equal."""
+  ungrouped = _generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
+  groups, original = [], quant.linear_group_partials
+  record = lambda x, ws, **kw: groups.append(len(ws)) or original(x, ws, **kw)
+  monkeypatch.setattr(quant, "linear_group_partials", record)
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped", query_absorb="pallas"),
+                                ungrouped)
+  assert 2 in groups and set(groups) <= {1, 2}  # 1: a layer reusing a preceding top-k runs no wq_b
 
 
 def test_indexer_keys_in_the_kernel_generate_the_same_tokens(tiny, monkeypatch):
