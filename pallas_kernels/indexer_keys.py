@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.layers import apply_rope_leading, layer_norm
+from glmjax import layers
 from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, split_sum
 
@@ -109,6 +109,6 @@ def indexer_keys_reference(k_partials: jax.Array, w_partials: jax.Array, norm_we
   """The XLA path (glmjax.attention.Indexer's): the partials summed, k_norm, RoPE on the first
   rope columns, the head weights times H^-0.5."""
   check_keys_args(k_partials, w_partials, norm_weight, norm_bias, cos, sin)
-  k = layer_norm(jnp.sum(k_partials, axis=0), norm_weight, norm_bias, eps)
+  k = layers.layer_norm(jnp.sum(k_partials, axis=0), norm_weight, norm_bias, eps)
   weights = jnp.sum(w_partials, axis=0) * w_partials.shape[-1] ** -0.5
-  return apply_rope_leading(k[None], cos[None], sin[None])[0], weights
+  return layers.apply_rope_leading(k[None], cos[None], sin[None])[0], weights

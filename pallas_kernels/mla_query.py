@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.dsa import query_absorption
+from glmjax import dsa
 from glmjax.layers import apply_rope
 from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, split_sum
@@ -120,5 +120,5 @@ def absorbed_query_reference(partials: jax.Array, kv_b: jax.Array, cos: jax.Arra
   check_absorb_args(partials, kv_b, cos, sin, nope)
   q = jnp.sum(partials, axis=0).astype(q_dtype).reshape(partials.shape[1], kv_b.shape[0], -1)
   q_pe = apply_rope(q[None, :, :, nope:], cos[None], sin[None])[0]
-  return query_absorption(q[..., :nope], kv_b, nope).astype(out_dtype), q_pe.astype(out_dtype)
+  return dsa.query_absorption(q[..., :nope], kv_b, nope).astype(out_dtype), q_pe.astype(out_dtype)
 
