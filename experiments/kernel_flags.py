@@ -10,8 +10,7 @@ from typing import Callable
 from absl import flags
 
 from glmjax.quant import DENSE_IMPLS
-from glmjax.runtime import (CACHE_WRITES, INDEXER_KEYS, MATMUL_IMPLS, MLA_EPILOGUES, MOE_ROUTINGS, QUERY_ABSORBS,
-                            QUERY_DTYPES, ROUTERS, VALUE_MERGES)
+from glmjax.runtime import FOLD_SWITCHES, FOLDS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES
 from pallas_kernels.indexer_scores import ORIENTATIONS
 from pallas_kernels.topk import METHODS
 
@@ -26,42 +25,43 @@ def define_matmul(default: str) -> flags.FlagHolder[str]:
                            "(pallas_ptx_f16 with one-row NVFP4 linears on the CUDA cores' fp16x2 FMAs)")
 
 
+# The help of each fold switch (glmjax.runtime.FOLD_SWITCHES): what XLA does, what one launch does.
+_FOLD_HELP = {
+    "cache_write": "the decode step's cache write: xla (scatters) or pallas (one launch a layer)",
+    "router": "the MoE router's expert choice: xla (sum, sort, gather: about five kernels) or pallas (one launch "
+              "from the router GEMV's partials)",
+    "value_merge": "sparse MLA's split merge and value product (--attention=pallas): xla (about six kernels) or "
+                   "pallas (one launch)",
+    "query_absorb": "MLA's absorbed decode query from q_b's output: xla (sum, RoPE, W_UK copy and dot: about four "
+                    "kernels) or pallas (one launch from q_b's partials)",
+    "indexer_keys": "the indexer's new key and head weights from their GEMV: xla (k_norm, RoPE, scale: about four "
+                    "kernels) or pallas (one launch from the GEMV's partials)",
+    "mla_epilogue": "MLA's q_a and kv_a RMSNorms and k_pe RoPE after their GEMV: xla (three kernels) or pallas "
+                    "(one launch from the GEMV's partials)",
+}
+
+
 def define() -> Callable[[], dict[str, str]]:
   """Defines the flags; returns a function reading them as `make_runtime` keyword arguments."""
-  dense = flags.DEFINE_enum("dense_matmul", "xla", list(DENSE_IMPLS),
-                            "plain bf16 linears at decode: xla (einsum), pallas (the split-K GEMV) or "
-                            "pallas_grouped (that, with the projections sharing an input in one launch)")
-  write = flags.DEFINE_enum("cache_write", "xla", list(CACHE_WRITES),
-                            "the decode step's cache write: xla (scatters) or pallas (one launch a layer)")
-  routing = flags.DEFINE_enum("moe_routing", "table", list(MOE_ROUTINGS),
-                              "the MoE kernels' expert lookup: table (XLA) or scan (in-kernel) for the grouped "
-                              "tensor-core kernels, or pairs (each token-expert pair a one-row product on "
-                              "the CUDA cores; NVFP4 experts, --matmul=pallas_hfma2), pairs_fused (that, "
-                              "the activations' fp16 planes in one launch each)")
-  router = flags.DEFINE_enum("router", "xla", list(ROUTERS),
-                             "the MoE router's expert choice: xla (sum, sort, gather: about five kernels) or "
-                             "pallas (one launch from the router GEMV's partials)")
-  merge = flags.DEFINE_enum("value_merge", "xla", list(VALUE_MERGES),
-                            "sparse MLA's split merge and value product (--attention=pallas): xla (about six "
-                            "kernels) or pallas (one launch)")
-  absorb = flags.DEFINE_enum("query_absorb", "xla", list(QUERY_ABSORBS),
-                             "MLA's absorbed decode query from q_b's output: xla (sum, RoPE, W_UK copy and dot: "
-                             "about four kernels) or pallas (one launch from q_b's partials)")
-  keys = flags.DEFINE_enum("indexer_keys", "xla", list(INDEXER_KEYS),
-                           "the indexer's new key and head weights from their GEMV: xla (k_norm, RoPE, scale: "
-                           "about four kernels) or pallas (one launch from the GEMV's partials)")
-  epilogue = flags.DEFINE_enum("mla_epilogue", "xla", list(MLA_EPILOGUES),
-                               "MLA's q_a and kv_a RMSNorms and k_pe RoPE after their GEMV: xla (three kernels) or "
-                               "pallas (one launch from the GEMV's partials)")
-  topk = flags.DEFINE_enum("topk_method", "sampled", list(METHODS), "the Pallas top-k's algorithm (--attention=pallas)")
-  orientation = flags.DEFINE_enum("indexer_orientation", "keys", list(ORIENTATIONS),
-                                  "the Pallas indexer scores kernel's MMA rows: keys (head sums within a warp) "
-                                  "or heads (across warps)")
-  indexer = flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES), "precision of the indexer's queries")
-  attention = flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
-                                "precision of the decode attention's queries (bfloat16: FlashMLA's numerics)")
-  return lambda: dict(dense_matmul=dense.value, cache_write=write.value, moe_routing=routing.value,
-                      router=router.value, value_merge=merge.value, query_absorb=absorb.value,
-                      indexer_keys=keys.value, mla_epilogue=epilogue.value, topk_method=topk.value,
-                      indexer_orientation=orientation.value, indexer_queries=indexer.value,
-                      attention_queries=attention.value)
+  switches = {
+      "dense_matmul": flags.DEFINE_enum("dense_matmul", "xla", list(DENSE_IMPLS),
+                                        "plain bf16 linears at decode: xla (einsum), pallas (the split-K GEMV) or "
+                                        "pallas_grouped (that, with the projections sharing an input in one launch)"),
+      "moe_routing": flags.DEFINE_enum("moe_routing", "table", list(MOE_ROUTINGS),
+                                       "the MoE kernels' expert lookup: table (XLA) or scan (in-kernel) for the "
+                                       "grouped tensor-core kernels, or pairs (each token-expert pair a one-row "
+                                       "product on the CUDA cores; NVFP4 experts, --matmul=pallas_hfma2), "
+                                       "pairs_fused (that, the activations' fp16 planes in one launch each)"),
+      **{name: flags.DEFINE_enum(name, "xla", list(FOLDS), _FOLD_HELP[name]) for name in FOLD_SWITCHES},
+      "topk_method": flags.DEFINE_enum("topk_method", "sampled", list(METHODS),
+                                       "the Pallas top-k's algorithm (--attention=pallas)"),
+      "indexer_orientation": flags.DEFINE_enum("indexer_orientation", "keys", list(ORIENTATIONS),
+                                               "the Pallas indexer scores kernel's MMA rows: keys (head sums within "
+                                               "a warp) or heads (across warps)"),
+      "indexer_queries": flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES),
+                                           "precision of the indexer's queries"),
+      "attention_queries": flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
+                                             "precision of the decode attention's queries (bfloat16: FlashMLA's "
+                                             "numerics)"),
+  }
+  return lambda: {name: flag.value for name, flag in switches.items()}

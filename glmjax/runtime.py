@@ -14,13 +14,13 @@ Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
 MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2 (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
-CACHE_WRITES = ("xla", "pallas")  # the decode step's cache write: paged.write_layer or its one-launch kernel
 MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
-ROUTERS = ("xla", "pallas")  # the MoE router's expert choice: glmjax.moe.route or its one-launch kernel
-VALUE_MERGES = ("xla", "pallas")  # sparse MLA's split merge and value product: XLA's kernels or one launch
-MLA_EPILOGUES = ("xla", "pallas")  # q_a's and kv_a's RMSNorms and k_pe's RoPE: XLA's kernels or one launch
-INDEXER_KEYS = ("xla", "pallas")  # the indexer's key and head weights from wk's GEMV: XLA's kernels or one launch
-QUERY_ABSORBS = ("xla", "pallas")  # MLA's absorbed decode query from q_b's partials: XLA's kernels or one launch
+FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
+# The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
+FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue")
+_CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
+            "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
+            "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,43 +94,17 @@ class Runtime:
   attention_queries: str = "float32"
 
   def __post_init__(self):
-    if self.attention not in ATTENTION_IMPLS:
-      raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
-    if self.topk_ties not in ("index", "torch_cpu"):
-      raise ValueError(f"topk_ties must be 'index' or 'torch_cpu', got {self.topk_ties!r}")
-    if self.matmul not in MATMUL_IMPLS:
-      raise ValueError(f"matmul must be one of {MATMUL_IMPLS}, got {self.matmul!r}")
-    if self.dense_matmul not in DENSE_IMPLS:
-      raise ValueError(f"dense_matmul must be one of {DENSE_IMPLS}, got {self.dense_matmul!r}")
-    if self.cache_write not in CACHE_WRITES:
-      raise ValueError(f"cache_write must be one of {CACHE_WRITES}, got {self.cache_write!r}")
-    if self.moe_routing not in MOE_ROUTINGS:
-      raise ValueError(f"moe_routing must be one of {MOE_ROUTINGS}, got {self.moe_routing!r}")
-    if self.router not in ROUTERS:
-      raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
-    if self.value_merge not in VALUE_MERGES:
-      raise ValueError(f"value_merge must be one of {VALUE_MERGES}, got {self.value_merge!r}")
-    if self.query_absorb not in QUERY_ABSORBS:
-      raise ValueError(f"query_absorb must be one of {QUERY_ABSORBS}, got {self.query_absorb!r}")
-    if self.indexer_keys not in INDEXER_KEYS:
-      raise ValueError(f"indexer_keys must be one of {INDEXER_KEYS}, got {self.indexer_keys!r}")
-    if self.mla_epilogue not in MLA_EPILOGUES:
-      raise ValueError(f"mla_epilogue must be one of {MLA_EPILOGUES}, got {self.mla_epilogue!r}")
+    from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed
+    from pallas_kernels.topk import METHODS
+    for name, choices in {**_CHOICES, "topk_method": METHODS, "indexer_orientation": ORIENTATIONS}.items():
+      if getattr(self, name) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")
     if self.moe_routing in PAIR_ROUTINGS and self.matmul != "pallas_hfma2":
       raise ValueError(f"moe_routing={self.moe_routing!r} runs the experts on the CUDA cores' fp16x2 FMAs: it "
                        f"needs matmul='pallas_hfma2', got {self.matmul!r}")
-    for name in ("indexer_queries", "attention_queries"):
-      if getattr(self, name) not in QUERY_DTYPES:
-        raise ValueError(f"{name} must be one of {QUERY_DTYPES}, got {getattr(self, name)!r}")
-    from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed
-    from pallas_kernels.topk import METHODS
-    if self.topk_method not in METHODS:
-      raise ValueError(f"topk_method must be one of {METHODS}, got {self.topk_method!r}")
-    if self.indexer_orientation not in ORIENTATIONS:
-      raise ValueError(f"indexer_orientation must be one of {ORIENTATIONS}, got {self.indexer_orientation!r}")
 
   @property
   def linear_impls(self) -> dict[str, str]:
@@ -146,14 +120,10 @@ class Runtime:
 
 
 def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_share: str | int = "on",
-                 matmul: str = "xla", dense_matmul: str = "xla", cache_write: str = "xla",
-                 moe_routing: str = "table", router: str = "xla", value_merge: str = "xla",
-                 query_absorb: str = "xla", indexer_keys: str = "xla", mla_epilogue: str = "xla",
-                 topk_method: str = "sampled",
-                 indexer_orientation: str = "keys", indexer_queries: str = "float32",
-                 attention_queries: str = "float32") -> Runtime:
+                 **switches) -> Runtime:
   """index_share: "on" honours the config's full/shared pattern, "off" runs every layer's
-  indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0)."""
+  indexer, an integer N keeps every N-th indexer (transformers' freq rule, offset 0). switches:
+  Runtime's other fields, by name (their defaults where not given)."""
   if index_share == "on":
     types = config.indexer_types
   elif index_share == "off":
@@ -163,9 +133,4 @@ def make_runtime(config: ModelConfig, *, attention: Attention = "sparse", index_
     if freq <= 0:
       raise ValueError(f"index_share frequency must be positive, got {index_share!r}")
     types = derive_indexer_types(config.num_hidden_layers, freq=freq, offset=1)
-  return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), matmul=matmul,
-                 dense_matmul=dense_matmul, cache_write=cache_write, moe_routing=moe_routing, router=router,
-                 value_merge=value_merge, query_absorb=query_absorb, indexer_keys=indexer_keys,
-                 mla_epilogue=mla_epilogue,
-                 topk_method=topk_method, indexer_orientation=indexer_orientation, indexer_queries=indexer_queries,
-                 attention_queries=attention_queries)
+  return Runtime(attention=attention, indexer_pattern=tuple(t == "full" for t in types), **switches)
