@@ -143,9 +143,10 @@ def router_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., float]
 
 def epilogue_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., float], splits: int = 8, seed: int = 0):
   """The one-launch epilogues of MLA's and the indexer's projections (pallas_kernels/mla_query.py,
-  indexer_keys.py, mla_epilogue.py: --query_absorb, --indexer_keys, --mla_epilogue) against their
-  XLA paths (the kernels' references) on random split-K partials of `config`'s projections (one
-  TEP=8 rank's: tep8_shard); each output compared, the row reporting the worst."""
+  indexer_keys.py, mla_epilogue.py: --query_absorb, --indexer_keys, --mla_epilogue; the last two
+  in one launch: --index_epilogue; the indexer's query in the first's: --index_query) against
+  their XLA paths (the kernels' references) on random split-K partials of `config`'s projections
+  (one TEP=8 rank's: tep8_shard); each output compared, the row reporting the worst."""
   c, bf16 = config, jnp.bfloat16
   keys = iter(jax.random.split(jax.random.key(seed), 12))
   normal = lambda shape, dtype=jnp.float32, scale=1.0: (scale * jax.random.normal(next(keys), shape)).astype(dtype)
@@ -166,6 +167,16 @@ def epilogue_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., floa
                         normal((splits, tokens, c.kv_lora_rank + c.qk_rope_head_dim)),
                         norm(c.q_lora_rank), norm(c.kv_lora_rank), cos, sin)),
   }
+  # --index_epilogue: the indexer's keys in mla_epilogue's launch (args: mla_epilogue's, then the indexer's four);
+  # --index_query: the indexer's query in the absorbed query's (args: absorbed_query's, then wq_b's partials)
+  with_keys = lambda fn: lambda *args: fn(*args[:6], index_keys=args[6:])
+  cases["mla_index_epilogue"] = (with_keys(mla_epilogue), with_keys(mla_epilogue_reference),
+                                 cases["mla_epilogue"][2] + cases["indexer_keys"][2][:4])
+  with_query = lambda fn: lambda *args: fn(*args[:4], index_partials=args[4], index_heads=c.index_n_heads,
+                                           index_dtype=bf16)
+  wq_b_partials = normal((splits, tokens, c.index_n_heads * c.index_head_dim))
+  cases["absorbed_index_query"] = (with_query(cases["absorbed_query"][0]), with_query(cases["absorbed_query"][1]),
+                                   cases["absorbed_query"][2] + (wq_b_partials,))
   for name, (kernel, reference, args) in cases.items():
     kernel, reference = jax.jit(kernel), jax.jit(reference)
     outputs = jax.eval_shape(reference, *args)

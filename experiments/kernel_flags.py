@@ -1,9 +1,9 @@
 """Kernel switches as absl flags, shared by the experiments that build a Runtime (replay,
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
-default), and --dense_matmul, --cache_write, --moe_routing, --router, --value_merge,
---query_absorb, --indexer_keys, --mla_epilogue with the DSA kernels' --topk_method, --indexer_orientation,
---indexer_queries, --attention_queries (`define`);
-glmjax.runtime.Runtime's fields of those names."""
+default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
+--cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
+--index_epilogue, --index_query) with the DSA kernels' --topk_method, --indexer_orientation,
+--indexer_queries, --attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 
@@ -38,6 +38,10 @@ _FOLD_HELP = {
                     "kernels) or pallas (one launch from the GEMV's partials)",
     "mla_epilogue": "MLA's q_a and kv_a RMSNorms and k_pe RoPE after their GEMV: xla (three kernels) or pallas "
                     "(one launch from the GEMV's partials)",
+    "index_epilogue": "with --mla_epilogue=pallas --indexer_keys=pallas: xla (each its GEMV and epilogue launches) "
+                      "or pallas (the indexer's wk and weights_proj in q_a/kv_a's GEMV, its key epilogue in MLA's)",
+    "index_query": "with --query_absorb=pallas: the indexer's query from its wq_b partials (sum, RoPE): xla (one "
+                   "kernel) or pallas (in the absorbed-query launch)",
 }
 
 

@@ -44,17 +44,25 @@ class Indexer(nn.Module):
     self.k_norm = LayerNorm(c.index_head_dim, eps=1e-6, dtype=jnp.float32, param_dtype=self.param_dtype)
 
   def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, dense: str = "xla",
-               keys: str = "xla", q_partials: jax.Array | None = None):
+               keys: str = "xla", q_partials: jax.Array | None = None, finished_q: jax.Array | None = None,
+               finished_keys: tuple[jax.Array, jax.Array] | None = None):
     """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped).
     dense: the projections' plain-weight matmul (glmjax.quant.linear, linear_group). keys:
     Runtime.indexer_keys ("pallas": k and the weights from their GEMV's partials in one launch
     at decode, pallas_kernels/indexer_keys.py). q_partials: wq_b's split-K partials where the
-    caller ran it (grouped with q_b_proj), else wq_b runs here."""
+    caller ran it (grouped with q_b_proj), else wq_b runs here. finished_q, finished_keys: q, and
+    (k, weights), where the caller made them (in the absorbed-query launch, Runtime.index_query;
+    in MLA's epilogue launch, Runtime.index_epilogue)."""
     c = self.config
     b, t, _ = x.shape
-    q = (jnp.sum(q_partials, axis=0) if q_partials is not None
-         else quant.linear(q_resid, self.wq_b(), dense=dense, dtype=jnp.float32))
-    q = apply_rope_leading(q.reshape(b, t, c.index_n_heads, c.index_head_dim), cos, sin)
+    q = finished_q
+    if q is None:
+      q = (jnp.sum(q_partials, axis=0) if q_partials is not None
+           else quant.linear(q_resid, self.wq_b(), dense=dense, dtype=jnp.float32))
+      q = apply_rope_leading(q.reshape(b, t, c.index_n_heads, c.index_head_dim), cos, sin)
+    if finished_keys is not None:
+      k, weights = finished_keys
+      return q, weights, k
     # Both from x, in one launch under dense="pallas_grouped"; the head weights kept in fp32: bf16
     # rounding of them flips near-tied selections.
     projections = [self.wk(), self.weights_proj()]
@@ -86,19 +94,20 @@ class MLAttention(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     b, t, _ = x.shape
     h, nope, r, v = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim
-    with jax.named_scope("mla_proj"):
-      q_resid, latent, k_pe = self._projections(x, cos, sin, runtime)  # [b, t, q_lora], [b, t, r], [b, t, p]
-      q_b = Weight((h * c.qk_head_dim, c.q_lora_rank), ("heads", "q_lora"), self.param_dtype, name="q_b_proj")()
-      kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()
-      kv_b = kv_b if isinstance(kv_b, jax.Array) else kv_b.dequantize(jnp.float32)  # used raw (absorbed)
-      kv_b = kv_b.reshape(h, nope + v, r)
-
     run_indexer = runtime.runs_indexer(layer_id, self.has_indexer) or prev_topk is None
     if run_indexer and not self.has_indexer:
       raise ValueError(f"layer {layer_id} must run its indexer but has no indexer weights "
                        "(a 'shared' layer in the checkpoint): choose an IndexShare pattern whose "
                        "full layers have indexers")
     indexer = Indexer(c, name="indexer", **kw) if (self.has_indexer and run_indexer) else None
+    with jax.named_scope("mla_proj"):
+      # [b, t, q_lora], [b, t, r], [b, t, p]; the indexer's (k, weights) where its epilogue joined MLA's, else None
+      q_resid, latent, k_pe, index_keys = self._projections(x, cos, sin, runtime, indexer)
+      q_b = Weight((h * c.qk_head_dim, c.q_lora_rank), ("heads", "q_lora"), self.param_dtype, name="q_b_proj")()
+      kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()
+      kv_b = kv_b if isinstance(kv_b, jax.Array) else kv_b.dequantize(jnp.float32)  # used raw (absorbed)
+      kv_b = kv_b.reshape(h, nope + v, r)
+
     if cache is None:
       q_nope, q_pe = self._query(q_resid, q_b, cos, sin, runtime)
       idx = self._index(indexer, x, q_resid, cos, sin, runtime)
@@ -107,26 +116,28 @@ class MLAttention(nn.Module):
     else:
       q_latent, q_pe, index_q = self._absorbed_query(q_resid, q_b, kv_b, cos, sin, runtime,
                                                      None if indexer is None else indexer.wq_b())
-      idx = self._index(indexer, x, q_resid, cos, sin, runtime, q_partials=index_q)
+      idx = self._index(indexer, x, q_resid, cos, sin, runtime, finished_keys=index_keys, **index_q)
       out, topk, new_layer = self._cached(q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
                                           cache, cache_slot, runtime)
     out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype),
                                                                           **runtime.linear_impls)
     return out, topk, new_layer
 
-  def _index(self, indexer, x, q_resid, cos, sin, runtime, q_partials=None):
+  def _index(self, indexer, x, q_resid, cos, sin, runtime, **finished):
     """The indexer's (q, weights, k), q in Runtime.indexer_queries (bfloat16: one MMA term in the
-    scores kernel, not three); None without an indexer to run (the layer reuses a top-k)."""
+    scores kernel, not three); None without an indexer to run (the layer reuses a top-k).
+    finished: the Indexer's q_partials, finished_q, finished_keys where fused launches made them."""
     if indexer is None:
       return None
-    q, weights, k = indexer(x, q_resid, cos, sin, dense=runtime.dense_matmul, keys=runtime.indexer_keys,
-                            q_partials=q_partials)
+    q, weights, k = indexer(x, q_resid, cos, sin, dense=runtime.dense_matmul, keys=runtime.indexer_keys, **finished)
     return q.astype(runtime.indexer_queries), weights, k
 
-  def _projections(self, x, cos, sin, runtime):
+  def _projections(self, x, cos, sin, runtime, indexer):
     """x through q_a_proj and kv_a_proj_with_mqa (one launch under dense="pallas_grouped") and
-    their norms -> (q_resid, latent, k_pe roped). With mla_epilogue="pallas" at decode
-    (quant.decode_sized), the norms and the rotation in one launch from the GEMV's partials."""
+    their norms -> (q_resid, latent, k_pe roped, None). With mla_epilogue="pallas" at decode
+    (quant.decode_sized), the norms and the rotation in one launch from the GEMV's partials; and
+    with index_epilogue="pallas", the indexer's (k, weights) instead of None: its wk and
+    weights_proj in the same GEMV, its key epilogue in the same launch."""
     c = self.config
     b, t, _ = x.shape
     r, rope = c.kv_lora_rank, c.qk_rope_head_dim
@@ -136,12 +147,18 @@ class MLAttention(nn.Module):
     kv_norm = RMSNorm(r, 1e-6, name="kv_a_layernorm", **kw)
     if runtime.mla_epilogue == "pallas" and quant.decode_sized(x):
       from pallas_kernels.mla_epilogue import mla_epilogue  # the kernels import the model
-      outs = mla_epilogue(*linears(x, specs, partials=True, **runtime.linear_impls, **kw), q_norm.weight,
-                          kv_norm.weight, *(a.reshape(b * t, -1) for a in (cos, sin)), eps=q_norm.eps,
-                          dtype=self.dtype)
-      return tuple(a.reshape(b, t, -1) for a in outs)
+      joined = runtime.index_epilogue == "pallas" and indexer is not None
+      more = [indexer.wk(), indexer.weights_proj()] if joined else []
+      q_partials, kv_partials, *index_partials = linears(x, specs, partials=True, more=more,
+                                                         **runtime.linear_impls, **kw)
+      index_keys = (*index_partials, indexer.k_norm.weight, indexer.k_norm.bias) if joined else None
+      outs = mla_epilogue(q_partials, kv_partials, q_norm.weight, kv_norm.weight,
+                          *(a.reshape(b * t, -1) for a in (cos, sin)), eps=q_norm.eps, dtype=self.dtype,
+                          index_keys=index_keys, index_eps=indexer.k_norm.eps if joined else 1e-6)
+      outs = [a.reshape(b, t, -1) for a in outs]
+      return *outs[:3], (tuple(outs[3:]) if joined else None)
     q_a, kv_a = linears(x, specs, **runtime.linear_impls, **kw)
-    return q_norm(q_a), kv_norm(kv_a[..., :r]), apply_rope(kv_a[..., r:], cos, sin)
+    return q_norm(q_a), kv_norm(kv_a[..., :r]), apply_rope(kv_a[..., r:], cos, sin), None
 
   def _query(self, q_resid, q_b, cos, sin, runtime):
     """q_b_proj's output per head -> (q_nope [B, T, H, nope], q_pe [B, T, H, rope] rotated)."""
@@ -152,10 +169,11 @@ class MLAttention(nn.Module):
 
   def _absorbed_query(self, q_resid, q_b, kv_b, cos, sin, runtime, index_wq):
     """The cached path's queries in Runtime.attention_queries: (q_latent [B, T, H, R], the q_nope
-    part through kv_b's key half; q_pe [B, T, H, rope]; the partials of the indexer's wq_b or
-    None). With query_absorb="pallas" at decode (quant.decode_sized), one launch from q_b's
-    split-K partials, and index_wq (the indexer's wq_b, which also reads q_resid, or None) in
-    q_b's GEMV launch under dense="pallas_grouped"."""
+    part through kv_b's key half; q_pe [B, T, H, rope]; the Indexer's q arguments: {} or its
+    wq_b's partials, or its finished q). With query_absorb="pallas" at decode
+    (quant.decode_sized), one launch from q_b's split-K partials, and index_wq (the indexer's
+    wq_b, which also reads q_resid, or None) in q_b's GEMV launch under dense="pallas_grouped";
+    with index_query="pallas" the indexer's q finished in the same launch."""
     c = self.config
     b, t, _ = q_resid.shape
     queries = jnp.dtype(runtime.attention_queries)
@@ -164,12 +182,16 @@ class MLAttention(nn.Module):
       partials, *index_q = quant.linear_group_partials(q_resid, [q_b] + ([] if index_wq is None else [index_wq]),
                                                        impl=runtime.matmul, dense=runtime.dense_matmul)
       angles = [a.reshape(b * t, -1) for a in (cos, sin)]
-      q_latent, q_pe = mla_query.absorbed_query(partials, kv_b, *angles, nope=c.qk_nope_head_dim,
-                                                q_dtype=self.dtype, out_dtype=queries)
-      index_partials = index_q[0] if index_q else None
-      return q_latent.reshape(b, t, *q_latent.shape[1:]), q_pe.reshape(b, t, *q_pe.shape[1:]), index_partials
+      joined = runtime.index_query == "pallas" and index_wq is not None
+      q_latent, q_pe, *finished_q = mla_query.absorbed_query(
+          partials, kv_b, *angles, nope=c.qk_nope_head_dim, q_dtype=self.dtype, out_dtype=queries,
+          index_partials=index_q[0] if joined else None, index_heads=c.index_n_heads,
+          index_dtype=jnp.dtype(runtime.indexer_queries))
+      index_args = (dict(finished_q=finished_q[0].reshape(b, t, *finished_q[0].shape[1:])) if joined
+                    else dict(q_partials=index_q[0]) if index_q else {})
+      return q_latent.reshape(b, t, *q_latent.shape[1:]), q_pe.reshape(b, t, *q_pe.shape[1:]), index_args
     q_nope, q_pe = self._query(q_resid, q_b, cos, sin, runtime)
-    return dsa.query_absorption(q_nope, kv_b, c.qk_nope_head_dim).astype(queries), q_pe.astype(queries), None
+    return dsa.query_absorption(q_nope, kv_b, c.qk_nope_head_dim).astype(queries), q_pe.astype(queries), {}
 
   def _reference(self, q_nope, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, runtime):
     """transformers' expanded-KV attention over the sequence itself (no cache)."""

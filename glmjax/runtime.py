@@ -17,7 +17,8 @@ QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the 
 MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
-FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue")
+FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
+                 "index_epilogue", "index_query")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES}
@@ -56,6 +57,12 @@ class Runtime:
   mla_epilogue: MLA's projection epilogue, q_a's and kv_a's RMSNorms and k_pe's RoPE after
   their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
   (pallas_kernels/mla_epilogue.py; equal up to the fp32 statistics' order).
+  index_epilogue: with mla_epilogue and indexer_keys both "pallas", "pallas" joins the indexer's
+  to MLA's: its wk and weights_proj in q_a's and kv_a's GEMV launch (all read the normed x) and
+  indexer_keys' work in mla_epilogue's launch (the same outputs, bit for bit); "xla": each its own.
+  index_query: with query_absorb="pallas", the indexer's query from its wq_b partials (summed,
+  the rope columns rotated, cast to indexer_queries): XLA's kernel, or "pallas", in the
+  absorbed-query launch (pallas_kernels/mla_query.py; equal to fp32 rounding).
   indexer_keys: the indexer's new key (k_norm, RoPE) and head weights (the H^-0.5 scale) from
   their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
   (pallas_kernels/indexer_keys.py; equal to fp32 rounding).
@@ -87,6 +94,8 @@ class Runtime:
   query_absorb: str = "xla"
   indexer_keys: str = "xla"
   mla_epilogue: str = "xla"
+  index_epilogue: str = "xla"
+  index_query: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"
@@ -102,6 +111,12 @@ class Runtime:
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")
+    if self.index_epilogue == "pallas" and (self.mla_epilogue, self.indexer_keys) != ("pallas", "pallas"):
+      raise ValueError(f"index_epilogue='pallas' joins the indexer_keys launch to the mla_epilogue one: it needs both "
+                       f"'pallas', got mla_epilogue={self.mla_epilogue!r}, indexer_keys={self.indexer_keys!r}")
+    if self.index_query == "pallas" and self.query_absorb != "pallas":
+      raise ValueError(f"index_query='pallas' finishes the indexer's query in the absorbed-query launch: it needs "
+                       f"query_absorb='pallas', got {self.query_absorb!r}")
     if self.moe_routing in PAIR_ROUTINGS and self.matmul != "pallas_hfma2":
       raise ValueError(f"moe_routing={self.moe_routing!r} runs the experts on the CUDA cores' fp16x2 FMAs: it "
                        f"needs matmul='pallas_hfma2', got {self.matmul!r}")

@@ -29,11 +29,12 @@ from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, split_sum
 
 
-def _keys_kernel(k_ref, w_ref, norm_w_ref, norm_b_ref, cos_ref, sin_ref, k_out_ref, w_out_ref, *, dim: int,
-                 heads: int, rope: int, eps: float):
+def keys_row(row, k_ref, w_ref, norm_w_ref, norm_b_ref, cos_ref, sin_ref, k_out_ref, w_out_ref, *, dim: int,
+             heads: int, rope: int, eps: float) -> None:
+  """Token `row`'s key and head weights (the module docstring's steps); also run by
+  mla_epilogue's launch (pallas_kernels/mla_epilogue.py, Runtime.index_epilogue)."""
   # k_ref f32 [S, n, D / 2, 2] ; w_ref f32 [S, n, H] ; norm_w_ref, norm_b_ref [D / 2, 2] ; cos_ref,
-  # sin_ref f32 [n, rope / 2] ; k_out_ref f32 [n, D / 2, 2] ; w_out_ref f32 [n, H]: all whole.
-  row = pl.program_id(0)
+  # sin_ref f32 [n, >= rope / 2] ; k_out_ref f32 [n, D / 2, 2] ; w_out_ref f32 [n, H]: all whole.
   pairs = pl.next_power_of_2(dim // 2)
   pair = jnp.arange(pairs)
   ok = (pair < dim // 2)[:, None]
@@ -53,6 +54,17 @@ def _keys_kernel(k_ref, w_ref, norm_w_ref, norm_b_ref, cos_ref, sin_ref, k_out_r
   h_ok = jnp.arange(h_pad) < heads
   weights = split_sum(w_ref, row, 0, h_pad, h_ok) * heads ** -0.5
   pltriton.store(w_out_ref.at[row, pl.ds(0, h_pad)], weights, mask=h_ok)
+
+
+def keys_operands(k_partials, w_partials, norm_weight, norm_bias) -> tuple[jax.Array, ...]:
+  """keys_row's inputs before the angles: the key's partials and k_norm's parameters as pairs."""
+  as_pairs = lambda a: a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2)
+  return as_pairs(k_partials), w_partials, as_pairs(norm_weight), as_pairs(norm_bias)
+
+
+def keys_out_shapes(tokens: int, dim: int, heads: int) -> list[jax.ShapeDtypeStruct]:
+  """keys_row's outputs: the key as pairs f32 [n, D / 2, 2], the head weights f32 [n, H]."""
+  return [jax.ShapeDtypeStruct((tokens, dim // 2, 2), jnp.float32), jax.ShapeDtypeStruct((tokens, heads), jnp.float32)]
 
 
 def check_keys_args(k_partials, w_partials, norm_weight, norm_bias, cos, sin) -> None:
@@ -87,15 +99,15 @@ def indexer_keys(k_partials: jax.Array, w_partials: jax.Array, norm_weight: jax.
   """
   check_keys_args(k_partials, w_partials, norm_weight, norm_bias, cos, sin)
   (splits, n, dim), heads = k_partials.shape, w_partials.shape[-1]
-  as_pairs = lambda a: a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2)
-  inputs = (as_pairs(k_partials), w_partials, as_pairs(norm_weight), as_pairs(norm_bias), cos, sin)
+  inputs = (*keys_operands(k_partials, w_partials, norm_weight, norm_bias), cos, sin)
   whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+  shapes = keys_out_shapes(n, dim, heads)
   k, weights = pl.pallas_call(
-      functools.partial(_keys_kernel, dim=dim, heads=heads, rope=2 * cos.shape[1], eps=eps),
+      lambda *refs: keys_row(pl.program_id(0), *refs, dim=dim, heads=heads, rope=2 * cos.shape[1], eps=eps),
       grid=(n,),
       in_specs=[whole(a.shape) for a in inputs],
-      out_specs=[whole((n, dim // 2, 2)), whole((n, heads))],
-      out_shape=[jax.ShapeDtypeStruct((n, dim // 2, 2), jnp.float32), jax.ShapeDtypeStruct((n, heads), jnp.float32)],
+      out_specs=[whole(shape.shape) for shape in shapes],
+      out_shape=shapes,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=resolve_interpret(interpret),
       name="indexer_keys",

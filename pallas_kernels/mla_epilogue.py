@@ -5,7 +5,9 @@ launch, then normalises q_a (q_a_layernorm) and kv_a's latent part (kv_a_layerno
 RMSNorms, and rotates kv_a's rope part (apply_rope): on the H200 three XLA kernels of a TEP=8
 rank's layer (BENCHMARKS.md run 23's map). Here one launch: a program per (token, output): the
 first sums q_a's partials and normalises them, the second kv_a's latent part, and rotates its
-rope part as pairs (a [rope / 2, 2] tile of a free reshape).
+rope part as pairs (a [rope / 2, 2] tile of a free reshape). With Runtime.index_epilogue, the
+indexer's wk and weights_proj share that GEMV launch (they read the same x) and a third program
+per token does indexer_keys' work (its keys_row): one launch for both epilogues.
 
 Numerics: as the model computes them: the sums rounded to the activations' dtype, RMSNorm's
 statistics in fp32, its scale and the rotation in that dtype. Equal to the XLA path wherever the
@@ -24,6 +26,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.layers import apply_rope, rms_norm
 from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.indexer_keys import (check_keys_args, indexer_keys_reference, keys_operands, keys_out_shapes,
+                                         keys_row)
 from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, split_sum
 
 
@@ -37,12 +41,14 @@ def _normalised(ref, row, weight_ref, out_ref, *, width: int, eps: float) -> Non
   pltriton.store(out_ref.at[row, pl.ds(0, pad)], weight * (x * rstd).astype(out_ref.dtype), mask=ok)
 
 
-def _epilogue_kernel(q_ref, kv_ref, kv_pairs_ref, q_w_ref, kv_w_ref, cos_ref, sin_ref, q_out_ref, latent_ref,
-                     pe_ref, *, rank: int, rope: int, eps: float):
+def _epilogue_kernel(q_ref, kv_ref, kv_pairs_ref, q_w_ref, kv_w_ref, cos_ref, sin_ref, *refs, rank: int, rope: int,
+                     eps: float, keys: dict | None):
   # q_ref f32 [S, n, Q] ; kv_ref f32 [S, n, R + P] and kv_pairs_ref, the same as [S, n, (R + P) / 2, 2] ;
-  # q_w_ref [Q] ; kv_w_ref [R] ; cos_ref, sin_ref f32 [n, P / 2] ; q_out_ref [n, Q] ; latent_ref
-  # [n, R] ; pe_ref [n, P / 2, 2]: all whole, each program its row.
+  # q_w_ref [Q] ; kv_w_ref [R] ; cos_ref, sin_ref f32 [n, P / 2] ; with keys, the indexer's four
+  # inputs (indexer_keys.keys_operands) ; then the outputs: q_out_ref [n, Q] ; latent_ref [n, R] ;
+  # pe_ref [n, P / 2, 2] ; with keys, the indexer's two (keys_out_shapes). All whole, each program its row.
   row, part = pl.program_id(0), pl.program_id(1)
+  index_refs, (q_out_ref, latent_ref, pe_ref, *index_outs) = refs[:4 * bool(keys)], refs[4 * bool(keys):]
 
   @pl.when(part == 0)
   def _():
@@ -58,6 +64,11 @@ def _epilogue_kernel(q_ref, kv_ref, kv_pairs_ref, q_w_ref, kv_w_ref, cos_ref, si
     pairs = split_sum(kv_pairs_ref, row, start, pad, ok[:, None]).astype(dtype).astype(jnp.float32)
     rotated = rotate_pairs(pairs, cos_ref, sin_ref, row, ok, dtype)
     pltriton.store(pe_ref.at[row, pl.ds(0, pad)], rotated, mask=ok[:, None])
+
+  if keys:
+    @pl.when(part == 2)
+    def _():
+      keys_row(row, *index_refs, cos_ref, sin_ref, *index_outs, **keys)
 
 
 def check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin) -> int:
@@ -76,10 +87,11 @@ def check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin) -> i
   return rank
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "index_eps", "interpret"))
 def mla_epilogue(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Array, kv_norm: jax.Array,
                  cos: jax.Array, sin: jax.Array, *, eps: float = 1e-6, dtype=jnp.bfloat16,
-                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 index_keys: tuple[jax.Array, ...] | None = None, index_eps: float = 1e-6,
+                 interpret: bool | None = None) -> tuple[jax.Array, ...]:
   """mla_epilogue_reference in one launch (module docstring).
 
   Args:
@@ -89,34 +101,50 @@ def mla_epilogue(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Arra
     cos, sin: f32 [n, P / 2]: the tokens' RoPE angles.
     eps: the RMSNorms' epsilon.
     dtype: the activations' dtype (the model's).
+    index_keys: None, or the indexer's (k_partials [S, n, D], w_partials [S, n, H], k_norm's weight
+      and bias [D]) from the same GEMV launch (Runtime.index_epilogue): indexer_keys' work (its
+      keys_row, rotating by the same angles) in this launch too, a third program per token.
+    index_eps: k_norm's epsilon.
     interpret: run the Pallas interpreter; None: only on a CPU backend.
   Returns:
-    (q_resid [n, Q], latent [n, R], k_pe [n, P]), all dtype.
+    (q_resid [n, Q], latent [n, R], k_pe [n, P]), all dtype; with index_keys, then indexer_keys'
+    (k f32 [n, D], head weights f32 [n, H]).
   """
   rank = check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin)
   (splits, n, q_lora), rope = q_partials.shape, kv_partials.shape[-1] - rank
   inputs = (q_partials, kv_partials, kv_partials.reshape(splits, n, -1, 2), q_norm, kv_norm, cos, sin)
-  shapes = [(n, q_lora), (n, rank), (n, rope // 2, 2)]
+  shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape in ((n, q_lora), (n, rank), (n, rope // 2, 2))]
+  keys = None
+  if index_keys is not None:
+    check_partials("mla_epilogue", "index_keys' k_partials", index_keys[0], "D", lead=(splits, n))
+    check_keys_args(*index_keys, cos, sin)
+    dim, heads = index_keys[0].shape[-1], index_keys[1].shape[-1]
+    keys = dict(dim=dim, heads=heads, rope=rope, eps=index_eps)
+    inputs += keys_operands(*index_keys)
+    shapes += keys_out_shapes(n, dim, heads)
   whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-  q_resid, latent, k_pe = pl.pallas_call(
-      functools.partial(_epilogue_kernel, rank=rank, rope=rope, eps=eps),
-      grid=(n, 2),
+  out = pl.pallas_call(
+      functools.partial(_epilogue_kernel, rank=rank, rope=rope, eps=eps, keys=keys),
+      grid=(n, 3 if keys else 2),
       in_specs=[whole(a.shape) for a in inputs],
-      out_specs=[whole(shape) for shape in shapes],
-      out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape in shapes],
+      out_specs=[whole(shape.shape) for shape in shapes],
+      out_shape=shapes,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=resolve_interpret(interpret),
       name="mla_epilogue",
   )(*inputs)
-  return q_resid, latent, k_pe.reshape(n, rope)
+  mla = (out[0], out[1], out[2].reshape(n, rope))
+  return mla if keys is None else mla + (out[3].reshape(n, dim), out[4])
 
 
 def mla_epilogue_reference(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Array, kv_norm: jax.Array,
-                           cos: jax.Array, sin: jax.Array, *, eps: float = 1e-6,
-                           dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array, jax.Array]:
+                           cos: jax.Array, sin: jax.Array, *, eps: float = 1e-6, dtype=jnp.bfloat16,
+                           index_keys: tuple[jax.Array, ...] | None = None,
+                           index_eps: float = 1e-6) -> tuple[jax.Array, ...]:
   """The XLA path (MLAttention's): the partials summed and rounded to dtype, the two RMSNorms,
-  kv_a's rope part rotated."""
+  kv_a's rope part rotated; with index_keys, then indexer_keys_reference's outputs."""
   rank = check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin)
   q_a, kv_a = (jnp.sum(p, axis=0).astype(dtype) for p in (q_partials, kv_partials))
   k_pe = apply_rope(kv_a[None, :, rank:], cos[None], sin[None])[0]
-  return rms_norm(q_a, q_norm, eps, dtype), rms_norm(kv_a[:, :rank], kv_norm, eps, dtype), k_pe
+  index_out = () if index_keys is None else indexer_keys_reference(*index_keys, cos, sin, eps=index_eps)
+  return rms_norm(q_a, q_norm, eps, dtype), rms_norm(kv_a[:, :rank], kv_norm, eps, dtype), k_pe, *index_out

@@ -139,11 +139,13 @@ def test_router_rows_check_the_kernel_by_its_routing_matrix():
 
 def test_epilogue_rows_check_each_kernel_against_its_xla_path():
   """XLA's path, then the one-launch kernel with the worst agreement of their outputs, for each
-  of the three projection epilogues (mini's shapes)."""
+  of the projection epilogues (mini's shapes)."""
   from configs import get_model_config
   from experiments.bench_quant import epilogue_rows
   rows = list(epilogue_rows(3, get_model_config("mini"), timer=lambda fn, *args: 2e-6, splits=2))
-  assert [(r["name"], r["impl"]) for r in rows] == [(n, i) for n in ("absorbed_query", "indexer_keys", "mla_epilogue")
+  assert [(r["name"], r["impl"]) for r in rows] == [(n, i) for n in ("absorbed_query", "indexer_keys", "mla_epilogue",
+                                                                                 "mla_index_epilogue",
+                                                                                 "absorbed_index_query")
                                                     for i in ("xla", "pallas")]
   assert all(r["max_rel_err"] <= 1e-2 for r in rows[1::2]) and all(r["bytes"] > 0 for r in rows)
 

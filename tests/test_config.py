@@ -216,7 +216,8 @@ def test_tep8_shard_preset():
 @pytest.mark.parametrize("field,value", [("attention", "flash"), ("matmul", "cublas"), ("dense_matmul", "cublas"),
                                          ("cache_write", "numpy"), ("moe_routing", "sort"), ("router", "sort"),
                                          ("value_merge", "atomic"), ("query_absorb", "triton"),
-                                         ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("topk_ties", "random"),
+                                         ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("index_epilogue", "on"),
+                                         ("index_query", "fused"), ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("indexer_orientation", "rows"),
                                          ("indexer_queries", "float16"), ("attention_queries", "int8")])
 def test_runtime_rejects_unknown_switches(field, value):
@@ -232,6 +233,22 @@ def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
   with pytest.raises(ValueError, match="moe_routing='pairs_fused'.*matmul='pallas_hfma2'"):
     Runtime(matmul="pallas", moe_routing="pairs_fused")
   assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"
+
+
+def test_runtime_index_epilogue_needs_both_epilogue_kernels():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="index_epilogue='pallas'.*mla_epilogue='xla', indexer_keys='pallas'"):
+    Runtime(indexer_keys="pallas", index_epilogue="pallas")
+  with pytest.raises(ValueError, match="index_epilogue='pallas'.*mla_epilogue='pallas', indexer_keys='xla'"):
+    Runtime(mla_epilogue="pallas", index_epilogue="pallas")
+  assert Runtime(mla_epilogue="pallas", indexer_keys="pallas", index_epilogue="pallas").index_epilogue == "pallas"
+
+
+def test_runtime_index_query_needs_the_absorbed_query_kernel():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="index_query='pallas'.*query_absorb='pallas', got 'xla'"):
+    Runtime(index_query="pallas")
+  assert Runtime(query_absorb="pallas", index_query="pallas").index_query == "pallas"
 
 
 def test_runtime_value_merge_needs_the_pallas_attention():

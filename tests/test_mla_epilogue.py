@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.indexer_keys import indexer_keys
 from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
+from tests import test_indexer_keys
 from tests.h200_lowering import TRITON_CALL, h200_text
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
@@ -42,6 +44,23 @@ def test_mla_epilogue_matches_the_xla_path(shape):
   np.testing.assert_array_equal(k_pe, want_pe)  # the same bf16 sums: the reference's rotation, bit for bit
 
 
+@pytest.mark.parametrize("shape, keys", [(SHAPES[0], (8, 5, 128, 4, 64)), (SHAPES[2], (3, 7, 22, 3, 6))])
+def test_the_indexer_keys_join_the_launch(shape, keys):
+  """index_keys: a third program per token does indexer_keys' work in the same launch: MLA's
+  outputs as without it and the indexer's as indexer_keys' own launch, bit for bit (the same
+  code), each near its reference."""
+  args = draw(shape, seed=3)
+  k, w, norm_weight, norm_bias, _, _ = test_indexer_keys.draw(keys, jnp.bfloat16, seed=4)
+  index_keys = (k, w, norm_weight, norm_bias)
+  got = mla_epilogue(*args, index_keys=index_keys)
+  assert len(got) == 5
+  for g, w_ in zip(got, (*mla_epilogue(*args), *indexer_keys(*index_keys, *args[-2:])), strict=True):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32))
+  want_k, want_weights = mla_epilogue_reference(*args, index_keys=index_keys)[3:]
+  np.testing.assert_allclose(got[3], want_k, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[4], want_weights, rtol=1e-6, atol=1e-6)
+
+
 def test_rope_pairs_rotate_in_place():
   """A quarter turn maps each pair (x, y) of kv_a's rope part to (-y, x)."""
   q, kv, q_norm, kv_norm, cos, _ = draw(SHAPES[2], seed=5)
@@ -63,6 +82,9 @@ def test_bad_inputs_are_named():
     mla_epilogue(q, kv, q_norm, kv_norm[:21], cos, sin)
   with pytest.raises(ValueError, match=r"cos must be f32 \[7, 3\]"):
     mla_epilogue(q, kv, q_norm, kv_norm, cos[:, :2], sin)
+  k, w, norm_weight, norm_bias, _, _ = test_indexer_keys.draw((2, 7, 22, 3, 6), jnp.bfloat16, seed=2)
+  with pytest.raises(ValueError, match=r"k_partials must be f32 \[3, 7, D\]"):
+    mla_epilogue(q, kv, q_norm, kv_norm, cos, sin, index_keys=(k, w, norm_weight, norm_bias))
 
 
 def test_mla_epilogue_lowers_to_triton_for_h200():
@@ -72,3 +94,6 @@ def test_mla_epilogue_lowers_to_triton_for_h200():
             s((q_lora,), jnp.bfloat16), s((rank,), jnp.bfloat16), s((tokens, rope // 2), jnp.float32),
             s((tokens, rope // 2), jnp.float32))
     assert TRITON_CALL in h200_text(lambda *a: mla_epilogue(*a, interpret=False), *args)
+    keys = (s((splits, tokens, 128), jnp.float32), s((splits, tokens, 4), jnp.float32), s((128,), jnp.bfloat16),
+            s((128,), jnp.bfloat16))
+    assert TRITON_CALL in h200_text(lambda *a: mla_epilogue(*a[:6], index_keys=a[6:], interpret=False), *args, *keys)

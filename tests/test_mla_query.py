@@ -45,6 +45,35 @@ def test_absorbed_query_matches_the_xla_path(shape, kv_dtype, out_dtype):
   np.testing.assert_array_equal(q_pe, want_pe)  # the same bf16 q: the reference's rotation, bit for bit
 
 
+# (MLA shape, indexer heads Hi, their columns Di): a TEP=8 rank's 4 heads; all 32 of GLM-5's at
+# one token (4 program blocks past the latent ones); 5 heads of 10 columns over 3 MLA heads.
+INDEX_SHAPES = [(SHAPES[0], 4, 128), (SHAPES[1], 32, 128), (SHAPES[2], 5, 10)]
+
+
+@pytest.mark.parametrize("shape, index_heads, index_dim", INDEX_SHAPES)
+@pytest.mark.parametrize("index_dtype", [jnp.float32, jnp.bfloat16])
+def test_the_indexer_query_joins_the_launch(shape, index_heads, index_dim, index_dtype):
+  """index_partials: the indexer's query from its wq_b partials in the same launch, as the
+  reference (the Indexer's sum and leading RoPE in fp32, one cast); MLA's outputs unchanged."""
+  partials, kv_b, cos, sin = draw(shape, jnp.bfloat16, seed=7)
+  rng = np.random.default_rng(8)
+  index = jnp.asarray(rng.integers(-2**14, 2**14, size=(shape[0], shape[1], index_heads * index_dim)) / 64,
+                      jnp.float32)  # on draw's grid: sums exact in any order
+  kw = dict(nope=shape[3], out_dtype=jnp.bfloat16, index_partials=index, index_heads=index_heads,
+            index_dtype=index_dtype)
+  q_latent, q_pe, index_q = absorbed_query(partials, kv_b, cos, sin, **kw)
+  for g, w in zip((q_latent, q_pe), absorbed_query(partials, kv_b, cos, sin, nope=shape[3], out_dtype=jnp.bfloat16)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  want = absorbed_query_reference(partials, kv_b, cos, sin, **kw)[2]
+  assert index_q.shape == want.shape == (shape[1], index_heads, index_dim) and index_q.dtype == jnp.dtype(index_dtype)
+  ulp = 2.0 ** (-8 if index_dtype == jnp.bfloat16 else -22)  # the rotation's fp32 products, then one rounding
+  np.testing.assert_allclose(np.asarray(index_q, np.float32), np.asarray(want, np.float32), rtol=ulp,
+                             atol=ulp * float(jnp.abs(want.astype(jnp.float32)).max()))
+  # the columns past the rope ones are the summed partials, unrotated
+  plain = jnp.sum(index, axis=0).reshape(shape[1], index_heads, index_dim)[..., shape[4]:].astype(index_dtype)
+  np.testing.assert_array_equal(np.asarray(index_q[..., shape[4]:], np.float32), np.asarray(plain, np.float32))
+
+
 def test_pairs_rotate_in_place():
   """A rotation by a quarter turn maps each pair (x, y) to (-y, x): the pairs are (2i, 2i + 1)."""
   partials, kv_b, _, _ = draw(SHAPES[2], jnp.bfloat16, seed=3)
@@ -67,6 +96,11 @@ def test_bad_inputs_are_named():
     absorbed_query(partials, kv_b, cos, sin, nope=21)
   with pytest.raises(ValueError, match=r"sin must be f32 \[7, 3\]"):
     absorbed_query(partials, kv_b, cos, sin[:5], nope=22)
+  index = jnp.ones((3, 7, 5 * 10), jnp.float32)
+  with pytest.raises(ValueError, match=r"index_partials must be f32 \[3, 7, 4 \* D"):
+    absorbed_query(partials, kv_b, cos, sin, nope=22, index_partials=index, index_heads=4)
+  with pytest.raises(ValueError, match="heads of at least 6 columns"):
+    absorbed_query(partials, kv_b, cos, sin, nope=22, index_partials=index[..., :20], index_heads=5)
 
 
 def test_absorbed_query_lowers_to_triton_for_h200():
@@ -76,3 +110,6 @@ def test_absorbed_query_lowers_to_triton_for_h200():
             s((tokens, rope // 2), jnp.float32), s((tokens, rope // 2), jnp.float32))
     op = lambda *a, nope=nope: absorbed_query(*a, nope=nope, out_dtype=jnp.bfloat16, interpret=False)
     assert TRITON_CALL in h200_text(op, *args)
+    joined = lambda *a, nope=nope: absorbed_query(*a[:4], nope=nope, out_dtype=jnp.bfloat16, index_partials=a[4],
+                                                  index_heads=4, index_dtype=jnp.bfloat16, interpret=False)
+    assert TRITON_CALL in h200_text(joined, *args, s((splits, tokens, 4 * 128), jnp.float32))

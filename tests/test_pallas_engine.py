@@ -26,6 +26,7 @@ from configs import get_model_config
 from glmjax import attention, dsa, layers, quant
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
+from pallas_kernels import indexer_keys as indexer_keys_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPT, NEW = 30, 10
@@ -121,13 +122,19 @@ def test_query_absorb_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch)
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas"), xla)
 
 
+def _record_group_sizes(monkeypatch) -> list[int]:
+  """The number of weights in each quant.linear_group_partials call from now on."""
+  groups, original = [], quant.linear_group_partials
+  record = lambda x, weights, **kw: groups.append(len(weights)) or original(x, weights, **kw)
+  monkeypatch.setattr(quant, "linear_group_partials", record)
+  return groups
+
+
 def test_query_absorb_groups_q_b_with_the_indexers_wq_b(tiny, monkeypatch):
   """Under dense_matmul="pallas_grouped", query_absorb="pallas" runs the indexer's wq_b in q_b's
   GEMV launch (both read q_resid): decode steps hand both weights to one group; tokens equal."""
   ungrouped = _generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
-  groups, original = [], quant.linear_group_partials
-  record = lambda x, ws, **kw: groups.append(len(ws)) or original(x, ws, **kw)
-  monkeypatch.setattr(quant, "linear_group_partials", record)
+  groups = _record_group_sizes(monkeypatch)
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped", query_absorb="pallas"),
                                 ungrouped)
   assert 2 in groups and set(groups) <= {1, 2}  # 1: a layer reusing a preceding top-k runs no wq_b
@@ -148,6 +155,28 @@ def test_mla_epilogue_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch)
   xla = _generate(tiny, "pallas", "fp8", query_absorb="pallas")
   _fail_in_decode_steps(monkeypatch, attention, "apply_rope")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas", mla_epilogue="pallas"), xla)
+
+
+def test_index_epilogue_joins_the_indexers_keys_to_mlas_launch(tiny, monkeypatch):
+  """index_epilogue="pallas": decode steps run the indexer's wk and weights_proj in q_a's and
+  kv_a's GEMV group and its key epilogue in MLA's launch (indexer_keys' own launch fails here);
+  tokens equal to the separate launches'."""
+  switches = dict(dense_matmul="pallas_grouped", query_absorb="pallas", indexer_keys="pallas", mla_epilogue="pallas")
+  separate = _generate(tiny, "pallas", "fp8", **switches)
+  groups = _record_group_sizes(monkeypatch)
+  monkeypatch.setattr(indexer_keys_module, "indexer_keys", lambda *a, **kw: pytest.fail("indexer_keys' own launch ran"))
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", index_epilogue="pallas", **switches), separate)
+  assert 4 in groups  # q_a, kv_a, wk, weights_proj
+
+
+def test_index_query_finishes_the_indexers_query_in_the_absorbed_query_launch(tiny, monkeypatch):
+  """index_query="pallas": decode steps sum and rotate the indexer's query in the absorbed-query
+  launch (the XLA rotation fails for decode steps here, the key's being in indexer_keys' launch);
+  tokens equal to the XLA path's."""
+  switches = dict(dense_matmul="pallas_grouped", query_absorb="pallas", indexer_keys="pallas")
+  separate = _generate(tiny, "pallas", "fp8", **switches)
+  _fail_in_decode_steps(monkeypatch, attention, "apply_rope_leading")
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", index_query="pallas", **switches), separate)
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)
