@@ -23,10 +23,10 @@ demo: $(STAMP)
 # The main suite, and beside it a second process: the multi-device tests (8 simulated CPU
 # devices, fixed when JAX's backend starts) and the tests marked side_lane (long smoke tests that
 # run entry points or the notebook in their own subprocesses, which would otherwise lengthen the
-# main suite, and the training tests, which even out the two processes' times; each file holding
-# one is listed below); its log follows the main suite's. Either
-# failing fails the target; pytest exits 5 when it collected nothing, and that is a failure
-# here, not a pass.
+# main suite, and the Pallas folds' token tests and the training tests, which even out the two
+# processes' times; each file holding one is listed below); its log follows the main suite's.
+# Either failing fails the target; pytest exits 5 when it collected nothing, and that is a
+# failure here, not a pass.
 test: $(STAMP)
 	@$(PY) -m pytest -q -m "multidevice or side_lane" tests/test_multidevice_*.py tests/test_study.py tests/test_notebook.py \
 	  tests/test_engine.py tests/test_analysis.py tests/test_pallas_engine.py tests/test_training.py \

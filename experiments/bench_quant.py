@@ -60,6 +60,7 @@ from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (DECODES, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
+from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
@@ -144,11 +145,12 @@ def router_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., float]
 def epilogue_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., float], splits: int = 8, seed: int = 0):
   """The one-launch epilogues of MLA's and the indexer's projections (pallas_kernels/mla_query.py,
   indexer_keys.py, mla_epilogue.py: --query_absorb, --indexer_keys, --mla_epilogue; the last two
-  in one launch: --index_epilogue; the indexer's query in the first's: --index_query) against
-  their XLA paths (the kernels' references) on random split-K partials of `config`'s projections
-  (one TEP=8 rank's: tep8_shard); each output compared, the row reporting the worst."""
+  in one launch: --index_epilogue; the indexer's query in the first's: --index_query) and of
+  o_proj (residual_norm.py: --residual_norm) against their XLA paths (the kernels' references)
+  on random split-K partials of `config`'s projections (one TEP=8 rank's: tep8_shard); each
+  output compared, the row reporting the worst."""
   c, bf16 = config, jnp.bfloat16
-  keys = iter(jax.random.split(jax.random.key(seed), 12))
+  keys = iter(jax.random.split(jax.random.key(seed), 16))
   normal = lambda shape, dtype=jnp.float32, scale=1.0: (scale * jax.random.normal(next(keys), shape)).astype(dtype)
   norm = lambda width: (1 + normal((width,), scale=0.1)).astype(bf16)
   angles = normal((tokens, c.qk_rope_head_dim // 2), scale=3.0)
@@ -177,6 +179,12 @@ def epilogue_rows(tokens: int, config: ModelConfig, *, timer: Callable[..., floa
   wq_b_partials = normal((splits, tokens, c.index_n_heads * c.index_head_dim))
   cases["absorbed_index_query"] = (with_query(cases["absorbed_query"][0]), with_query(cases["absorbed_query"][1]),
                                    cases["absorbed_query"][2] + (wq_b_partials,))
+  # --residual_norm: o_proj's partials added to the residual stream (fp32), post_attention_layernorm
+  eps = c.rms_norm_eps
+  cases["residual_norm"] = (functools.partial(residual_norm, eps=eps),
+                            functools.partial(residual_norm_reference, eps=eps),
+                            (normal((tokens, c.hidden_size), scale=30.0), normal((splits, tokens, c.hidden_size)),
+                             norm(c.hidden_size)))
   for name, (kernel, reference, args) in cases.items():
     kernel, reference = jax.jit(kernel), jax.jit(reference)
     outputs = jax.eval_shape(reference, *args)

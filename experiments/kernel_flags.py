@@ -2,8 +2,9 @@
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
---index_epilogue, --index_query) with the DSA kernels' --topk_method, --indexer_orientation,
---indexer_queries, --attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
+--index_epilogue, --index_query, --residual_norm) with the DSA kernels' --topk_method,
+--indexer_orientation, --indexer_queries, --attention_queries (`define`); glmjax.runtime.Runtime's
+fields of those names."""
 
 from typing import Callable
 
@@ -42,6 +43,8 @@ _FOLD_HELP = {
                       "or pallas (the indexer's wk and weights_proj in q_a/kv_a's GEMV, its key epilogue in MLA's)",
     "index_query": "with --query_absorb=pallas: the indexer's query from its wq_b partials (sum, RoPE): xla (one "
                    "kernel) or pallas (in the absorbed-query launch)",
+    "residual_norm": "the residual add after attention and post_attention_layernorm: xla (two kernels) or pallas "
+                     "(one launch from o_proj's partials)",
 }
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from glmjax import dsa, quant
 from glmjax.cache import paged
 from glmjax.config import ModelConfig
-from glmjax.layers import LayerNorm, Linear, RMSNorm, Weight, apply_rope, apply_rope_leading, linears
+from glmjax.layers import LayerNorm, RMSNorm, Weight, apply_rope, apply_rope_leading, linears
 from glmjax.runtime import Runtime
 
 NEG_INF = float("-inf")
@@ -84,8 +84,10 @@ class MLAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x, cos, sin, prev_topk, *, positions, runtime: Runtime, layer_id: int,
-               cache: paged.KVCache | None = None, cache_slot: int = 0):
+               cache: paged.KVCache | None = None, cache_slot: int = 0, o_partials: bool = False):
     """x [B, T, D] -> (out [B, T, D], topk [B, T, k] int32 or None, new LayerCache or None).
+    o_partials: out as o_proj's fp32 split-K partials [S, B * T, D] (quant.linear_partials), for
+    a fused residual add (Runtime.residual_norm).
 
     `prev_topk`: the selection of the nearest preceding layer that ran its indexer, reused when
     this layer does not run its own (IndexShare). Indices are absolute token positions, -1 empty.
@@ -119,9 +121,10 @@ class MLAttention(nn.Module):
       idx = self._index(indexer, x, q_resid, cos, sin, runtime, finished_keys=index_keys, **index_q)
       out, topk, new_layer = self._cached(q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
                                           cache, cache_slot, runtime)
-    out = Linear(c.hidden_size, ("embed", "heads"), name="o_proj", **kw)(out.reshape(b, t, h * v).astype(self.dtype),
-                                                                          **runtime.linear_impls)
-    return out, topk, new_layer
+    o_proj = Weight((c.hidden_size, h * v), ("embed", "heads"), self.param_dtype, name="o_proj")()
+    out = out.reshape(b, t, h * v).astype(self.dtype)
+    project = quant.linear_partials if o_partials else quant.linear
+    return project(out, o_proj, impl=runtime.matmul, dense=runtime.dense_matmul, dtype=self.dtype), topk, new_layer
 
   def _index(self, indexer, x, q_resid, cos, sin, runtime, **finished):
     """The indexer's (q, weights, k), q in Runtime.indexer_queries (bfloat16: one MMA term in the

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glmjax import quant
 from glmjax.attention import MLAttention
 from glmjax.cache import paged
 from glmjax.config import ModelConfig
@@ -47,18 +48,32 @@ class DecoderLayer(nn.Module):
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     with jax.named_scope(f"layer{self.layer_id}_attn"):
+      normed = RMSNorm(c.hidden_size, c.rms_norm_eps, name="input_layernorm", **kw)(x)
+      fused = runtime.residual_norm == "pallas" and quant.decode_sized(normed) and _on_one_program()
       attn, topk, layer_cache = MLAttention(c, self.has_indexer, name="self_attn", **kw)(
-          RMSNorm(c.hidden_size, c.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, prev_topk,
-          positions=positions, runtime=runtime, layer_id=self.layer_id, cache=cache,
-          cache_slot=cache_slot)
-      x = x + attn.astype(x.dtype)
+          normed, cos, sin, prev_topk, positions=positions, runtime=runtime, layer_id=self.layer_id,
+          cache=cache, cache_slot=cache_slot, o_partials=fused)
     with jax.named_scope(f"layer{self.layer_id}_mlp"):
-      h = RMSNorm(c.hidden_size, c.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
+      post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, name="post_attention_layernorm", **kw)
+      if fused:  # the residual add and the norm in one launch from o_proj's partials
+        from pallas_kernels.residual_norm import residual_norm  # the kernels import the model
+        x, h = (a.reshape(x.shape) for a in residual_norm(x.reshape(-1, x.shape[-1]), attn, post_norm.weight,
+                                                           eps=post_norm.eps, dtype=self.dtype))
+      else:
+        x = x + attn.astype(x.dtype)
+        h = post_norm(x)
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
       else:
         h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.linear_impls)
     return x + h.astype(x.dtype), topk, layer_cache
+
+
+def _on_one_program() -> bool:
+  """Whether no TEP mesh is active (one device, or one rank's program): a fold that reads a
+  row-parallel projection's partials applies; under a mesh GSPMD all-reduces its output first."""
+  from glmjax.parallel.mesh import active_mesh  # the parallel package imports the model
+  return active_mesh() is None
 
 
 class MTPBlock(nn.Module):

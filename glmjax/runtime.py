@@ -18,7 +18,7 @@ MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
-                 "index_epilogue", "index_query")
+                 "index_epilogue", "index_query", "residual_norm")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES}
@@ -63,6 +63,10 @@ class Runtime:
   index_query: with query_absorb="pallas", the indexer's query from its wq_b partials (summed,
   the rope columns rotated, cast to indexer_queries): XLA's kernel, or "pallas", in the
   absorbed-query launch (pallas_kernels/mla_query.py; equal to fp32 rounding).
+  residual_norm: a decoder layer's residual add after attention and its post_attention_layernorm,
+  XLA's two kernels or one Pallas launch from o_proj's partials at decode, on one device or one
+  rank's program (under a TEP mesh, XLA's) (pallas_kernels/residual_norm.py; equal up to the
+  fp32 statistics' order).
   indexer_keys: the indexer's new key (k_norm, RoPE) and head weights (the H^-0.5 scale) from
   their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
   (pallas_kernels/indexer_keys.py; equal to fp32 rounding).
@@ -96,6 +100,7 @@ class Runtime:
   mla_epilogue: str = "xla"
   index_epilogue: str = "xla"
   index_query: str = "xla"
+  residual_norm: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"

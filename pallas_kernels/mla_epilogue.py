@@ -28,7 +28,7 @@ from glmjax.layers import apply_rope, rms_norm
 from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.indexer_keys import (check_keys_args, indexer_keys_reference, keys_operands, keys_out_shapes,
                                          keys_row)
-from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, split_sum
+from pallas_kernels.partials import check_angles, check_partials, rms_normed, rotate_pairs, split_sum
 
 
 def _normalised(ref, row, weight_ref, out_ref, *, width: int, eps: float) -> None:
@@ -36,9 +36,7 @@ def _normalised(ref, row, weight_ref, out_ref, *, width: int, eps: float) -> Non
   pad = pl.next_power_of_2(width)
   ok = jnp.arange(pad) < width
   x = split_sum(ref, row, 0, pad, ok).astype(out_ref.dtype).astype(jnp.float32)
-  rstd = jax.lax.rsqrt(jnp.sum(x * x) / width + eps)
-  weight = pltriton.load(weight_ref.at[pl.ds(0, pad)], mask=ok, other=0.0).astype(out_ref.dtype)
-  pltriton.store(out_ref.at[row, pl.ds(0, pad)], weight * (x * rstd).astype(out_ref.dtype), mask=ok)
+  pltriton.store(out_ref.at[row, pl.ds(0, pad)], rms_normed(x, weight_ref, ok, width, eps, out_ref.dtype), mask=ok)
 
 
 def _epilogue_kernel(q_ref, kv_ref, kv_pairs_ref, q_w_ref, kv_w_ref, cos_ref, sin_ref, *refs, rank: int, rope: int,

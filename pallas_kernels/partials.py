@@ -18,6 +18,14 @@ def split_sum(ref, row, start, size: int, ok) -> jax.Array:
   return total
 
 
+def rms_normed(x: jax.Array, weight_ref, ok: jax.Array, width: int, eps: float, dtype) -> jax.Array:
+  """layers.rms_norm of a row's fp32 values x [pad] (0 where not ok; `width` of them ok) with
+  weight_ref's first `width` values: fp32 statistics, the scale in dtype."""
+  rstd = jax.lax.rsqrt(jnp.sum(x * x) / width + eps)
+  weight = pltriton.load(weight_ref.at[pl.ds(0, x.shape[0])], mask=ok, other=0.0).astype(dtype)
+  return weight * (x * rstd).astype(dtype)
+
+
 def rotate_pairs(pairs: jax.Array, cos_ref, sin_ref, row, ok: jax.Array, dtype) -> jax.Array:
   """apply_rope's rotation of a tile of pairs [Pp, 2] (columns 2i, 2i + 1; fp32 values exact in
   dtype) by row `row` of the angle tables [n, P / 2] (pairs not ok: angle tables read as 0), in

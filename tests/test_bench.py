@@ -145,7 +145,8 @@ def test_epilogue_rows_check_each_kernel_against_its_xla_path():
   rows = list(epilogue_rows(3, get_model_config("mini"), timer=lambda fn, *args: 2e-6, splits=2))
   assert [(r["name"], r["impl"]) for r in rows] == [(n, i) for n in ("absorbed_query", "indexer_keys", "mla_epilogue",
                                                                                  "mla_index_epilogue",
-                                                                                 "absorbed_index_query")
+                                                                                 "absorbed_index_query",
+                                                                                 "residual_norm")
                                                     for i in ("xla", "pallas")]
   assert all(r["max_rel_err"] <= 1e-2 for r in rows[1::2]) and all(r["bytes"] > 0 for r in rows)
 

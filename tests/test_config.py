@@ -217,7 +217,7 @@ def test_tep8_shard_preset():
                                          ("cache_write", "numpy"), ("moe_routing", "sort"), ("router", "sort"),
                                          ("value_merge", "atomic"), ("query_absorb", "triton"),
                                          ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("index_epilogue", "on"),
-                                         ("index_query", "fused"), ("topk_ties", "random"),
+                                         ("index_query", "fused"), ("residual_norm", "fused"), ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("indexer_orientation", "rows"),
                                          ("indexer_queries", "float16"), ("attention_queries", "int8")])
 def test_runtime_rejects_unknown_switches(field, value):

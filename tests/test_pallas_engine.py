@@ -27,6 +27,7 @@ from glmjax import attention, dsa, layers, quant
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
 from pallas_kernels import indexer_keys as indexer_keys_module
+from pallas_kernels import residual_norm as residual_norm_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPT, NEW = 30, 10
@@ -93,6 +94,11 @@ def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
   np.testing.assert_array_equal(pallas, sparse)
 
 
+# The folds' token tests, two decodes each (~20 s apiece): in the side lane beside the
+# multi-device tests (Makefile), which keeps the main suite's time in bounds.
+fold_lane = pytest.mark.side_lane
+
+
 def _fail_in_decode_steps(monkeypatch, module, name: str) -> None:
   """Makes module.name fail where a decode step calls it (at most 8 query tokens on axis 1 of its
   first argument); the prefill's calls go through."""
@@ -106,6 +112,7 @@ def _fail_in_decode_steps(monkeypatch, module, name: str) -> None:
   monkeypatch.setattr(module, name, prefill_only)
 
 
+@fold_lane
 def test_value_merge_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """value_merge="pallas": decode steps run the split merge and the value product in one launch
   (their two-step path fails here); tokens equal to the two steps'."""
@@ -114,6 +121,7 @@ def test_value_merge_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", value_merge="pallas"), two_steps)
 
 
+@fold_lane
 def test_query_absorb_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """query_absorb="pallas": decode steps build the absorbed query in one launch from q_b's
   partials (the XLA product fails for them here); tokens equal to the XLA path's."""
@@ -130,6 +138,7 @@ def _record_group_sizes(monkeypatch) -> list[int]:
   return groups
 
 
+@fold_lane
 def test_query_absorb_groups_q_b_with_the_indexers_wq_b(tiny, monkeypatch):
   """Under dense_matmul="pallas_grouped", query_absorb="pallas" runs the indexer's wq_b in q_b's
   GEMV launch (both read q_resid): decode steps hand both weights to one group; tokens equal."""
@@ -140,6 +149,7 @@ def test_query_absorb_groups_q_b_with_the_indexers_wq_b(tiny, monkeypatch):
   assert 2 in groups and set(groups) <= {1, 2}  # 1: a layer reusing a preceding top-k runs no wq_b
 
 
+@fold_lane
 def test_indexer_keys_in_the_kernel_generate_the_same_tokens(tiny, monkeypatch):
   """indexer_keys="pallas": decode steps finish the indexer's key and head weights in one launch
   from their GEMV's partials (k_norm's XLA path fails for them here); tokens equal."""
@@ -148,6 +158,7 @@ def test_indexer_keys_in_the_kernel_generate_the_same_tokens(tiny, monkeypatch):
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", indexer_keys="pallas"), xla)
 
 
+@fold_lane
 def test_mla_epilogue_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """mla_epilogue="pallas": decode steps normalise q_a and kv_a and rotate k_pe in one launch from
   their GEMV's partials (attention's XLA rotation fails for them here, the query's RoPE being in
@@ -157,6 +168,7 @@ def test_mla_epilogue_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch)
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas", mla_epilogue="pallas"), xla)
 
 
+@fold_lane
 def test_index_epilogue_joins_the_indexers_keys_to_mlas_launch(tiny, monkeypatch):
   """index_epilogue="pallas": decode steps run the indexer's wk and weights_proj in q_a's and
   kv_a's GEMV group and its key epilogue in MLA's launch (indexer_keys' own launch fails here);
@@ -169,6 +181,7 @@ def test_index_epilogue_joins_the_indexers_keys_to_mlas_launch(tiny, monkeypatch
   assert 4 in groups  # q_a, kv_a, wk, weights_proj
 
 
+@fold_lane
 def test_index_query_finishes_the_indexers_query_in_the_absorbed_query_launch(tiny, monkeypatch):
   """index_query="pallas": decode steps sum and rotate the indexer's query in the absorbed-query
   launch (the XLA rotation fails for decode steps here, the key's being in indexer_keys' launch);
@@ -177,6 +190,19 @@ def test_index_query_finishes_the_indexers_query_in_the_absorbed_query_launch(ti
   separate = _generate(tiny, "pallas", "fp8", **switches)
   _fail_in_decode_steps(monkeypatch, attention, "apply_rope_leading")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", index_query="pallas", **switches), separate)
+
+
+@fold_lane
+def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
+  """residual_norm="pallas": decode steps add attention's output to the residual and normalise
+  it in one launch from o_proj's partials (the launches counted: one a layer and step); tokens
+  equal to the XLA path's."""
+  xla = _generate(tiny, "pallas", "fp8", dense_matmul="pallas")
+  calls, original = [], residual_norm_module.residual_norm
+  record = lambda *args, **kw: calls.append(args[1].shape) or original(*args, **kw)
+  monkeypatch.setattr(residual_norm_module, "residual_norm", record)
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas", residual_norm="pallas"), xla)
+  assert calls and all(shape[1] <= 8 for shape in calls)  # decode steps' partials [S, tokens, D]; none at prefill
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)

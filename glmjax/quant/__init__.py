@@ -145,13 +145,15 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla") -> jax.Array:
-  """fp32 x [..., in] @ w.T as terms [S, rows, out] that sum to it: the split-K GEMV's partials,
-  unsummed, where `linear` would run that kernel in fp32, else [1, rows, out] (`linear` in fp32).
-  For a consumer that sums them in its own launch (pallas_kernels/moe_route.py, mla_query.py)."""
+def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=jnp.float32) -> jax.Array:
+  """x [..., in] @ w.T as fp32 terms [S, rows, out] that sum to it: the split-K GEMV's partials,
+  unsummed, where `linear` in `dtype` would run that kernel (its output: their sum rounded to
+  dtype), else [1, rows, out] (`linear` in dtype, as fp32). For a consumer that sums them in its
+  own launch (pallas_kernels/moe_route.py, mla_query.py, residual_norm.py)."""
   rows = math.prod(x.shape[:-1])
-  if not _takes_bf16_gemv(x, w, dense, jnp.float32):
-    return linear(x, w, impl=impl, dense=dense, dtype=jnp.float32).reshape(1, rows, w.shape[0])
+  if not _takes_bf16_gemv(x, w, dense, jnp.dtype(dtype)):
+    out = linear(x, w, impl=impl, dense=dense, dtype=dtype)
+    return out.astype(jnp.float32).reshape(1, rows, w.shape[0])
   from pallas_kernels.bf16_matmul import bf16_matmul_partials
   return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w)
 

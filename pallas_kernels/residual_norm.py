@@ -1,0 +1,95 @@
+"""A decoder layer's residual add and post-attention RMSNorm in one launch, from o_proj's partials.
+
+glmjax.model.DecoderLayer adds attention's output to the residual stream, x + o_proj(attn), and
+normalises the sum for the MLP (post_attention_layernorm). On the H200 that is two XLA kernels of
+a TEP=8 rank's layer after o_proj's split-K GEMV: the partials' sum with the add (one fusion),
+then the norm's reduction and scale (another; BENCHMARKS.md run 24's map), about 3.7 us. Here one
+program per token sums o_proj's partials, rounds them to the activations' dtype (o_proj's
+output), adds the residual row, stores it, and normalises it: one launch.
+
+Numerics: as the model computes them: the o_proj sum rounded to dtype, the add in the residual's
+dtype, RMSNorm's statistics in fp32 and its scale in dtype. Equal to the XLA path wherever the
+partials' sums round alike (split order here, XLA's there) and the fp32 statistics do. Switch:
+`Runtime.residual_norm` ("xla" | "pallas").
+
+Lowering: Triton: one row of a few thousand values a program (6144 at GLM-5), a reduction and
+elementwise work in registers; eight warps keep the padded row at 32 values a thread.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax import layers
+from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.partials import check_partials, rms_normed, split_sum
+
+
+def _residual_norm_kernel(residual_ref, partials_ref, weight_ref, x_out_ref, h_out_ref, *, eps: float):
+  # residual_ref [n, D] ; partials_ref f32 [S, n, D] ; weight_ref [D] ; x_out_ref [n, D] (the
+  # residual's dtype) ; h_out_ref [n, D] (dtype): all whole, each program its row.
+  row = pl.program_id(0)
+  width = residual_ref.shape[-1]
+  pad = pl.next_power_of_2(width)
+  ok = jnp.arange(pad) < width
+  attn = split_sum(partials_ref, row, 0, pad, ok).astype(h_out_ref.dtype)
+  residual = pltriton.load(residual_ref.at[row, pl.ds(0, pad)], mask=ok, other=0.0)
+  x = (residual.astype(jnp.float32) + attn.astype(jnp.float32)).astype(x_out_ref.dtype)
+  pltriton.store(x_out_ref.at[row, pl.ds(0, pad)], x, mask=ok)
+  h = rms_normed(x.astype(jnp.float32), weight_ref, ok, width, eps, h_out_ref.dtype)
+  pltriton.store(h_out_ref.at[row, pl.ds(0, pad)], h, mask=ok)
+
+
+def check_residual_norm_args(residual: jax.Array, partials: jax.Array, weight: jax.Array) -> None:
+  """ValueError naming the argument whose shape or dtype does not fit."""
+  if residual.ndim != 2 or residual.dtype not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"residual_norm: residual must be bf16 or f32 [tokens, D], got {residual.dtype}"
+                     f"{list(residual.shape)}")
+  check_partials("residual_norm", "partials", partials, str(residual.shape[1]))
+  if partials.shape[1:] != residual.shape:
+    raise ValueError(f"residual_norm: partials must be f32 [splits, {residual.shape[0]}, {residual.shape[1]}], "
+                     f"got {list(partials.shape)}")
+  if weight.shape != residual.shape[1:]:
+    raise ValueError(f"residual_norm: weight must be [{residual.shape[1]}], got {list(weight.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "interpret"))
+def residual_norm(residual: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: float, dtype=jnp.bfloat16,
+                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """residual_norm_reference in one launch (module docstring).
+
+  Args:
+    residual: [n, D], bf16 or f32: the residual stream's rows.
+    partials: f32 [S, n, D]: o_proj's split-K partial outputs (S = 1: the output).
+    weight: post_attention_layernorm's [D].
+    eps: its epsilon.
+    dtype: the activations' dtype (the model's; o_proj's output and the norm's).
+  Returns:
+    (the new residual [n, D] in residual's dtype, its norm [n, D] in dtype).
+  """
+  check_residual_norm_args(residual, partials, weight)
+  n, width = residual.shape
+  whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+  inputs = (residual, partials, weight)
+  return pl.pallas_call(
+      functools.partial(_residual_norm_kernel, eps=eps),
+      grid=(n,),
+      in_specs=[whole(a.shape) for a in inputs],
+      out_specs=[whole((n, width))] * 2,
+      out_shape=[jax.ShapeDtypeStruct((n, width), residual.dtype), jax.ShapeDtypeStruct((n, width), dtype)],
+      compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name="residual_norm",
+  )(*inputs)
+
+
+def residual_norm_reference(residual: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: float,
+                            dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+  """The XLA path (DecoderLayer's): o_proj's partials summed and rounded to dtype, added to the
+  residual in its dtype, then post_attention_layernorm."""
+  check_residual_norm_args(residual, partials, weight)
+  x = residual + jnp.sum(partials, axis=0).astype(dtype).astype(residual.dtype)
+  return x, layers.rms_norm(x, weight, eps, dtype)

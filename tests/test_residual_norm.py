@@ -1,0 +1,58 @@
+"""The one-launch residual add and post-attention RMSNorm (pallas_kernels/residual_norm.py)
+against the XLA path it replaces: random o_proj partials at a TEP=8 rank's GLM-5 shapes and
+awkward ones, both residual dtypes, bad inputs, the H200 lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
+from tests.h200_lowering import TRITON_CALL, h200_text
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+# (splits, tokens, hidden D): a rank's GLM-5 layer at 5 tokens and at 1 (after TEP's all-reduce:
+# one split); then no power of two (D 40, 7 tokens).
+SHAPES = [(8, 5, 6144), (1, 1, 6144), (3, 7, 40)]
+
+
+def draw(shape, residual_dtype, seed: int):
+  """Partials on a grid of 1/64 (|p| < 256): their fp32 sums are exact in any order, so both
+  paths round the same sums."""
+  splits, tokens, width = shape
+  rng = np.random.default_rng(seed)
+  partials = jnp.asarray(rng.integers(-2**14, 2**14, size=(splits, tokens, width)) / 64, jnp.float32)
+  residual = jnp.asarray(50 * rng.normal(size=(tokens, width)), residual_dtype)
+  weight = jnp.asarray(1 + 0.1 * rng.normal(size=width), jnp.bfloat16)
+  return residual, partials, weight
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("residual_dtype", [jnp.float32, jnp.bfloat16])
+def test_residual_norm_matches_the_xla_path(shape, residual_dtype):
+  args = draw(shape, residual_dtype, seed=hash((shape, str(residual_dtype))) % 2**31)
+  (x, h), (want_x, want_h) = residual_norm(*args, eps=1e-5), residual_norm_reference(*args, eps=1e-5)
+  assert x.dtype == want_x.dtype == jnp.dtype(residual_dtype) and h.dtype == want_h.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want_x, np.float32))  # the same sums
+  # fp32 statistics summed in another order: at most one bf16 ulp
+  np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32), rtol=2.0 ** -7, atol=0)
+  assert np.abs(np.asarray(h, np.float32)).max() > 0.5  # normalised rows, not zeros
+
+
+def test_bad_inputs_are_named():
+  residual, partials, weight = draw(SHAPES[2], jnp.float32, seed=1)
+  with pytest.raises(ValueError, match=r"residual must be bf16 or f32 \[tokens, D\]"):
+    residual_norm(residual[None], partials, weight, eps=1e-5)
+  with pytest.raises(ValueError, match=r"partials must be f32 \[splits, 7, 40\]"):
+    residual_norm(residual, partials[:, :5], weight, eps=1e-5)
+  with pytest.raises(ValueError, match="partials must be f32"):
+    residual_norm(residual, partials.astype(jnp.bfloat16), weight, eps=1e-5)
+  with pytest.raises(ValueError, match=r"weight must be \[40\]"):
+    residual_norm(residual, partials, weight[:8], eps=1e-5)
+
+
+def test_residual_norm_lowers_to_triton_for_h200():
+  s = jax.ShapeDtypeStruct
+  for splits, tokens, width in SHAPES:
+    args = (s((tokens, width), jnp.float32), s((splits, tokens, width), jnp.float32), s((width,), jnp.bfloat16))
+    assert TRITON_CALL in h200_text(lambda *a: residual_norm(*a, eps=1e-5, interpret=False), *args)
