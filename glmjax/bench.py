@@ -3,7 +3,11 @@
 Dispatching one jitted call costs the host about 32 us on the H200 (58 us with a sync), more than
 many kernels take, so back-to-back dispatches measure the host. `time_device` instead compiles
 `iters` calls of `fn` into one `lax.fori_loop` and times that program; an optimization barrier on
-the loop-carried inputs keeps XLA from hoisting the loop-invariant call out of the loop.
+the loop-carried inputs keeps XLA from hoisting the loop-invariant call out of the loop; the loop
+reads one element of each of fn's outputs, behind another barrier, which keeps XLA computing
+them whole. (Before it read one element of the first output alone, and XLA dropped the other
+outputs and sliced the first to that element: a two-output XLA reference timed 0.05 us for
+1.3 MB, BENCHMARKS.md run 24.)
 """
 
 import collections
@@ -26,8 +30,8 @@ def _loop_program(fn: Callable[..., Any], iters: int) -> Callable[[tuple], jax.A
     def body(_, carry):
       args, acc = carry
       args = jax.lax.optimization_barrier(args)
-      first = jax.tree.leaves(fn(*args))[0]
-      return args, acc + first.ravel()[0].astype(jnp.float32)
+      outs = jax.tree.leaves(jax.lax.optimization_barrier(fn(*args)))
+      return args, acc + sum(out.ravel()[0].astype(jnp.float32) for out in outs)
     return jax.lax.fori_loop(0, iters, body, (args, jnp.float32(0)))[1]
   return jax.jit(loop)
 

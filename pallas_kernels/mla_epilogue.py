@@ -5,9 +5,11 @@ launch, then normalises q_a (q_a_layernorm) and kv_a's latent part (kv_a_layerno
 RMSNorms, and rotates kv_a's rope part (apply_rope): on the H200 three XLA kernels of a TEP=8
 rank's layer (BENCHMARKS.md run 23's map). Here one launch: a program per (token, output): the
 first sums q_a's partials and normalises them, the second kv_a's latent part, and rotates its
-rope part as pairs (a [rope / 2, 2] tile of a free reshape). With Runtime.index_epilogue, the
-indexer's wk and weights_proj share that GEMV launch (they read the same x) and a third program
-per token does indexer_keys' work (its keys_row): one launch for both epilogues.
+rope part as pairs (a [rope / 2, 2] tile of a free reshape). In that layer 3.6-3.7 us: -2
+launches and -4.6 us of kernel time against the XLA path (BENCHMARKS.md run 24, same call).
+With Runtime.index_epilogue, the indexer's wk and weights_proj share that GEMV launch (they read
+the same x) and a third program per token does indexer_keys' work (its keys_row): one launch
+for both epilogues (with index_query, -3 launches and -5.6 us a layer, run 24).
 
 Numerics: as the model computes them: the sums rounded to the activations' dtype, RMSNorm's
 statistics in fp32, its scale and the rotation in that dtype. Equal to the XLA path wherever the

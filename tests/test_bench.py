@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +51,18 @@ def test_kernel_breakdown_runs_a_profile_and_time_device_is_positive():
   # Own-kernel time needs those events: a clear error, not a zero time.
   with pytest.raises(RuntimeError, match="no device kernel events"):
     time_own_kernels(lambda a: jnp.sin(a) @ a, x)
+
+
+def test_the_timing_loop_computes_every_output_whole():
+  """The loop reads one element of fn's first output; the compiled program still computes all
+  of fn's outputs in full (before the barrier on them, XLA dropped the second output here and
+  sliced the first to the element read)."""
+  from glmjax.bench import _loop_program
+  x = jnp.arange(4096.0).reshape(64, 64) / 4096
+  fn = lambda a: (jnp.exp(a) + 1, jnp.sin(a).sum(axis=0))
+  hlo = _loop_program(fn, 2).lower((x,)).compile().as_text()
+  assert re.search(r"f32\[64,64\]\S* sine\(", hlo), "the second output computed"
+  assert re.search(r"f32\[64,64\]\S* exponential\(", hlo), "the first output computed whole, not one element"
 
 
 def test_own_kernel_us_takes_away_the_timing_loops_bookkeeping():
