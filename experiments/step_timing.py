@@ -158,10 +158,16 @@ def _step_times(programs: list[_Program], repeats: int, trace_dirs: list[str]) -
   `repeats` rounds, so that a drift of the device's speed during the measurement reaches every
   program alike (timed one program after another, one 8-layer program's step moved 8% between
   two processes while its 3- and 5-layer ones repeated to 1.5%: BENCHMARKS.md run 23). A
-  program's trace_dir (or ""): a jax.profiler trace of one more call of its longer loop."""
-  for program in programs:
-    for n in program.lengths:
-      program.once(n)  # compiles
+  program's trace_dir (or ""): a jax.profiler trace of one more call of its longer loop.
+
+  The warm-up runs every length twice: a program compiled first may compile again once the
+  others have (on the CPU, the first Pallas interpret-mode lowering imports pallas.fuser, which
+  changes jit's cache key: a tiny program's 6 ms call took 9.9 s, and --quick's single round
+  read it as the step)."""
+  for _ in range(2):
+    for program in programs:
+      for n in program.lengths:
+        program.once(n)
   runs = collections.defaultdict(list)
   for _ in range(repeats):
     for i, program in enumerate(programs):

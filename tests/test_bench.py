@@ -227,19 +227,21 @@ def test_rank_step_fits_a_line_through_the_layer_counts(monkeypatch):
 
 
 def test_step_times_interleave_the_programs():
-  """All lengths compile first, then every program's lengths are timed in turn, round after
-  round; each step time is its lengths' median times apart over their steps, so a slow round
-  (the device's clocks) moves no median."""
+  """All lengths run twice first (compiling; a program compiled first may compile again after
+  the others), then every program's lengths are timed in turn, round after round; each step
+  time is its lengths' median times apart over their steps, so a slow round (the device's
+  clocks) moves no median."""
   from experiments import step_timing
   calls = []
 
   def program(name, per_step):
     def once(n):
       calls.append((name, n))
-      slow = 5.0 if len(calls) in (7, 8) else 1.0  # program b's first timed round, both lengths
+      # call 5: a's short loop compiling again in the second warm-up; 11, 12: b's first timed round
+      slow = {5: 1000.0, 11: 5.0, 12: 5.0}.get(len(calls), 1.0)
       return slow * (0.5 + per_step * n), n  # loop steps = n
     return step_timing._Program(once, (2, 6))
 
   times = step_timing._step_times([program("a", 0.1), program("b", 0.3)], repeats=3, trace_dirs=["", ""])
-  assert calls == [("a", 2), ("a", 6), ("b", 2), ("b", 6)] * 4
+  assert calls == [("a", 2), ("a", 6), ("b", 2), ("b", 6)] * 5
   assert [t.seconds for t in times] == pytest.approx([0.1, 0.3]) and [t.long_loop_steps for t in times] == [6, 6]
