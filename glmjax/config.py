@@ -95,6 +95,9 @@ class ModelConfig:
   # glmjax only: routed experts one tensor/expert-parallel rank holds (0 = all). Routing still
   # scores all n_routed_experts.
   rank_local_experts: int = 0
+  # glmjax only: the shared experts' intermediate one rank holds (0 = all of moe_intermediate_size *
+  # n_shared_experts). TEP splits it over the ranks (glmjax/parallel/expert_parallel.py).
+  rank_shared_intermediate: int = 0
 
   def __post_init__(self):
     layers = self.num_hidden_layers
@@ -125,7 +128,7 @@ class ModelConfig:
       value = getattr(self, name)
       _check(isinstance(value, int) and value > 0, name, f"must be a positive int, got {value!r}")
     for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
-                 "rank_local_experts"):
+                 "rank_local_experts", "rank_shared_intermediate"):
       value = getattr(self, name)
       _check(isinstance(value, int) and value >= 0, name,
              f"must be a non-negative int, got {value!r}")
@@ -170,6 +173,10 @@ class ModelConfig:
     _check(self.rank_local_experts == 0 or experts % self.rank_local_experts == 0,
            "rank_local_experts",
            f"{self.rank_local_experts} does not divide n_routed_experts {experts}")
+    shared = self.moe_intermediate_size * self.n_shared_experts
+    _check(self.rank_shared_intermediate == 0 or (shared and shared % self.rank_shared_intermediate == 0),
+           "rank_shared_intermediate",
+           f"{self.rank_shared_intermediate} does not divide the shared experts' intermediate {shared}")
 
     for name in ("bos_token_id", "pad_token_id"):
       token = getattr(self, name)
@@ -215,6 +222,11 @@ class ModelConfig:
   def num_local_experts(self) -> int:
     """Routed experts held locally: rank_local_experts, or all when it is 0."""
     return self.rank_local_experts or self.n_routed_experts
+
+  @property
+  def shared_intermediate(self) -> int:
+    """The shared experts' intermediate held locally: rank_shared_intermediate, or all of it."""
+    return self.rank_shared_intermediate or self.moe_intermediate_size * self.n_shared_experts
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
@@ -263,7 +275,7 @@ class ModelConfig:
     """config.json contents that transformers' GlmMoeDsaConfig accepts; `from_hf` inverts it."""
     hf: dict[str, Any] = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"}
     for f in dataclasses.fields(self):
-      if f.name not in ("rope_theta", "num_nextn_predict_layers", "rank_local_experts"):
+      if f.name not in ("rope_theta", "num_nextn_predict_layers", "rank_local_experts", "rank_shared_intermediate"):
         value = getattr(self, f.name)
         hf[f.name] = list(value) if isinstance(value, tuple) else value
     hf["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
@@ -272,8 +284,9 @@ class ModelConfig:
     hf["qk_head_dim"] = self.qk_head_dim
     if self.num_nextn_predict_layers:
       hf["num_nextn_predict_layers"] = self.num_nextn_predict_layers
-    if self.rank_local_experts:  # Not an HF key: kept so a rank's config round-trips.
-      hf["rank_local_experts"] = self.rank_local_experts
+    for name in ("rank_local_experts", "rank_shared_intermediate"):  # Not HF keys: kept so a rank's config
+      if getattr(self, name):                                         # round-trips.
+        hf[name] = getattr(self, name)
     return hf
 
 

@@ -7,7 +7,7 @@ counts can be checked against a real safetensors header. Conventions:
 - Parameter totals follow transformers' count, which leaves out the routers'
   `e_score_correction_bias` (a buffer there, not trained); stored bytes include it.
 - With `rank_local_experts` set, only the local routed experts are listed; the router still
-  scores all n_routed_experts.
+  scores all n_routed_experts. With `rank_shared_intermediate` set, the shared expert is that slice.
 - A decode step verifies `num_tokens` tokens at once. Weights read per step: every tensor once,
   except the embedding (only the rows of those tokens) and the routed experts (only the distinct
   experts the tokens touch, `expected_distinct_experts` under uniform routing). The lm_head is
@@ -95,7 +95,7 @@ def _decoder_layer(c: ModelConfig, prefix: str, *, moe: bool, indexer: bool,
   for e in range(c.num_local_experts):
     out += mlp(f"mlp.experts.{e}", c.moe_intermediate_size, "routed_experts")
   if c.n_shared_experts:
-    out += mlp("mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts,
+    out += mlp("mlp.shared_experts", c.shared_intermediate,
                "shared_experts")
   return out + [t("mlp.gate.weight", [c.n_routed_experts, h], "router"),
                 t("mlp.gate.e_score_correction_bias", [c.n_routed_experts], "router",

@@ -148,6 +148,6 @@ class MoE(nn.Module):
                                 mesh=tep_mesh, routing=routing, **impls, **kw)
       return out.reshape(x.shape)
     routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing)
-    shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, name="shared_experts", **kw)(
+    shared = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)(
         x, **impls)
     return routed.reshape(x.shape).astype(self.dtype) + shared

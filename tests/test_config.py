@@ -42,9 +42,11 @@ def test_to_hf_dict_mtp_and_rank_fields(mtp):
   c = dataclasses.replace(get_model_config("tiny"), num_nextn_predict_layers=mtp)
   out = c.to_hf_dict()
   assert out.get("num_nextn_predict_layers", 0) == mtp
-  assert "rank_local_experts" not in out
+  assert "rank_local_experts" not in out and "rank_shared_intermediate" not in out
   assert out["architectures"] == ["GlmMoeDsaForCausalLM"]
   assert ModelConfig.from_hf(out) == c
+  rank = get_model_config("tep8_shard")
+  assert ModelConfig.from_hf(rank.to_hf_dict()) == rank
 
 
 def test_from_hf_accepts_directory_file_and_dict():
@@ -133,6 +135,8 @@ BAD_CASES = [
   ("num_experts_per_tok", {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}),
   ("rank_local_experts", {"rank_local_experts": 3}),
   ("rank_local_experts", {"rank_local_experts": -1}),
+  ("rank_shared_intermediate", {"rank_shared_intermediate": -1}),
+  ("rank_shared_intermediate", {"rank_shared_intermediate": 3}),
   ("qk_rope_head_dim", {"qk_rope_head_dim": 15}),
   ("index_head_dim", {"index_head_dim": 8}),
   ("hidden_act", {"hidden_act": "gelu"}),
@@ -204,13 +208,36 @@ def test_mini_has_every_feature():
   assert c.vocab_size == 260
 
 
-def test_tep8_shard_preset():
-  c, full = get_model_config("tep8_shard"), get_model_config("glm5")
-  assert (c.num_attention_heads, c.num_key_value_heads, c.index_n_heads) == (8, 8, 4)
-  assert c.vocab_size == 19360 and c.num_hidden_layers == 78
-  assert c.num_local_experts == 32 and c.n_routed_experts == 256
-  assert dataclasses.replace(c, num_attention_heads=64, num_key_value_heads=64, index_n_heads=32,
-                             vocab_size=154880, rank_local_experts=0) == full
+def test_tep8_shard_holds_one_device_of_the_tep8_layout():
+  """Every parameter of the tep8_shard preset has the shape GLM-5's has on one device of the TEP=8
+  layout (glmjax.parallel.rules: split dims divided by 8; routed experts by expert parallelism)."""
+  import flax.linen as nn
+  import jax
+  from jax.sharding import AbstractMesh
+  from glmjax.model import abstract_params
+  from glmjax.parallel import rules
+  mesh = AbstractMesh((8,), (rules.TEP,))
+  shapes = lambda config, shape: {
+      jax.tree_util.keystr(path): shape(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(
+          abstract_params(get_model_config(config)), is_leaf=lambda x: isinstance(x, nn.Partitioned))}
+  one_device = lambda path, leaf: tuple(size // (8 if axis else 1) for size, axis in zip(
+      leaf.value.shape, rules.mesh_spec(leaf.names, leaf.value.shape, mesh, param=jax.tree_util.keystr(path))))
+  expected, held = shapes("glm5", one_device), shapes("tep8_shard", lambda _, leaf: leaf.value.shape)
+  assert set(held) == set(expected)
+  differ = {path: (expected[path], held[path]) for path in expected if expected[path] != held[path]}
+  assert not differ, list(differ.items())[:5]
+  c = get_model_config("tep8_shard")
+  assert (c.index_n_heads, c.shared_intermediate, c.intermediate_size, c.num_local_experts) == (32, 256, 1536, 32)
+
+
+def test_a_rank_config_is_not_a_mesh_config():
+  from jax.sharding import AbstractMesh
+  from glmjax.parallel import rules
+  with pytest.raises(ValueError, match="rank_local_experts=32"):
+    rules.check_config(get_model_config("tep8_shard"), AbstractMesh((8,), (rules.TEP,)))
+  rank = dataclasses.replace(get_model_config("tiny"), rank_shared_intermediate=8)
+  with pytest.raises(ValueError, match="rank_shared_intermediate=8"):
+    rules.check_config(rank, AbstractMesh((2,), (rules.TEP,)))
 
 
 @pytest.mark.parametrize("field,value", [("attention", "flash"), ("matmul", "cublas"), ("dense_matmul", "cublas"),

@@ -49,7 +49,7 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
   check_config(config, mesh)
   degree = mesh.shape[TEP]
   local_experts = config.n_routed_experts // degree
-  shared_mlp = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts // degree,
+  shared_mlp = MLP(config.hidden_size, config.shared_intermediate // degree,
                    dtype=dtype, param_dtype=param_dtype)
 
   def local(x, ids, weights, experts, shared):

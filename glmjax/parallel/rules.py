@@ -93,9 +93,10 @@ def check_config(config: ModelConfig, mesh: Mesh | AbstractMesh) -> None:
     if count % degree:
       raise ValueError(f"{field}: {count} {what} are not divisible by the TEP degree {degree} "
                        f"(they are split over mesh axis {TEP!r})")
-  if config.rank_local_experts:
-    raise ValueError(f"rank_local_experts={config.rank_local_experts}: a mesh holds all "
-                     f"{config.n_routed_experts} experts; that config is one rank's shard")
+  for field in ("rank_local_experts", "rank_shared_intermediate"):
+    if getattr(config, field):
+      raise ValueError(f"{field}={getattr(config, field)}: a mesh holds the whole model and splits it; that "
+                       "config is one rank's shard")
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
