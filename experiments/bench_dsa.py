@@ -239,7 +239,10 @@ def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   grids = {
       "indexer_scores": (functools.partial(indexer_scores, num_keys=context), idx_args,
                          [IndexerScoresConfig(block_k=bk, num_warps=w, num_stages=st, orientation=o)
-                          for o in ORIENTATIONS for bk in (64, 128, 256) for w in (4, 8) for st in (2, 3)]),
+                          for o in ORIENTATIONS for bk in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
+                         # past the top-k's 128 splits: a key block or two per program
+                         + [IndexerScoresConfig(block_k=bk, num_splits=sp, num_warps=w)
+                            for bk in (64, 128) for sp in (256, 512, 1024) for w in (4, 8)]),
       "sparse_mla_decode": (functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE), mla_args,
                             [SparseMLAConfig(block_n=bn, num_splits=sp, num_warps=w)
                              for bn in (16, 32, 64) for sp in (None, 64) for w in (4, 8)]),

@@ -53,14 +53,17 @@ def causal_valid(positions: jax.Array, num_keys: int) -> jax.Array:
 
 
 def cached_topk(q, weights, layer: paged.LayerCache, page_table, positions, k: int, impl: str,
-                ties: str = "index", method: str = "sampled", orientation: str = "keys") -> jax.Array:
+                ties: str = "index", method: str = "sampled", orientation: str = "keys",
+                splits: int = 0) -> jax.Array:
   """Indexer selection over the cached keys for the step's queries: [B, T, min(k, S)].
-  method, orientation: the Pallas top-k algorithm and scores kernel orientation (impl="pallas")."""
+  method, orientation, splits: the Pallas top-k algorithm, the scores kernel's orientation and
+  programs per sequence (0: its default) (impl="pallas")."""
   if impl == "pallas" and ties == "index":
     from pallas_kernels import indexer_scores, indexer_topk, topk
     return indexer_topk.indexer_topk(q, weights, layer.index_k, layer.index_scale, page_table, positions,
                                      num_keys=page_table.shape[1] * layer.page_size, k=k,
-                                     scores_config=indexer_scores.IndexerScoresConfig(orientation=orientation),
+                                     scores_config=indexer_scores.IndexerScoresConfig(num_splits=splits or None,
+                                                                                       orientation=orientation),
                                      topk_config=topk.TopKConfig(method=method))
   # dense and sparse select alike (scores over every cached key); they differ in attention.
   keys = paged.gather_index_keys(layer, page_table)

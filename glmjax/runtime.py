@@ -77,6 +77,9 @@ class Runtime:
   indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
   "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
   reduced across warps); the same scores up to the order of fp32 sums.
+  indexer_splits: that kernel's programs per sequence (IndexerScoresConfig.num_splits): 0 for
+  its default (about two programs per SM, at most 128), or a power of two up to 1024 (fewer key
+  blocks a program: the same scores).
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
@@ -104,6 +107,7 @@ class Runtime:
   topk_ties: str = "index"
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"
+  indexer_splits: int = 0
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
 
@@ -113,6 +117,12 @@ class Runtime:
     for name, choices in {**_CHOICES, "topk_method": METHODS, "indexer_orientation": ORIENTATIONS}.items():
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+    if self.indexer_splits:
+      from pallas_kernels.indexer_scores import IndexerScoresConfig
+      try:
+        IndexerScoresConfig(num_splits=self.indexer_splits)
+      except ValueError as e:
+        raise ValueError(f"indexer_splits must be 0 or a power of two <= 1024, got {self.indexer_splits!r}") from e
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")

@@ -39,6 +39,11 @@ from pallas_kernels.checks import (bf16_parts, check_choice, check_launch, check
 
 # Query tokens per program (the kernel unrolls them); more tokens (prefill) form more groups.
 QUERY_GROUP = 8
+# Programs per sequence of the scores alone. The time of a decode step's scores follows the key
+# blocks each program walks (BENCHMARKS.md run 17: 18.2 us at 128 splits, 5 blocks each, 32.6 at
+# 64): past the top-k's 128 each program walks one or two. Fused with the radix select's first
+# pass (indexer_topk), the top-k's topk.MAX_SPLITS bounds them.
+MAX_SPLITS = 1024
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 ORIENTATIONS = ("heads", "keys")  # IndexerScoresConfig.orientation
 
@@ -48,7 +53,8 @@ class IndexerScoresConfig:
   """Tuning of the scores kernel.
 
   block_k: keys per loop step (power of two >= 16).
-  num_splits: programs per sequence (power of two <= 128); None picks about two per SM.
+  num_splits: programs per sequence (power of two <= MAX_SPLITS; <= topk.MAX_SPLITS fused with
+    the top-k's first pass); None picks about two per SM, at most topk.MAX_SPLITS.
   num_warps / num_stages: Triton launch parameters (stages pipeline the key gathers; 8 warps
     keep T x H x Di bf16 queries, 40 KB at T=5, in registers across the key loop).
   orientation: which operand is the MMA's rows. "heads": logits [H, block_k] per query token,
@@ -67,7 +73,7 @@ class IndexerScoresConfig:
 
   def __post_init__(self):
     check_tile("IndexerScoresConfig", "block_k", self.block_k, _MIN_MMA)
-    check_splits("IndexerScoresConfig", self.num_splits, topk.MAX_SPLITS)
+    check_splits("IndexerScoresConfig", self.num_splits, MAX_SPLITS)
     check_launch("IndexerScoresConfig", self.num_warps, self.num_stages)
     check_choice("IndexerScoresConfig", "orientation", self.orientation, ORIENTATIONS)
 

@@ -60,6 +60,9 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
     scores = indexer_scores(q, weights, index_k, index_scale, page_table, q_positions,
                             num_keys=num_keys, config=scores_config, interpret=interpret)
     return topk.topk_indices(scores, k, config=topk_config, interpret=interpret)
+  if (scores_config.num_splits or 0) > topk.MAX_SPLITS:
+    raise ValueError(f"fuse_first_pass: scores_config.num_splits={scores_config.num_splits} splits the top-k's "
+                     f"rows too, at most topk.MAX_SPLITS={topk.MAX_SPLITS}")
   b, t = q.shape[:2]
   q, weights, q_positions = pad_queries(q, weights, q_positions)
   tp = q.shape[1]

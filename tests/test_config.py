@@ -253,6 +253,14 @@ def test_runtime_rejects_unknown_switches(field, value):
     Runtime(**{field: value})
 
 
+@pytest.mark.parametrize("splits", [3, 2048, -4])
+def test_runtime_indexer_splits_are_powers_of_two_to_1024(splits):
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match=f"indexer_splits must be 0 or a power of two <= 1024, got {splits}"):
+    Runtime(indexer_splits=splits)
+  assert Runtime(indexer_splits=1024).indexer_splits == 1024
+
+
 def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match="moe_routing='pairs'.*matmul='pallas_hfma2'"):

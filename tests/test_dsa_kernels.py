@@ -283,6 +283,21 @@ def test_indexer_scores_matches_reference(t, fp8, orientation):
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits,block_k", [(256, 16), (1024, 16)])
+def test_indexer_scores_past_the_topk_splits(splits, block_k):
+  """More programs than the top-k's 128 (one key block each here, most of them past the shorter
+  sequences' keys or past the cache): the same scores."""
+  assert splits > topk.MAX_SPLITS
+  args = _indexer_inputs(15, 5, fp8=True)
+  config = IndexerScoresConfig(block_k=block_k, num_splits=splits)
+  got = indexer_scores(*args, num_keys=NUM_KEYS, config=config)
+  ref = indexer_scores_reference(*args, num_keys=NUM_KEYS)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="fuse_first_pass.*num_splits=256"):
+    indexer_topk(*args, num_keys=NUM_KEYS, k=64, scores_config=IndexerScoresConfig(num_splits=256),
+                 fuse_first_pass=True)
+
+
 @pytest.mark.parametrize("orientation", ORIENTATIONS)
 def test_indexer_scores_fp32_queries_default_tiles(orientation):
   # T=10 > the 8-token query group (prefill chunks): two groups, the second padded.
@@ -479,6 +494,7 @@ def test_invalid_inputs_raise():
     lambda: TopKConfig(scan_block=24), lambda: TopKConfig(select_warps=3), lambda: TopKConfig(scan_lanes=3),
     lambda: IndexerScoresConfig(block_k=8),
     lambda: IndexerScoresConfig(num_warps=3), lambda: IndexerScoresConfig(orientation="rows"),
+    lambda: IndexerScoresConfig(num_splits=2048), lambda: IndexerScoresConfig(num_splits=384),
     lambda: SparseMLAConfig(block_n=48),
     lambda: SparseMLAConfig(num_splits=0), lambda: SparseMLAConfig(combine="atomic")])
 def test_invalid_configs_raise(make):
@@ -517,6 +533,9 @@ def test_lowers_for_h200():
       (lambda *a: indexer_topk(*a, num_keys=num_keys, k=2048, interpret=False), idx_args),
       *[(functools.partial(indexer_scores, num_keys=num_keys, config=IndexerScoresConfig(orientation=o),
                            interpret=False), idx_args) for o in ORIENTATIONS],
+      # Past the top-k's 128 splits: 512 programs (of 128 keys each: most past these 4096).
+      (functools.partial(indexer_scores, num_keys=num_keys, config=IndexerScoresConfig(num_splits=512),
+                         interpret=False), idx_args),
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, interpret=False), mla_args),
       (lambda *a: sparse_mla_decode(*a, softmax_scale=0.0625, config=SparseMLAConfig(combine="pallas"),
                                     interpret=False), mla_args),

@@ -27,6 +27,7 @@ from glmjax import attention, dsa, layers, quant
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
 from pallas_kernels import indexer_keys as indexer_keys_module
+from pallas_kernels import indexer_topk
 from pallas_kernels import residual_norm as residual_norm_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -57,8 +58,9 @@ def _record_pallas_calls(monkeypatch) -> list[tuple]:
   def record(kind, ref, static, got, *inputs):
     calls.append((kind, ref, static, *jax.tree.map(np.array, (got, inputs))))
 
-  def topk(q, weights, layer, page_table, positions, k, impl, ties="index", method="sampled", orientation="keys"):
-    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties, method, orientation)
+  def topk(q, weights, layer, page_table, positions, k, impl, ties="index", method="sampled", orientation="keys",
+           splits=0):
+    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties, method, orientation, splits)
     jax.debug.callback(functools.partial(record, "topk", ref_topk, (k, "sparse", ties)),
                        got, q, weights, layer, page_table, positions)
     return got
@@ -206,6 +208,22 @@ def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)
+@fold_lane
+def test_indexer_splits_reach_the_scores_kernel_and_keep_the_tokens(tiny, monkeypatch):
+  """indexer_splits=256: every scores launch runs 256 programs a sequence (past the top-k's 128);
+  each key's score is computed as before, so the tokens are the default's."""
+  default = _generate(tiny, "pallas", "fp8")
+  splits, scores = [], indexer_topk.indexer_scores
+
+  def recording(*args, config, **kwargs):
+    splits.append(config.num_splits)
+    return scores(*args, config=config, **kwargs)
+
+  monkeypatch.setattr(indexer_topk, "indexer_scores", recording)
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", indexer_splits=256), default)
+  assert splits and set(splits) == {256}
+
+
 def test_replay_pallas_equals_sparse(tmp_path):
   """The replay entry point (prefix-cached rounds through the Engine), as a user runs it: both
   in their own processes (their absl flags stand alone), side by side."""
