@@ -207,7 +207,6 @@ def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch
   assert calls and all(shape[1] <= 8 for shape in calls)  # decode steps' partials [S, tokens, D]; none at prefill
 
 
-@pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)
 @fold_lane
 def test_indexer_splits_reach_the_scores_kernel_and_keep_the_tokens(tiny, monkeypatch):
   """indexer_splits=256: every scores launch runs 256 programs a sequence (past the top-k's 128);
@@ -224,6 +223,7 @@ def test_indexer_splits_reach_the_scores_kernel_and_keep_the_tokens(tiny, monkey
   assert splits and set(splits) == {256}
 
 
+@pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)
 def test_replay_pallas_equals_sparse(tmp_path):
   """The replay entry point (prefix-cached rounds through the Engine), as a user runs it: both
   in their own processes (their absl flags stand alone), side by side."""
