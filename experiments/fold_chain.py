@@ -8,10 +8,11 @@ and one decoder layer's kernels mapped to the model's code (glmjax.hlo_stats, as
 Arm 0 runs tep_project with --base (the full stack, no folds); arm i adds the first i of --folds,
 each `switch` (set to "pallas": glmjax.runtime.FOLD_SWITCHES) or `switch=value`, or several
 joined by "+" for one arm (run 24's "index_epilogue+index_query"). Per arm: the
-fitted decoder layer and rank step, the projected tokens/s at the first latency, one layer's
+fitted decoder layer (none when --base times the whole model: no --measure_layers) and rank
+step, the projected tokens/s at the first latency, one layer's
 launches and kernel time from the profile (a GPU's; none on the CPU), and the mapped layer
 (--map_layer, in the program of map_layer + 1 layers: --base's --measure_layers must hold that
-count) split into Pallas calls and XLA kernels. Writes fold_chain.json (a rerun keeps finished
+count, or the model have that many) split into Pallas calls and XLA kernels. Writes fold_chain.json (a rerun keeps finished
 arms; --noresume remeasures), fold_chain.md and fold_chain.png (launches and kernel us per arm),
 and under arm_<i>/ each arm's tep_project JSON and log and its layer's kernels (layer_map.json).
 """
@@ -60,7 +61,7 @@ def layer_module(hlo_dir: pathlib.Path, layer: int) -> str:
     if f"layers_{layer}/" in text and f"layers_{layer + 1}/" not in text:
       return text
   raise ValueError(f"no dumped program ends at decoder layer {layer} under {hlo_dir}: --base's --measure_layers "
-                   f"must include {layer + 1}")
+                   f"must include {layer + 1} (or the model have {layer + 1} layers)")
 
 
 def mapped_kernels(sites: list[hlo_stats.KernelSite]) -> dict[str, int]:
@@ -73,8 +74,9 @@ def arm_metrics(report: dict, mapped: dict[str, int]) -> dict:
   """One arm's row from tep_project's JSON report and its layer map."""
   measured, first = report["measured"], report["projection"][0]
   kernels = measured.get("layer_kernels") or []
-  return dict(mapped, rank_step_ms=1e3 * measured["rank_step_s"], layer_us=1e6 * measured["per_layer_s"],
-              layer_stderr_us=1e6 * (measured.get("per_layer_stderr_s") or 0.0),
+  us = lambda key: None if measured.get(key) is None else 1e6 * measured[key]
+  return dict(mapped, rank_step_ms=1e3 * measured["rank_step_s"], layer_us=us("per_layer_s"),
+              layer_stderr_us=us("per_layer_stderr_s"),
               tokens_per_s=first["tokens_per_s"], latency_us=first["latency_us"],
               launches=sum(row[1] for row in kernels) if kernels else None,
               kernel_us=sum(row[2] for row in kernels) if kernels else None, source=measured["source"])

@@ -2,7 +2,6 @@
 Pallas calls and XLA kernels, resuming, and (side lane) two arms of tep_project end to end."""
 
 import json
-import math
 import os
 import pathlib
 import subprocess
@@ -67,11 +66,13 @@ def test_a_rerun_measures_only_new_or_changed_arms(tmp_path, monkeypatch):
 
 @pytest.mark.side_lane  # 80 s on 2 cores: beside the multi-device tests (Makefile)
 def test_two_arms_of_tep_project_end_to_end(tmp_path):
-  base = ("--config=tiny --full_config=tiny --tep=2 --context=256 --quick --measure_layers=1,2 --draft_steps=2 "
+  # The whole 4-layer model timed (no --measure_layers): a quick fit of 1 and 2 layers on a busy
+  # CPU can come out negative, and tep_project rightly refuses a negative step.
+  base = ("--config=tiny --full_config=tiny --tep=2 --context=256 --quick --draft_steps=2 "
           "--accept_length=2 --attention=pallas --dense_matmul=pallas_grouped")
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
   proc = subprocess.run([sys.executable, "-m", "experiments.fold_chain", f"--base={base}", "--folds=query_absorb",
-                         "--map_layer=1", f"--output_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                         "--map_layer=3", f"--output_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   points = json.loads((tmp_path / "fold_chain.json").read_text())["points"]
@@ -79,11 +80,10 @@ def test_two_arms_of_tep_project_end_to_end(tmp_path):
   assert points["+query_absorb"]["settings"][-1] == "--query_absorb=pallas"
   for name, m in points.items():
     assert m["map_kernels"] > 0 and m["map_pallas"] == 0   # interpret mode: no custom call on the CPU
-    # One quick round of a 1- and a 2-layer program on a busy CPU: the fitted layer may be negative.
-    assert m["rank_step_ms"] > 0 and m["tokens_per_s"] > 0 and math.isfinite(m["layer_us"]), name
+    assert m["rank_step_ms"] > 0 and m["tokens_per_s"] > 0 and m["layer_us"] is None, name
     assert m["launches"] is None and m["source"].startswith("timed on cpu"), name
     arm = tmp_path / f"arm_{list(points).index(name)}"
     assert json.loads((arm / "tep.json").read_text())["measured"]["source"] == m["source"]
     sites = json.loads((arm / "layer_map.json").read_text())
-    assert len(sites) == m["map_kernels"] and all("layers_1/" in s["op_name"] for s in sites)
+    assert len(sites) == m["map_kernels"] and all("layers_3/" in s["op_name"] for s in sites)
   assert (tmp_path / "fold_chain.md").read_text() in proc.stdout
