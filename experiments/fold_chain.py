@@ -42,8 +42,8 @@ _FOLDS = ("router", "value_merge", "moe_routing=pairs_fused", "query_absorb", "i
 _OUT = flags.DEFINE_string("output_dir", "fold_chain_out", "where the chain's files go")
 _BASE_FLAGS = flags.DEFINE_string("base", _BASE, "tep_project's flags for arm 0 (space-separated)")
 _FOLD_LIST = flags.DEFINE_list("folds", list(_FOLDS), "switches added one per arm: name (=pallas) or name=value")
-_MAP_LAYER = flags.DEFINE_integer("map_layer", 4, "the decoder layer mapped (4: tep8_shard's first MoE layer "
-                                  "after its 3 dense ones)")
+_MAP_LAYER = flags.DEFINE_integer("map_layer", 4, "the decoder layer mapped (4: a MoE layer of tep8_shard, past "
+                                  "its 3 dense ones, in the 5-layer program)")
 _TIMEOUT = flags.DEFINE_integer("arm_timeout", 600, "seconds an arm may run")
 _RESUME = flags.DEFINE_bool("resume", True, "keep the arms fold_chain.json already holds")
 
