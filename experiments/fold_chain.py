@@ -99,18 +99,11 @@ def run_arm(flags_list: list[str], arm_dir: pathlib.Path, layer: int, timeout: i
   return arm_metrics(json.loads(report_path.read_text()), mapped_kernels(sites))
 
 
-COLUMNS = (("launches (profile)", "launches", "{:.1f}"), ("kernel us (profile)", "kernel_us", "{:.1f}"),
-           ("mapped", "map_kernels", "{}"), ("Pallas", "map_pallas", "{}"), ("XLA", "map_xla", "{}"),
-           ("layer us (fit)", "layer_us", "{:.1f}"), ("+-", "layer_stderr_us", "{:.1f}"),
-           ("rank step ms", "rank_step_ms", "{:.2f}"), ("tok/s", "tokens_per_s", "{:.1f}"))
-
-
-def markdown(rows: list[tuple[str, dict]]) -> str:
-  """The arms as a Markdown table of COLUMNS."""
-  cell = lambda m, key, fmt: "-" if m.get(key) is None else fmt.format(m[key])
-  lines = ["| arm | " + " | ".join(c[0] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-  lines += [f"| {name} | " + " | ".join(cell(m, key, fmt) for _, key, fmt in COLUMNS) + " |" for name, m in rows]
-  return "\n".join(lines)
+COLUMNS = (  # (header, key, scale, format): study.markdown's
+    ("launches (profile)", "launches", 1, "{:.1f}"), ("kernel us (profile)", "kernel_us", 1, "{:.1f}"),
+    ("mapped", "map_kernels", 1, "{}"), ("Pallas", "map_pallas", 1, "{}"), ("XLA", "map_xla", 1, "{}"),
+    ("layer us (fit)", "layer_us", 1, "{:.1f}"), ("+-", "layer_stderr_us", 1, "{:.1f}"),
+    ("rank step ms", "rank_step_ms", 1, "{:.2f}"), ("tok/s", "tokens_per_s", 1, "{:.1f}"))
 
 
 def plot(path: pathlib.Path, rows: list[tuple[str, dict]]) -> None:
@@ -141,7 +134,7 @@ def run_chain(out: pathlib.Path, base: str, folds: list[str], *, layer: int, tim
     if not results.done(name, flags_list):
       results.add(name, flags_list, run_arm(flags_list, out / f"arm_{i}", layer, timeout))
   rows = [(name, results.points[name]) for name, _ in arms]
-  (out / "fold_chain.md").write_text(markdown(rows) + "\n")
+  (out / "fold_chain.md").write_text(study.markdown("arm", rows, COLUMNS) + "\n")
   plot(out / "fold_chain.png", rows)
   return rows
 
@@ -150,7 +143,7 @@ def main(argv):
   del argv
   rows = run_chain(pathlib.Path(_OUT.value), _BASE_FLAGS.value, list(_FOLD_LIST.value), layer=_MAP_LAYER.value,
                    timeout=_TIMEOUT.value, resume=_RESUME.value)
-  print(markdown(rows))
+  print(study.markdown("arm", rows, COLUMNS))
 
 
 if __name__ == "__main__":

@@ -376,13 +376,18 @@ COLUMNS = (  # (header, key, scale, format)
     ("decode program MB", "decode_program_bytes", 1e-6, "{:.1f}"), ("peak MB", "peak_bytes_in_use", 1e-6, "{:.1f}"))
 
 
-def markdown_table(rows: list[tuple[str, dict]]) -> str:
-  """(label, metrics) rows as a Markdown table of COLUMNS."""
+def markdown(label: str, rows: list[tuple[str, dict]], columns) -> str:
+  """(name, metrics) rows as a Markdown table: the name under `label`, then one cell per
+  (header, key, scale, format) column, "-" where the metric is missing."""
   cell = lambda m, key, scale, fmt: "-" if m.get(key) is None else fmt.format(m[key] * scale)
-  lines = ["| row | context | " + " | ".join(c[0] for c in COLUMNS) + " |",
-           "|---" * (len(COLUMNS) + 2) + "|"]
-  lines += [f"| {label} | {m['context']} | " + " | ".join(cell(m, *c[1:]) for c in COLUMNS) + " |" for label, m in rows]
+  lines = [f"| {label} | " + " | ".join(c[0] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+  lines += [f"| {name} | " + " | ".join(cell(m, *c[1:]) for c in columns) + " |" for name, m in rows]
   return "\n".join(lines)
+
+
+def markdown_table(rows: list[tuple[str, dict]]) -> str:
+  """(label, metrics) rows as a Markdown table of their context and COLUMNS."""
+  return markdown("row", rows, (("context", "context", 1, "{}"),) + COLUMNS)
 
 
 def write_csv(path: str | os.PathLike, rows: list[tuple[str, dict]]) -> None:
