@@ -7,14 +7,14 @@ and one decoder layer's kernels mapped to the model's code (glmjax.hlo_stats, as
 
 Arm 0 runs tep_project with --base (the full stack, no folds); arm i adds the first i of --folds,
 each `switch` (set to "pallas": glmjax.runtime.FOLD_SWITCHES) or `switch=value`, or several
-joined by "+" for one arm (run 24's "index_epilogue+index_query"). Per arm: the
-fitted decoder layer (none when --base times the whole model: no --measure_layers) and rank
-step, the projected tokens/s at the first latency, one layer's
-launches and kernel time from the profile (a GPU's; none on the CPU), and the mapped layer
-(--map_layer, in the program of map_layer + 1 layers: --base's --measure_layers must hold that
-count, or the model have that many) split into Pallas calls and XLA kernels. Writes fold_chain.json (a rerun keeps finished
-arms; --noresume remeasures), fold_chain.md and fold_chain.png (launches and kernel us per arm),
-and under arm_<i>/ each arm's tep_project JSON and log and its layer's kernels (layer_map.json).
+joined by "+" for one arm (run 24's "index_epilogue+index_query"). Per arm: the fitted decoder
+layer (none when --base times the whole model: no --measure_layers) and rank step, the projected
+tokens/s at the first latency, one layer's launches and kernel time from the profile (a GPU's;
+none on the CPU), and the mapped layer (--map_layer, in the program of map_layer + 1 layers:
+--base's --measure_layers must hold that count, or the model have that many) split into Pallas
+calls and XLA kernels. Writes fold_chain.json (a rerun keeps finished arms; --noresume
+remeasures), fold_chain.md and fold_chain.png (launches and kernel us per arm), and under
+arm_<i>/ each arm's tep_project JSON and log and its layer's kernels (layer_map.json).
 """
 
 import dataclasses

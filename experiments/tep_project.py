@@ -8,7 +8,8 @@
 
 `--config` is the model one rank runs (tep8_shard: 8 of 64 heads, 32 of 256 experts, 1/8 of the
 vocabulary and of the MLPs' intermediates; the router still scores all 256 experts and ids of
-other ranks' experts add nothing locally). Without --rank_step_ms, its decode step is timed on the current device: the engine's
+other ranks' experts add nothing locally). Without --rank_step_ms, its decode step is timed on
+the current device: the engine's
 decode program (steps.decode_loop, batch 1; with --draft_steps=k the speculative program
 speculative.spec_decode_loop, every step drafting k tokens with the MTP layer and verifying k+1)
 over a cache of `--context` random tokens, as the difference of two loop lengths divided by the

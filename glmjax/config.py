@@ -46,6 +46,11 @@ def _check(ok: bool, field: str, message: str) -> None:
     raise ValueError(f"ModelConfig.{field}: {message}")
 
 
+# glmjax-only fields that make a config one TEP rank's shard (not HF keys; config.json keeps
+# them so a rank's config round-trips).
+RANK_FIELDS = ("rank_local_experts", "rank_shared_intermediate")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """GLM-MoE-DSA architecture: MLA attention with a DSA indexer, dense then MoE MLPs, MTP layers.
@@ -127,8 +132,7 @@ class ModelConfig:
                  "max_position_embeddings", "index_topk", "index_head_dim", "index_n_heads"):
       value = getattr(self, name)
       _check(isinstance(value, int) and value > 0, name, f"must be a positive int, got {value!r}")
-    for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
-                 "rank_local_experts", "rank_shared_intermediate"):
+    for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", *RANK_FIELDS):
       value = getattr(self, name)
       _check(isinstance(value, int) and value >= 0, name,
              f"must be a non-negative int, got {value!r}")
@@ -275,7 +279,7 @@ class ModelConfig:
     """config.json contents that transformers' GlmMoeDsaConfig accepts; `from_hf` inverts it."""
     hf: dict[str, Any] = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"}
     for f in dataclasses.fields(self):
-      if f.name not in ("rope_theta", "num_nextn_predict_layers", "rank_local_experts", "rank_shared_intermediate"):
+      if f.name not in ("rope_theta", "num_nextn_predict_layers", *RANK_FIELDS):
         value = getattr(self, f.name)
         hf[f.name] = list(value) if isinstance(value, tuple) else value
     hf["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
@@ -284,9 +288,7 @@ class ModelConfig:
     hf["qk_head_dim"] = self.qk_head_dim
     if self.num_nextn_predict_layers:
       hf["num_nextn_predict_layers"] = self.num_nextn_predict_layers
-    for name in ("rank_local_experts", "rank_shared_intermediate"):  # Not HF keys: kept so a rank's config
-      if getattr(self, name):                                         # round-trips.
-        hf[name] = getattr(self, name)
+    hf.update({name: getattr(self, name) for name in RANK_FIELDS if getattr(self, name)})
     return hf
 
 

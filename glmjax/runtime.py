@@ -118,11 +118,12 @@ class Runtime:
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
     if self.indexer_splits:
-      from pallas_kernels.indexer_scores import IndexerScoresConfig
+      from pallas_kernels.indexer_scores import MAX_SPLITS, IndexerScoresConfig
       try:
         IndexerScoresConfig(num_splits=self.indexer_splits)
       except ValueError as e:
-        raise ValueError(f"indexer_splits must be 0 or a power of two <= 1024, got {self.indexer_splits!r}") from e
+        raise ValueError(f"indexer_splits must be 0 or a power of two <= {MAX_SPLITS}, "
+                         f"got {self.indexer_splits!r}") from e
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")

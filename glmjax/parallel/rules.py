@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from glmjax.cache.paged import KVCache
 from glmjax.checkpoint import ShardingFn
-from glmjax.config import ModelConfig
+from glmjax.config import RANK_FIELDS, ModelConfig
 from glmjax.model import abstract_params
 from glmjax.parallel.mesh import TEP
 
@@ -93,7 +93,7 @@ def check_config(config: ModelConfig, mesh: Mesh | AbstractMesh) -> None:
     if count % degree:
       raise ValueError(f"{field}: {count} {what} are not divisible by the TEP degree {degree} "
                        f"(they are split over mesh axis {TEP!r})")
-  for field in ("rank_local_experts", "rank_shared_intermediate"):
+  for field in RANK_FIELDS:
     if getattr(config, field):
       raise ValueError(f"{field}={getattr(config, field)}: a mesh holds the whole model and splits it; that "
                        "config is one rank's shard")
