@@ -3,8 +3,8 @@ tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experime
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
 --index_epilogue, --index_query, --residual_norm) with the DSA kernels' --topk_method,
---indexer_orientation, --indexer_splits, --indexer_queries, --attention_queries (`define`);
-glmjax.runtime.Runtime's fields of those names."""
+--indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, --indexer_queries,
+--attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 
@@ -66,7 +66,13 @@ def define() -> Callable[[], dict[str, str]]:
                                                "the Pallas indexer scores kernel's MMA rows: keys (head sums within "
                                                "a warp) or heads (across warps)"),
       "indexer_splits": flags.DEFINE_integer("indexer_splits", 0, "the Pallas indexer scores kernel's programs per "
-                                             "sequence: 0 (its default, at most 128) or a power of two <= 1024"),
+                                             "sequence: 0 (its default, about 256) or a power of two <= 1024"),
+      "indexer_block_k": flags.DEFINE_integer("indexer_block_k", 0, "that kernel's keys per loop step: 0 (its "
+                                              "default, 64) or a power of two >= 16"),
+      "indexer_warps": flags.DEFINE_integer("indexer_warps", 0, "that kernel's warps per program: 0 (its default, "
+                                            "4), 1, 2, 4, 8 or 16"),
+      "attention_warps": flags.DEFINE_integer("attention_warps", 0, "the Pallas sparse MLA kernel's warps per "
+                                              "program: 0 (its default, 4), 1, 2, 4, 8 or 16"),
       "indexer_queries": flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES),
                                            "precision of the indexer's queries"),
       "attention_queries": flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),

@@ -229,8 +229,9 @@ class MLAttention(nn.Module):
       q_idx, w_idx, _ = idx
       prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,
                                   runtime.attention, runtime.topk_ties, runtime.topk_method,
-                                  runtime.indexer_orientation, runtime.indexer_splits)
+                                  runtime.indexer_scores_config())
     out = dsa.cached_attention_values(q_latent, q_pe, layer, cache.page_table, positions, prev_topk,
                                       c.softmax_scale, runtime.attention, kv_b, c.qk_nope_head_dim,
-                                      fuse=runtime.value_merge == "pallas", dtype=self.dtype)
+                                      fuse=runtime.value_merge == "pallas", dtype=self.dtype,
+                                      config=runtime.attention_config())
     return out, prev_topk, layer

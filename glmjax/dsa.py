@@ -53,18 +53,15 @@ def causal_valid(positions: jax.Array, num_keys: int) -> jax.Array:
 
 
 def cached_topk(q, weights, layer: paged.LayerCache, page_table, positions, k: int, impl: str,
-                ties: str = "index", method: str = "sampled", orientation: str = "keys",
-                splits: int = 0) -> jax.Array:
+                ties: str = "index", method: str = "sampled", scores_config=None) -> jax.Array:
   """Indexer selection over the cached keys for the step's queries: [B, T, min(k, S)].
-  method, orientation, splits: the Pallas top-k algorithm, the scores kernel's orientation and
-  programs per sequence (0: its default) (impl="pallas")."""
+  method, scores_config: the Pallas top-k algorithm and the scores kernel's IndexerScoresConfig
+  (None: its defaults) (impl="pallas")."""
   if impl == "pallas" and ties == "index":
-    from pallas_kernels import indexer_scores, indexer_topk, topk
+    from pallas_kernels import indexer_topk, topk
     return indexer_topk.indexer_topk(q, weights, layer.index_k, layer.index_scale, page_table, positions,
                                      num_keys=page_table.shape[1] * layer.page_size, k=k,
-                                     scores_config=indexer_scores.IndexerScoresConfig(num_splits=splits or None,
-                                                                                       orientation=orientation),
-                                     topk_config=topk.TopKConfig(method=method))
+                                     scores_config=scores_config, topk_config=topk.TopKConfig(method=method))
   # dense and sparse select alike (scores over every cached key); they differ in attention.
   keys = paged.gather_index_keys(layer, page_table)
   scores = index_scores(q, weights, keys, causal_valid(positions, keys.shape[1]))
@@ -78,15 +75,18 @@ def _gathers_selection(impl: str, q_latent: jax.Array) -> bool:
 
 
 def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, positions, topk,
-                     scale: float, impl: str) -> jax.Array:
-  """Latent-space attention of queries [B, T, H, R] over the selected cached tokens -> [B, T, H, R] fp32."""
+                     scale: float, impl: str, config=None) -> jax.Array:
+  """Latent-space attention of queries [B, T, H, R] over the selected cached tokens -> [B, T, H, R] fp32.
+  config: the Pallas kernel's SparseMLAConfig (None: its defaults) (impl="pallas")."""
   if _gathers_selection(impl, q_latent):
     if layer.latent.dtype == jnp.float32:
       raise ValueError(f"attention={impl!r} reads bf16 or fp8 pages; fp32 pages are for the dense reference")
     from pallas_kernels import sparse_mla
-    fn = sparse_mla.sparse_mla_decode if impl == "pallas" else sparse_mla.sparse_mla_decode_reference
-    return fn(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table, topk,
-              softmax_scale=scale)
+    if impl != "pallas":
+      return sparse_mla.sparse_mla_decode_reference(q_latent, q_rope, layer.latent, layer.latent_scale,
+                                                    layer.k_rope, page_table, topk, softmax_scale=scale)
+    return sparse_mla.sparse_mla_decode(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table,
+                                        topk, softmax_scale=scale, config=config)
   # Dense reference (also used for prefill chunks, whose many queries make a gather per query costly).
   latent, k_rope = paged.gather_latent(layer, page_table)
   num_keys = latent.shape[1]
@@ -103,16 +103,16 @@ def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, posi
 
 def cached_attention_values(q_latent, q_rope, layer: paged.LayerCache, page_table, positions, topk,
                             scale: float, impl: str, kv_b: jax.Array, nope: int, *, fuse: bool,
-                            dtype=jnp.float32) -> jax.Array:
+                            dtype=jnp.float32, config=None) -> jax.Array:
   """`cached_attention` through kv_b_proj's value half (kv_b [H, nope + V, R], rows nope..)
   -> [B, T, H, V], computed in fp32 and rounded to dtype. fuse: where the Pallas kernel runs,
   the product happens in its split merge (pallas_kernels/sparse_mla.sparse_mla_decode_values:
-  one launch for XLA's six)."""
+  one launch for XLA's six). config: as cached_attention's."""
   if fuse and impl == "pallas" and _gathers_selection(impl, q_latent):
     from pallas_kernels.sparse_mla import sparse_mla_decode_values
     return sparse_mla_decode_values(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table,
-                                    topk, kv_b, nope=nope, softmax_scale=scale, out_dtype=dtype)
-  o_latent = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl)
+                                    topk, kv_b, nope=nope, softmax_scale=scale, out_dtype=dtype, config=config)
+  o_latent = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config)
   return value_projection(o_latent, kv_b, nope).astype(dtype)
 
 

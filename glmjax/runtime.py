@@ -77,9 +77,12 @@ class Runtime:
   indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
   "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
   reduced across warps); the same scores up to the order of fp32 sums.
-  indexer_splits: that kernel's programs per sequence (IndexerScoresConfig.num_splits): 0 for
-  its default (about two programs per SM, at most 128), or a power of two up to 1024 (fewer key
-  blocks a program: the same scores).
+  indexer_splits, indexer_block_k, indexer_warps: that kernel's programs per sequence, keys per
+  loop step and warps per program (IndexerScoresConfig's num_splits, block_k, num_warps); 0 for
+  its default (about 256 programs of 4 warps over 64-key blocks). Any valid choice gives the same
+  scores; run 17's defaults were 128 programs, 128 keys, 8 warps.
+  attention_warps: the Pallas sparse MLA kernel's warps per program (SparseMLAConfig.num_warps):
+  0 for its default (4; 8 until run 26), the same result.
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
@@ -108,6 +111,9 @@ class Runtime:
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"
   indexer_splits: int = 0
+  indexer_block_k: int = 0
+  indexer_warps: int = 0
+  attention_warps: int = 0
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
 
@@ -117,13 +123,8 @@ class Runtime:
     for name, choices in {**_CHOICES, "topk_method": METHODS, "indexer_orientation": ORIENTATIONS}.items():
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-    if self.indexer_splits:
-      from pallas_kernels.indexer_scores import MAX_SPLITS, IndexerScoresConfig
-      try:
-        IndexerScoresConfig(num_splits=self.indexer_splits)
-      except ValueError as e:
-        raise ValueError(f"indexer_splits must be 0 or a power of two <= {MAX_SPLITS}, "
-                         f"got {self.indexer_splits!r}") from e
+    self.indexer_scores_config()  # a clear error for a bad indexer_splits, _block_k or _warps
+    self.attention_config()  # ... or attention_warps
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")
@@ -141,6 +142,31 @@ class Runtime:
   def linear_impls(self) -> dict[str, str]:
     """The keyword arguments of `Linear` / `MLP` calls: quantized and plain-weight matmuls."""
     return dict(matmul=self.matmul, dense=self.dense_matmul)
+
+  def indexer_scores_config(self):
+    """The Pallas indexer scores kernel's IndexerScoresConfig: its defaults where a field is 0; a
+    ValueError naming the field for a bad value."""
+    from pallas_kernels.indexer_scores import IndexerScoresConfig  # the kernels import glmjax: imported when needed
+    return self._kernel_config(IndexerScoresConfig, dict(indexer_splits="num_splits", indexer_block_k="block_k",
+                                                         indexer_warps="num_warps"), orientation=self.indexer_orientation)
+
+  def attention_config(self):
+    """The Pallas sparse MLA kernel's SparseMLAConfig, likewise."""
+    from pallas_kernels.sparse_mla import SparseMLAConfig
+    return self._kernel_config(SparseMLAConfig, dict(attention_warps="num_warps"))
+
+  def _kernel_config(self, config_class, fields: dict[str, str], **fixed):
+    """config_class(**fixed) with each non-zero Runtime field of `fields` (Runtime name -> config
+    name) set; a ValueError naming the Runtime field for a value the config rejects."""
+    chosen = {}
+    for field, name in fields.items():
+      if value := getattr(self, field):
+        try:
+          config_class(**{name: value})
+        except ValueError as e:
+          raise ValueError(f"{field} must be 0 (the kernel's default) or a valid {name}: {e}") from e
+        chosen[name] = value
+    return config_class(**fixed, **chosen)
 
   def runs_indexer(self, layer_id: int, has_indexer: bool) -> bool:
     """Without a pattern, layers that have indexer weights run them. Layers past the pattern

@@ -40,10 +40,12 @@ from pallas_kernels.checks import (bf16_parts, check_choice, check_launch, check
 # Query tokens per program (the kernel unrolls them); more tokens (prefill) form more groups.
 QUERY_GROUP = 8
 # Programs per sequence of the scores alone. The time of a decode step's scores follows the key
-# blocks each program walks (BENCHMARKS.md run 17: 18.2 us at 128 splits, 5 blocks each, 32.6 at
-# 64): past the top-k's 128 each program walks one or two. Fused with the radix select's first
-# pass (indexer_topk), the top-k's topk.MAX_SPLITS bounds them.
+# blocks each program walks and the warps on each SM (BENCHMARKS.md run 26, 80K FP8 keys, 5
+# tokens: 4-warp programs of 64-key blocks, 256 of them walking 5 blocks each, 19.9 us; 128
+# programs of 8 warps over 128-key blocks, 22.8; 64 programs, 48-57). Fused with the radix
+# select's first pass (indexer_topk), the top-k's topk.MAX_SPLITS bounds them.
 MAX_SPLITS = 1024
+TARGET_PROGRAMS = 256  # the default splits' aim: about two 4-warp programs per SM
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 ORIENTATIONS = ("heads", "keys")  # IndexerScoresConfig.orientation
 
@@ -54,20 +56,25 @@ class IndexerScoresConfig:
 
   block_k: keys per loop step (power of two >= 16).
   num_splits: programs per sequence (power of two <= MAX_SPLITS; <= topk.MAX_SPLITS fused with
-    the top-k's first pass); None picks about two per SM, at most topk.MAX_SPLITS.
-  num_warps / num_stages: Triton launch parameters (stages pipeline the key gathers; 8 warps
-    keep T x H x Di bf16 queries, 40 KB at T=5, in registers across the key loop).
+    the top-k's first pass); None picks about TARGET_PROGRAMS in all, a key block at least each
+    (fused: about two per SM, at most topk.MAX_SPLITS).
+  num_warps / num_stages: Triton launch parameters (stages pipeline the key gathers; the warps
+    keep T x H x Di bf16 queries, 40 KB at T=5, in registers across the key loop). The defaults
+    (64-key blocks, 4 warps, TARGET_PROGRAMS) beat run 17's (128, 8, at most 128 programs) at
+    every context and key type timed in run 26: 80K FP8 keys 19.9 against 22.8 us for 5 tokens,
+    8.6 against 10.2 for 1; 128K 30.0 against 35.9; 32K 10.2 against 10.7; 8K 4.1 against 5.0;
+    80K bf16 keys 14.6 against 16.0.
   orientation: which operand is the MMA's rows. "heads": logits [H, block_k] per query token,
     the head sum a reduction over rows, which the program's warps share (through shared
     memory, once per token and block). "keys" (default): logits [block_k, H], the keys as
     rows, so each warp owns whole rows and sums its heads in registers and a few lane
     shuffles; the key tile is the shared left operand of every token's dot. Measured
-    (BENCHMARKS.md run 17, 80K keys, 5 tokens, bf16 queries, these default tiles): 16.2 us
+    (BENCHMARKS.md run 17, 80K keys, 5 tokens, bf16 queries, run 17's default tiles): 16.2 us
     against 18.5 over bf16 keys, 23.0 against 29.5 over FP8 keys.
   """
-  block_k: int = 128
+  block_k: int = 64
   num_splits: int | None = None
-  num_warps: int = 8
+  num_warps: int = 4
   num_stages: int = 2
   orientation: str = "keys"
 
@@ -242,7 +249,7 @@ def indexer_scores(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   t = q.shape[1]
   q, weights, q_positions = pad_queries(q, weights, q_positions)
   groups = q.shape[0] * pl.cdiv(q.shape[1], QUERY_GROUP)
-  splits = config.num_splits or topk.row_splits(groups, num_keys, config.block_k)
+  splits = config.num_splits or topk.row_splits(groups, num_keys, config.block_k, TARGET_PROGRAMS, MAX_SPLITS)
   chunk = topk.split_chunk(num_keys, splits, config.block_k)
   scores = scores_call(q, weights, index_k, index_scale, page_table, q_positions,
                        num_keys=num_keys, splits=splits, chunk=chunk, block_k=config.block_k,

@@ -72,16 +72,19 @@ class SparseMLAConfig:
 
   block_n: selected tokens per loop step (power of two >= 16).
   num_splits: programs per query token; None picks about two programs per SM.
-  num_warps / num_stages: Triton launch parameters (stages pipeline the row gathers). 8 warps:
-    with fp32 queries a program holds q as three bf16 terms (48 KB at Hp=16, R=512) next to its
-    [Hp, R] fp32 accumulator and a [block_n, R] row tile, about 110 registers a thread at 8.
+  num_warps / num_stages: Triton launch parameters (stages pipeline the row gathers). 4 warps
+    (8 until run 26): with fp32 queries a program holds q as three bf16 terms (48 KB at Hp=16,
+    R=512) next to its [Hp, R] fp32 accumulator and a [block_n, R] row tile, yet 4 warps beat 8
+    at every case timed (BENCHMARKS.md run 26, FP8 pages, the merge with the value product):
+    80K, 5 tokens, bf16 queries 17.4 against 24.3 us (8K and 128K alike), fp32 queries 22.4
+    against 37.2; one token 12.4 against 12.2 (bf16), 23.8 against 27.0 (fp32).
   combine: how the splits' partial softmax states merge: "xla" (jnp reductions, which XLA runs
     as two fusions: 3.2 us at 80K, T=5, run 10) or "pallas" (one launch, `_combine_kernel`:
     14 us there, its 40 programs each walking every split; kept as the ablation's other arm).
   """
   block_n: int = 32
   num_splits: int | None = None
-  num_warps: int = 8
+  num_warps: int = 4
   num_stages: int = 2
   combine: str = "xla"
 

@@ -165,10 +165,11 @@ class TopKConfig:
     return self.scan_lanes or max(1, self.scan_block // LANE_WIDTH)
 
 
-def row_splits(rows: int, n: int, granule: int) -> int:
-  """Power-of-two splits per row: about TARGET_PROGRAMS programs in all, >= granule scores each."""
+def row_splits(rows: int, n: int, granule: int, target: int = TARGET_PROGRAMS, max_splits: int = MAX_SPLITS) -> int:
+  """Power-of-two splits per row: about `target` programs in all, >= granule scores each, at most
+  `max_splits`."""
   splits = 1
-  while (rows * splits < TARGET_PROGRAMS and splits < MAX_SPLITS
+  while (rows * splits < target and splits < max_splits
          and 2 * splits * granule <= n):
     splits *= 2
   return splits

@@ -253,12 +253,23 @@ def test_runtime_rejects_unknown_switches(field, value):
     Runtime(**{field: value})
 
 
-@pytest.mark.parametrize("splits", [3, 2048, -4])
-def test_runtime_indexer_splits_are_powers_of_two_to_1024(splits):
+@pytest.mark.parametrize("field,bad,message,good", [("indexer_splits", 3, "a power of two <= 1024", 1024),
+                                                     ("indexer_splits", 2048, "a power of two <= 1024", 1),
+                                                     ("indexer_splits", -4, "a power of two <= 1024", 256),
+                                                     ("indexer_block_k", 48, "a power of two >= 16", 16),
+                                                     ("indexer_block_k", 8, "a power of two >= 16", 256),
+                                                     ("indexer_warps", 3, "1, 2, 4, 8 or 16", 8)])
+def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message, good):
+  """The scores kernel's tuning fields reach IndexerScoresConfig (0: its default) and a bad
+  value is an error naming the Runtime field and the rule."""
   from glmjax.runtime import Runtime
-  with pytest.raises(ValueError, match=f"indexer_splits must be 0 or a power of two <= 1024, got {splits}"):
-    Runtime(indexer_splits=splits)
-  assert Runtime(indexer_splits=1024).indexer_splits == 1024
+  from pallas_kernels.indexer_scores import IndexerScoresConfig
+  with pytest.raises(ValueError, match=f"{field} must be 0 .*{message}, got {bad}"):
+    Runtime(**{field: bad})
+  name = {"indexer_splits": "num_splits", "indexer_block_k": "block_k", "indexer_warps": "num_warps"}[field]
+  config = Runtime(**{field: good}, indexer_orientation="heads").indexer_scores_config()
+  assert config == IndexerScoresConfig(**{name: good}, orientation="heads")
+  assert Runtime().indexer_scores_config() == IndexerScoresConfig()
 
 
 def test_runtime_pairs_routing_needs_the_cuda_core_matmul():

@@ -25,7 +25,7 @@ from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode, spars
                                        sparse_mla_decode_reference)
 from pallas_kernels import topk
 from pallas_kernels.topk import TopKConfig, topk_indices, topk_indices_reference
-from tests.test_quant_model import kernel_launches
+from tests.test_quant_model import kernel_launches, pallas_eqns
 
 PAGE = 16
 MAX_PAGES = 12  # num_keys = 192
@@ -296,6 +296,23 @@ def test_indexer_scores_past_the_topk_splits(splits, block_k):
   with pytest.raises(ValueError, match="fuse_first_pass.*num_splits=256"):
     indexer_topk(*args, num_keys=NUM_KEYS, k=64, scores_config=IndexerScoresConfig(num_splits=256),
                  fuse_first_pass=True)
+
+
+def test_indexer_scores_default_grid():
+  """Left to the defaults, a decode step's scores run about TARGET_PROGRAMS 4-warp programs over
+  64-key blocks (run 26's tuning at 80K), a block at least each at short contexts; fused with the
+  radix select's first pass, at most the top-k's 128 splits."""
+  def grid(num_keys: int, t: int = 5, **kwargs) -> tuple[int, ...]:
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in (((1, t, 32, 128), jnp.bfloat16), ((1, t, 32), jnp.float32),
+                                                    ((num_keys // 64 + 1, 64, 128), jnp.float8_e4m3fn),
+                                                    ((num_keys // 64 + 1, 64, 1), jnp.float32),
+                                                    ((1, num_keys // 64), jnp.int32), ((1, t), jnp.int32))]
+    fn = functools.partial(indexer_topk, num_keys=num_keys, k=2048, **kwargs)
+    return pallas_eqns(jax.make_jaxpr(fn)(*args).jaxpr)[0].params["grid_mapping"].grid
+  assert grid(81920) == grid(81920, t=1) == grid(131072) == (1, 1, 256)
+  assert grid(8192) == (1, 1, 128)  # one 64-key block a program
+  assert grid(81920, fuse_first_pass=True)[2] == topk.MAX_SPLITS
+  assert IndexerScoresConfig().block_k == 64 and IndexerScoresConfig().num_warps == 4
 
 
 @pytest.mark.parametrize("orientation", ORIENTATIONS)

@@ -29,6 +29,7 @@ from glmjax.runtime import Runtime
 from pallas_kernels import indexer_keys as indexer_keys_module
 from pallas_kernels import indexer_topk
 from pallas_kernels import residual_norm as residual_norm_module
+from pallas_kernels import sparse_mla
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPT, NEW = 30, 10
@@ -58,15 +59,14 @@ def _record_pallas_calls(monkeypatch) -> list[tuple]:
   def record(kind, ref, static, got, *inputs):
     calls.append((kind, ref, static, *jax.tree.map(np.array, (got, inputs))))
 
-  def topk(q, weights, layer, page_table, positions, k, impl, ties="index", method="sampled", orientation="keys",
-           splits=0):
-    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties, method, orientation, splits)
+  def topk(q, weights, layer, page_table, positions, k, impl, ties="index", method="sampled", scores_config=None):
+    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties, method, scores_config)
     jax.debug.callback(functools.partial(record, "topk", ref_topk, (k, "sparse", ties)),
                        got, q, weights, layer, page_table, positions)
     return got
 
-  def attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl):
-    got = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl)
+  def attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config=None):
+    got = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config)
     jax.debug.callback(functools.partial(record, "attention", ref_attention, (scale, "sparse")),
                        got, q_latent, q_rope, layer, page_table, positions, topk)
     return got
@@ -208,19 +208,24 @@ def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch
 
 
 @fold_lane
-def test_indexer_splits_reach_the_scores_kernel_and_keep_the_tokens(tiny, monkeypatch):
-  """indexer_splits=256: every scores launch runs 256 programs a sequence (past the top-k's 128);
-  each key's score is computed as before, so the tokens are the default's."""
+def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatch):
+  """indexer_splits=256, indexer_block_k=16, indexer_warps=8, attention_warps=8: every scores and
+  sparse MLA launch runs with them; each computes what it did, so the tokens are the default's."""
   default = _generate(tiny, "pallas", "fp8")
-  splits, scores = [], indexer_topk.indexer_scores
+  seen = []
 
-  def recording(*args, config, **kwargs):
-    splits.append(config.num_splits)
-    return scores(*args, config=config, **kwargs)
+  def recording(name, fn):
+    def call(*args, config, **kwargs):
+      seen.append((name, config))
+      return fn(*args, config=config, **kwargs)
+    return call
 
-  monkeypatch.setattr(indexer_topk, "indexer_scores", recording)
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", indexer_splits=256), default)
-  assert splits and set(splits) == {256}
+  monkeypatch.setattr(indexer_topk, "indexer_scores", recording("scores", indexer_topk.indexer_scores))
+  monkeypatch.setattr(sparse_mla, "sparse_mla_decode", recording("mla", sparse_mla.sparse_mla_decode))
+  tuned = _generate(tiny, "pallas", "fp8", indexer_splits=256, indexer_block_k=16, indexer_warps=8, attention_warps=8)
+  np.testing.assert_array_equal(tuned, default)
+  assert {(c.num_splits, c.block_k, c.num_warps) for name, c in seen if name == "scores"} == {(256, 16, 8)}
+  assert {c.num_warps for name, c in seen if name == "mla"} == {8}
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)

@@ -38,18 +38,23 @@ def dequantized(params, dtype):
   return jax.tree.map(lambda w: w.dequantize(dtype) if is_quantized(w) else w, params, is_leaf=is_quantized)
 
 
-def kernel_launches(jaxpr) -> int:
-  """pallas_call equations in a jaxpr, counted per call site through nested jaxprs."""
-  count = 0
+def pallas_eqns(jaxpr) -> list:
+  """The pallas_call equations of a jaxpr, one per call site, through nested jaxprs."""
+  found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
-      count += 1
+      found.append(eqn)
       continue
     for value in eqn.params.values():
       for sub in value if isinstance(value, (list, tuple)) else (value,):
         if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-          count += kernel_launches(getattr(sub, "jaxpr", sub))
-  return count
+          found += pallas_eqns(getattr(sub, "jaxpr", sub))
+  return found
+
+
+def kernel_launches(jaxpr) -> int:
+  """pallas_call equations in a jaxpr, counted per call site through nested jaxprs."""
+  return len(pallas_eqns(jaxpr))
 
 
 def rel_err(a, b) -> float:
