@@ -147,8 +147,8 @@ class Runtime:
     """The Pallas indexer scores kernel's IndexerScoresConfig: its defaults where a field is 0; a
     ValueError naming the field for a bad value."""
     from pallas_kernels.indexer_scores import IndexerScoresConfig  # the kernels import glmjax: imported when needed
-    return self._kernel_config(IndexerScoresConfig, dict(indexer_splits="num_splits", indexer_block_k="block_k",
-                                                         indexer_warps="num_warps"), orientation=self.indexer_orientation)
+    fields = dict(indexer_splits="num_splits", indexer_block_k="block_k", indexer_warps="num_warps")
+    return self._kernel_config(IndexerScoresConfig, fields, orientation=self.indexer_orientation)
 
   def attention_config(self):
     """The Pallas sparse MLA kernel's SparseMLAConfig, likewise."""
