@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.bench import (agreement, bandwidth_tbs, kernel_breakdown, loop_breakdown, own_kernel_us, time_device,
-                          time_device_carry)
+                          time_device_carry, time_own_kernels)
 from glmjax.cache import paged
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from glmjax.dsa import value_projection
@@ -227,25 +227,29 @@ def _named(kernel: str, *tags: str) -> str:
 
 
 def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
-  """Tuning aid (not part of dsa_rows): each DSA kernel at its target case (80K keys, 5 query
-  tokens, bf16; top-k of 2048 from 131,072 over 1 and 64 rows) under a grid of configs. Yields
-  rows with the config and `us` (the kernel path only)."""
+  """Tuning aid (not part of dsa_rows): each DSA kernel at a TEP=8 rank's case in the full stack
+  (80K keys, 5 query tokens, FP8 keys and pages, bf16 queries; sparse MLA with the value merge;
+  top-k of 2048 from 131,072 over 1 and 64 rows) under a grid of configs. Yields rows with the
+  config, `us` (the kernel path in the timing loop) and, off the CPU, `own_us` (its kernels
+  alone: the number that carries into the step, BENCHMARKS.md run 26)."""
   s = QUICK if quick else FULL
   context, t = (s["contexts"][0], 2) if quick else (81920, 5)
   n, k, timing = s["topk_n"], s["k"], _timing(quick)
-  idx_args, _ = _indexer_cases(s, context, t, False, jax.random.key(1))
-  idx_args = (idx_args[0].astype(jnp.bfloat16), *idx_args[1:])  # the stack's queries (--indexer_queries)
-  mla_args, _ = _mla_case(s, context, t, False, jax.random.key(2))
+  bf16_queries = lambda args, count: tuple(a.astype(jnp.bfloat16) for a in args[:count]) + args[count:]
+  idx_args = bf16_queries(_indexer_cases(s, context, t, True, jax.random.key(1))[0], 1)  # --indexer_queries
+  mla_args = bf16_queries(_mla_case(s, context, t, True, jax.random.key(2))[0], 2)  # --attention_queries
+  kv_b = jax.random.normal(jax.random.key(3), (s["heads"], s["nope"] + s["values"], s["rank"]), jnp.bfloat16) * 0.05
   grids = {
       "indexer_scores": (functools.partial(indexer_scores, num_keys=context), idx_args,
-                         [IndexerScoresConfig(block_k=bk, num_warps=w, num_stages=st, orientation=o)
-                          for o in ORIENTATIONS for bk in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
-                         # past the top-k's 128 splits: a key block or two per program
-                         + [IndexerScoresConfig(block_k=bk, num_splits=sp, num_warps=w)
-                            for bk in (64, 128) for sp in (256, 512, 1024) for w in (4, 8)]),
-      "sparse_mla_decode": (functools.partial(sparse_mla_decode, softmax_scale=SOFTMAX_SCALE), mla_args,
-                            [SparseMLAConfig(block_n=bn, num_splits=sp, num_warps=w)
-                             for bn in (16, 32, 64) for sp in (None, 64) for w in (4, 8)]),
+                         [IndexerScoresConfig(block_k=bk, num_splits=sp, num_warps=w, orientation=o)
+                          for o in ORIENTATIONS for bk in (32, 64, 128) for sp in (None, 128, 512)
+                          for w in (4, 8)]),
+      "sparse_mla_decode_values": (functools.partial(sparse_mla_decode_values, nope=s["nope"],
+                                                     softmax_scale=SOFTMAX_SCALE, out_dtype=jnp.bfloat16),
+                                   (*mla_args, kv_b),
+                                   [SparseMLAConfig(block_n=bn, num_splits=sp, num_warps=w, num_stages=st)
+                                    for bn in (16, 32, 64) for sp in (None, 32, 128) for w in (4, 8)
+                                    for st in (2, 3)]),
   }
   for rows, splits in ((1, (None, 64)), (64, (None, 16, 32))):
     scores = jax.random.normal(jax.random.key(rows), (rows, n), jnp.float32)
@@ -257,8 +261,11 @@ def config_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
            for b in (1024, 2048) for sw in (8, 16) for sp in (None, 16, 64) for ck in (True, False)])
   for kernel, (fn, args, configs) in grids.items():
     for config in configs[:2] if quick else configs:
+      tuned = functools.partial(fn, config=config)
       try:
-        us = time_device(functools.partial(fn, config=config), *args, **timing) * 1e6
+        times = dict(us=time_device(tuned, *args, **timing) * 1e6)
+        if not quick:
+          times["own_us"] = time_own_kernels(jax.jit(tuned), *args) * 1e6
       except Exception as e:  # a config the compiler rejects (registers, shared memory) is a result too
-        us, config = float("nan"), f"{config} failed: {type(e).__name__}: {str(e)[:120]}"
-      yield dict(kernel=kernel, config=str(config), us=us)
+        times, config = dict(us=float("nan")), f"{config} failed: {type(e).__name__}: {str(e)[:120]}"
+      yield dict(kernel=kernel, config=str(config), **times)

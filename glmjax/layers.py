@@ -140,19 +140,26 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class MLP(nn.Module):
-  """SwiGLU MLP: down(silu(gate(x)) * up(x)); used dense and as the shared expert."""
+  """SwiGLU MLP: down(silu(gate(x)) * up(x)); used dense and as the shared expert. swiglu="pallas":
+  at decode, where all three weights take the bf16 GEMV, the down GEMV's launch computes
+  silu(gate) * up itself from the gate/up partials (pallas_kernels/bf16_matmul.swiglu_matmul)."""
   hidden_size: int
   intermediate_size: int
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla") -> jax.Array:
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    impls = dict(matmul=matmul, dense=dense)
-    gate, up = linears(x, [(name, self.intermediate_size, ("mlp", "embed")) for name in ("gate_proj", "up_proj")],
-                       **impls, **kw)
-    return Linear(self.hidden_size, ("embed", "mlp"), name="down_proj", **kw)(nn.silu(gate) * up, **impls)
+  def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla", swiglu: str = "xla") -> jax.Array:
+    impls = dict(impl=matmul, dense=dense)
+    gate_up = [Weight((self.intermediate_size, x.shape[-1]), ("mlp", "embed"), self.param_dtype, name=name)()
+               for name in ("gate_proj", "up_proj")]
+    down = Weight((self.hidden_size, self.intermediate_size), ("embed", "mlp"), self.param_dtype, name="down_proj")()
+    if swiglu == "pallas" and all(quant.takes_bf16_gemv(x, w, dense, self.dtype) for w in (*gate_up, down)):
+      from pallas_kernels.bf16_matmul import swiglu_matmul  # the kernels import the formats
+      g, u = quant.linear_group_partials(x, gate_up, **impls)
+      return swiglu_matmul(g, u, down).reshape(*x.shape[:-1], self.hidden_size)
+    gate, up = quant.linear_group(x, gate_up, **impls, dtype=self.dtype)
+    return linear(nn.silu(gate) * up, down, **impls, dtype=self.dtype)
 
 
 def split_last(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:

@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
       else:
-        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.linear_impls)
+        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.mlp_impls)
     return x + h.astype(x.dtype), topk, layer_cache
 
 

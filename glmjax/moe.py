@@ -145,9 +145,8 @@ class MoE(nn.Module):
     if tep_mesh is not None and not self.is_initializing():
       params = self.variables["params"]
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
-                                mesh=tep_mesh, routing=routing, **impls, **kw)
+                                mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, **impls, **kw)
       return out.reshape(x.shape)
     routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing)
-    shared = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)(
-        x, **impls)
+    shared = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)(x, **runtime.mlp_impls)
     return routed.reshape(x.shape).astype(self.dtype) + shared

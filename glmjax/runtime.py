@@ -18,7 +18,7 @@ MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
-                 "index_epilogue", "index_query", "residual_norm")
+                 "index_epilogue", "index_query", "residual_norm", "swiglu")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES}
@@ -67,6 +67,10 @@ class Runtime:
   XLA's two kernels or one Pallas launch from o_proj's partials at decode, on one device or one
   rank's program (under a TEP mesh, XLA's) (pallas_kernels/residual_norm.py; equal up to the
   fp32 statistics' order).
+  swiglu: a SwiGLU MLP's silu(gate) * up (the dense layers' and the shared expert's), XLA's
+  kernel (with the gate/up split-K sums) between the two GEMVs, or "pallas": in the down GEMV's
+  launch from the gate/up partials at decode, where all three weights take the bf16 GEMV
+  (pallas_kernels/bf16_matmul.swiglu_matmul; the same bf16 roundings, sums in split order).
   indexer_keys: the indexer's new key (k_norm, RoPE) and head weights (the H^-0.5 scale) from
   their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
   (pallas_kernels/indexer_keys.py; equal to fp32 rounding).
@@ -107,6 +111,7 @@ class Runtime:
   index_epilogue: str = "xla"
   index_query: str = "xla"
   residual_norm: str = "xla"
+  swiglu: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"
@@ -142,6 +147,11 @@ class Runtime:
   def linear_impls(self) -> dict[str, str]:
     """The keyword arguments of `Linear` / `MLP` calls: quantized and plain-weight matmuls."""
     return dict(matmul=self.matmul, dense=self.dense_matmul)
+
+  @property
+  def mlp_impls(self) -> dict[str, str]:
+    """The keyword arguments of `MLP` calls: linear_impls and the swiglu fold."""
+    return dict(self.linear_impls, swiglu=self.swiglu)
 
   def indexer_scores_config(self):
     """The Pallas indexer scores kernel's IndexerScoresConfig: its defaults where a field is 0; a

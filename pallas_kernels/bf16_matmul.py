@@ -24,6 +24,11 @@ bf16_matmul_group runs weights that share their input in one launch, its grid ov
 row blocks (`--dense_matmul=pallas_grouped`: q_a with kv_a, the indexer's wk with
 weights_proj, an MLP's gate with up): in the rank's layer 8 launches and 61 us against 11 and
 71 (run 15 against run 14: two calls, not a same-call comparison).
+
+swiglu_matmul is an MLP's down GEMV that builds its input itself, silu(gate) * up, from the
+gate/up launch's split-K partials (`--swiglu=pallas`): XLA's kernel between the two GEMVs (the
+sums, silu, the product: 1.2-1.9 us a layer in the rank's profile, run 26) folds into the
+launch. Not yet timed on the H200.
 """
 
 import functools
@@ -34,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.partials import check_partials
 from pallas_kernels.nvfp4_matmul import (NUM_SMS, MatmulConfig, check_skinny_input, check_tensor_core_config,
                                          dot_t, load_tile, local_block, range_mask, row_blocks, skinny_call,
                                          skinny_rows, split_k_loop, store_tile)
@@ -54,11 +60,28 @@ def default_bf16_config(n: int, k: int) -> MatmulConfig:
   return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
-def _bf16_matmul_kernel(x_ref, *refs, m: int, ns: tuple[int, ...], k: int, block_m: int, config: MatmulConfig):
-  # x_ref: bf16 [block_m, Kp] of [M, K]; then per weight (ns: their rows) w_ref bf16 [bn, Kp];
-  # then per weight o_ref [block_m, bn] of its [split_k, M, N] output (fp32 or bf16). With several
-  # weights, grid row block j belongs to one of them (row_blocks) and only that one is read.
+def swiglu_tile(g_ref, u_ref, cols, rows_ok, cols_ok) -> jax.Array:
+  """bf16 silu(gate) * up over a tile of columns, as the MLP computes it from its gate and up
+  projections' split-K partials g_ref, u_ref f32 [S, rows, K]: each summed over the splits in
+  order and rounded to bf16 (the projection's output), then JAX's bf16 silu, x / (1 + exp(-x))
+  as x * (1 / (1 + exp(-x))) with each op's result rounded to bf16 (as XLA computes bf16 ops),
+  and the product with up, rounded."""
+  bf16 = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)
+  gate, up = (bf16(sum(load_tile(ref.at[jnp.int32(s), :, cols], rows_ok, cols_ok) for s in range(ref.shape[0])))
+              for ref in (g_ref, u_ref))
+  sigmoid = bf16(1.0 / bf16(1.0 + bf16(jnp.exp(-gate))))
+  return (bf16(gate * sigmoid) * up).astype(jnp.bfloat16)
+
+
+def _bf16_matmul_kernel(*refs, m: int, ns: tuple[int, ...], k: int, block_m: int, config: MatmulConfig,
+                        swiglu: bool):
+  # x_ref: bf16 [block_m, Kp] of [M, K], or with swiglu g_ref, u_ref: f32 [S, block_m, Kp] of the
+  # [S, M, K] partials x comes from (swiglu_tile); then per weight (ns: their rows) w_ref bf16
+  # [bn, Kp]; then per weight o_ref [block_m, bn] of its [split_k, M, N] output (fp32 or bf16).
+  # With several weights, grid row block j belongs to one of them (row_blocks) and only that one
+  # is read.
   bn, bk = config.block_n, config.block_k
+  x_refs, refs = (refs[:2], refs[2:]) if swiglu else (refs[:1], refs[1:])
   w_refs, o_refs = refs[:len(ns)], refs[len(ns):]
   rows_ok = range_mask(0, block_m, m)
   j, split = pl.program_id(0), pl.program_id(1)
@@ -67,9 +90,9 @@ def _bf16_matmul_kernel(x_ref, *refs, m: int, ns: tuple[int, ...], k: int, block
     n_ok = range_mask(block * bn, bn, n)
 
     def body(step, acc):
-      cols_ok = range_mask(step * bk, bk, k)
-      x = load_tile(x_ref.at[:, pl.ds(step * bk, bk)], rows_ok, cols_ok)
-      w = load_tile(w_ref.at[:, pl.ds(step * bk, bk)], n_ok, cols_ok)
+      cols, cols_ok = pl.ds(step * bk, bk), range_mask(step * bk, bk, k)
+      x = swiglu_tile(*x_refs, cols, rows_ok, cols_ok) if swiglu else load_tile(x_refs[0].at[:, cols], rows_ok, cols_ok)
+      w = load_tile(w_ref.at[:, cols], n_ok, cols_ok)
       return acc + dot_t(x, w)
 
     acc = split_k_loop(body, k=k, block_m=block_m, config=config, split=split)
@@ -89,20 +112,23 @@ def _check(x: jax.Array, w, out_dtype, name: str) -> None:
     raise ValueError(f"{name}: out_dtype must be bf16 or f32, got {jnp.dtype(out_dtype)}")
 
 
-def _launch(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype, config: MatmulConfig | None, interpret: bool | None,
-            keep_splits: bool = False):
-  """The one launch of bf16_matmul (one weight), bf16_matmul_group (several) and bf16_matmul_partials."""
-  (m, k), ns = x.shape, tuple(w.shape[0] for w in ws)
+def _launch(xs: tuple[jax.Array, ...], ws: tuple[jax.Array, ...], out_dtype, config: MatmulConfig | None,
+            interpret: bool | None, keep_splits: bool = False):
+  """The one launch of bf16_matmul (one weight), bf16_matmul_group (several), bf16_matmul_partials
+  and swiglu_matmul. xs: (x,), or swiglu_matmul's (g, u) partials."""
+  (m, k), ns = xs[0].shape[-2:], tuple(w.shape[0] for w in ws)
   config = default_bf16_config(sum(ns), k) if config is None else config
   check_tensor_core_config(config, "bf16_matmul")
   interpret = resolve_interpret(interpret)
   block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
-  kernel = functools.partial(_bf16_matmul_kernel, m=m, ns=ns, k=k, block_m=block_m, config=config)
+  kernel = functools.partial(_bf16_matmul_kernel, m=m, ns=ns, k=k, block_m=block_m, config=config,
+                             swiglu=len(xs) == 2)
   w_spec = lambda first, count: pl.BlockSpec((config.block_n, kp), lambda j, s: (local_block(j, first, count), 0))
-  specs = [pl.BlockSpec((block_m, kp), lambda j, s: (0, 0)),
-           *(w_spec(first, count) for first, count in row_blocks(ns, config.block_n))]
-  return skinny_call(kernel, [x, *ws], specs, m=m, n=ns if len(ws) > 1 else ns[0], dtype=jnp.dtype(out_dtype),
-                     config=config, interpret=interpret, name="bf16_matmul", keep_splits=keep_splits)
+  x_spec = lambda x: pl.BlockSpec((*x.shape[:-2], block_m, kp), lambda j, s: (0,) * x.ndim)
+  specs = [*map(x_spec, xs), *(w_spec(first, count) for first, count in row_blocks(ns, config.block_n))]
+  return skinny_call(kernel, [*xs, *ws], specs, m=m, n=ns if len(ws) > 1 else ns[0], dtype=jnp.dtype(out_dtype),
+                     config=config, interpret=interpret, name="swiglu_matmul" if len(xs) == 2 else "bf16_matmul",
+                     keep_splits=keep_splits)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -121,7 +147,7 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16, config: M
     [M, N] in out_dtype.
   """
   _check(x, w, out_dtype, "bf16_matmul")
-  return _launch(x, (w,), out_dtype, config, interpret)
+  return _launch((x,), (w,), out_dtype, config, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -134,7 +160,7 @@ def bf16_matmul_group(x: jax.Array, ws: tuple[jax.Array, ...], *, out_dtype=jnp.
     raise ValueError("bf16_matmul_group needs at least one weight")
   for w in ws:
     _check(x, w, out_dtype, "bf16_matmul_group")
-  return _launch(x, tuple(ws), out_dtype, config, interpret)
+  return _launch((x,), tuple(ws), out_dtype, config, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -145,7 +171,35 @@ def bf16_matmul_partials(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, 
   A tuple of weights sharing x: bf16_matmul_group's launch, a tuple of partials."""
   for weight in w if isinstance(w, tuple) else (w,):
     _check(x, weight, jnp.float32, "bf16_matmul_partials")
-  return _launch(x, w if isinstance(w, tuple) else (w,), jnp.float32, config, interpret, keep_splits=True)
+  return _launch((x,), w if isinstance(w, tuple) else (w,), jnp.float32, config, interpret, keep_splits=True)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def swiglu_matmul(g: jax.Array, u: jax.Array, w: jax.Array, *, config: MatmulConfig | None = None,
+                  interpret: bool | None = None) -> jax.Array:
+  """A SwiGLU MLP's down projection from its gate and up projections' split-K partials: bf16
+  [M, N] = (silu(gate) * up) @ w.T with gate, up the partials' sums (`swiglu_tile`), in one
+  launch where XLA sums the partials and multiplies in a kernel of its own before the down
+  GEMV (glmjax.layers.MLP under `Runtime.swiglu`).
+
+  Args:
+    g, u: f32 [S, M, K] (bf16_matmul_partials of the gate and up weights), 1 <= M <= 16.
+    w: bf16 [N, K], the down projection.
+    config, interpret: as bf16_matmul's (default tiles: `default_bf16_config(N, K)`).
+  """
+  for name, part in (("g", g), ("u", u)):
+    check_partials("swiglu_matmul", name, part, "K")
+  if u.shape != g.shape:
+    raise ValueError(f"swiglu_matmul: u must be shaped as g {list(g.shape)}, got {list(u.shape)}")
+  _check(jnp.zeros(g.shape[1:], jnp.bfloat16), w, jnp.bfloat16, "swiglu_matmul")  # shapes only: traced away
+  return _launch((g, u), (w,), jnp.bfloat16, config, interpret)
+
+
+def swiglu_matmul_reference(g: jax.Array, u: jax.Array, w: jax.Array) -> jax.Array:
+  """The MLP's XLA path from the same partials: sums rounded to bf16, silu(gate) * up in bf16,
+  then the down projection in fp32, rounded to bf16."""
+  gate, up = (p.sum(0).astype(jnp.bfloat16) for p in (g, u))
+  return bf16_matmul_reference(jax.nn.silu(gate) * up, w)
 
 
 def bf16_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16) -> jax.Array:

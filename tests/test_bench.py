@@ -110,6 +110,18 @@ def test_quant_sweep_covers_both_decodes():
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
 
 
+def test_dsa_sweep_times_each_kernel_at_the_stacks_case():
+  """kernels_bench --sweep's DSA rows: the scores, sparse MLA with the value merge and both
+  top-k row counts, each config timed (the quick sweep: the first two of each grid, on FP8 keys
+  and pages with bf16 queries, as a TEP=8 rank's stack runs them)."""
+  from experiments.bench_dsa import config_sweep_rows
+  rows = list(config_sweep_rows(quick=True))
+  assert [r["kernel"] for r in rows[::2]] == ["indexer_scores", "sparse_mla_decode_values", "topk_indices rows=1",
+                                              "topk_indices rows=64"]
+  assert all(np.isfinite(r["us"]) and r["us"] > 0 and "failed" not in r["config"] for r in rows)
+  assert len({r["config"] for r in rows[:2]}) == 2
+
+
 def test_gemv_rows_time_every_impl_against_xla_bf16():
   """A GEMV case's rows: XLA bf16 first (the speedup reference), the bf16 split-K kernel and
   each format's kernels checked against XLA on the timed inputs, bytes by format."""

@@ -244,7 +244,8 @@ def test_a_rank_config_is_not_a_mesh_config():
                                          ("cache_write", "numpy"), ("moe_routing", "sort"), ("router", "sort"),
                                          ("value_merge", "atomic"), ("query_absorb", "triton"),
                                          ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("index_epilogue", "on"),
-                                         ("index_query", "fused"), ("residual_norm", "fused"), ("topk_ties", "random"),
+                                         ("index_query", "fused"), ("residual_norm", "fused"), ("swiglu", "fused"),
+                                         ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("indexer_orientation", "rows"),
                                          ("indexer_queries", "float16"), ("attention_queries", "int8")])
 def test_runtime_rejects_unknown_switches(field, value):

@@ -94,6 +94,27 @@ def test_generate_matches_one_device(model, tep):
   np.testing.assert_array_equal(got, want)
 
 
+def test_swiglu_fold_in_the_shared_experts_shard_map(model, monkeypatch):
+  """swiglu="pallas" under TEP=2 with bf16 weights: the shared expert's down GEMV, inside the
+  expert shard_map, takes its column shard's gate/up partials (the launches recorded, the
+  shared intermediate split 2 ways); tokens equal to the XLA path's under the same mesh."""
+  from pallas_kernels import bf16_matmul
+  config, params = model
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  prompt = _prompt(config, 21, (1, 10))
+  mesh = parallel.make_mesh(2)
+  calls, original = [], bf16_matmul.swiglu_matmul
+  monkeypatch.setattr(bf16_matmul, "swiglu_matmul", lambda g, u, w: calls.append(g.shape) or original(g, u, w))
+  tokens = {}
+  with parallel.use_mesh(mesh):
+    sharded = parallel.shard_params(config, params, mesh)
+    for swiglu in ("xla", "pallas"):
+      runtime = Runtime(dense_matmul="pallas_grouped", swiglu=swiglu)
+      tokens[swiglu] = glmjax.generate(config, sharded, prompt, 4, ignore_eos=True, runtime=runtime)
+  np.testing.assert_array_equal(tokens["pallas"], tokens["xla"])
+  assert config.shared_intermediate // 2 in {shape[-1] for shape in calls}
+
+
 def _collectives(hlo: str) -> list[tuple[str, str, int]]:
   """(scope, kind, elements of the result) of every collective of a compiled module; scope is the
   decoder layer ("layers_3") or the op name."""

@@ -26,6 +26,7 @@ from configs import get_model_config
 from glmjax import attention, dsa, layers, quant
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
+from pallas_kernels import bf16_matmul as bf16_matmul_module
 from pallas_kernels import indexer_keys as indexer_keys_module
 from pallas_kernels import indexer_topk
 from pallas_kernels import residual_norm as residual_norm_module
@@ -192,6 +193,20 @@ def test_index_query_finishes_the_indexers_query_in_the_absorbed_query_launch(ti
   separate = _generate(tiny, "pallas", "fp8", **switches)
   _fail_in_decode_steps(monkeypatch, attention, "apply_rope_leading")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", index_query="pallas", **switches), separate)
+
+
+@fold_lane
+def test_swiglu_in_the_down_gemv_generates_the_same_tokens(tiny, monkeypatch):
+  """swiglu="pallas": decode steps' MLPs (dense layers and shared experts) take silu(gate) * up
+  in the down GEMV's launch from the gate/up partials (the launches recorded: decode rows, both
+  kinds of MLP); tokens equal to the XLA path's."""
+  xla = _generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
+  calls, original = [], bf16_matmul_module.swiglu_matmul
+  monkeypatch.setattr(bf16_matmul_module, "swiglu_matmul", lambda g, u, w: calls.append(g.shape) or original(g, u, w))
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped", swiglu="pallas"), xla)
+  config = tiny[0]
+  assert {shape[-1] for shape in calls} == {config.intermediate_size, config.shared_intermediate}
+  assert all(shape[1] <= 2 * 8 for shape in calls)  # decode steps' rows (2 sequences); none at prefill
 
 
 @fold_lane

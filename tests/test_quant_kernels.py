@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
-from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group, bf16_matmul_reference
+from pallas_kernels.bf16_matmul import (bf16_matmul, bf16_matmul_group, bf16_matmul_reference, swiglu_matmul,
+                                       swiglu_matmul_reference)
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
 from pallas_kernels.nvfp4_matmul import MatmulConfig, default_config, nvfp4_matmul, nvfp4_matmul_reference
@@ -265,6 +266,37 @@ def test_bf16_matmul_group_equals_each_weight_alone(m, k, ns, out_dtype):
     bf16_matmul_group(x, (ws[0], ws[1][:, :100]))
 
 
+@pytest.mark.parametrize("splits,m,k,n", [(8, 5, 256, 300), (1, 1, 96, 64), (3, 16, 200, 130), (2, 3, 1536, 520)])
+def test_swiglu_matmul_equals_the_mlps_two_steps(splits, m, k, n):
+  """The down GEMV from the gate/up partials (K not a power of two, ragged row blocks, K split
+  2 ways at 1536): bit for bit the MLP's XLA path, silu(gate) * up from the split sums in
+  order, then bf16_matmul at the same tiles; and the fp32 reference within bf16 rounding."""
+  from pallas_kernels.bf16_matmul import default_bf16_config
+  rng = np.random.default_rng(k)
+  g, u = (jnp.asarray(rng.standard_normal((splits, m, k)) * scale, jnp.float32) for scale in (2.0, 1.0))
+  w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)
+  in_order = lambda p: functools.reduce(jnp.add, list(p)).astype(jnp.bfloat16)
+  h = jax.nn.silu(in_order(g)) * in_order(u)
+  out = swiglu_matmul(g, u, w)
+  assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(bf16_matmul(h, w, config=default_bf16_config(n, k)), np.float32))
+  assert rel_err(out, swiglu_matmul_reference(g, u, w)) <= TOL
+
+
+def test_swiglu_matmul_rejects_bad_partials():
+  g = jnp.zeros((2, 3, 64), jnp.float32)
+  w = jnp.zeros((32, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="u must be shaped as g"):
+    swiglu_matmul(g, g[:, :2], w)
+  with pytest.raises(ValueError, match="g must be f32"):
+    swiglu_matmul(g.astype(jnp.bfloat16), g, w)
+  with pytest.raises(ValueError, match="K=64"):
+    swiglu_matmul(g, g, w[:, :48])
+  with pytest.raises(ValueError, match="M must be 1..16"):
+    swiglu_matmul(jnp.zeros((2, 17, 64)), jnp.zeros((2, 17, 64)), w)
+
+
 def test_linear_pallas_matches_xla():
   x, w = inputs(3, 4, 48, 80)
   q = quantize_nvfp4(jnp.asarray(w))
@@ -417,7 +449,9 @@ def test_kernels_lower_to_triton_for_h200():
            (fp8_matmul, (x, shape(quantize_fp8_block, (200, 272)))),
            (bf16_matmul, (x, jax.ShapeDtypeStruct((200, 272), jnp.bfloat16))),
            (bf16_matmul_group, (x, (jax.ShapeDtypeStruct((200, 272), jnp.bfloat16),
-                                    jax.ShapeDtypeStruct((4, 272), jnp.bfloat16))))]
+                                    jax.ShapeDtypeStruct((4, 272), jnp.bfloat16)))),
+           (swiglu_matmul, (*[jax.ShapeDtypeStruct((8, 5, 256), jnp.float32)] * 2,
+                            jax.ShapeDtypeStruct((6144, 256), jnp.bfloat16)))]
   for fmt in FORMATS.values():
     cases.append((moe_grouped_matmul, (*moe[:3], *(jax.eval_shape(fmt, w) for w in moe[3:]))))
   for routing, operands in (("table", "bfloat16"), ("scan", "float16")):

@@ -38,13 +38,13 @@ SHARED_SPECS = {"gate_proj": {"weight": P(TEP)}, "up_proj": {"weight": P(TEP)},
 
 def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared: dict, *,
         config: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, matmul: str, dense: str,
-        routing: str, mesh: jax.sharding.AbstractMesh) -> jax.Array:
+        routing: str, mesh: jax.sharding.AbstractMesh, swiglu: str = "xla") -> jax.Array:
   """Routed plus shared experts of tokens x [n, d] -> [n, d] in dtype, replicated.
 
   ids, weights [n, k]: the router's choice over all E experts (replicated). experts: the
   `Experts` params (gate/up [E, i, d], down [E, d, i]); shared: the shared expert's `MLP` params.
   matmul, dense: the quantized and plain-weight matmul impls (glmjax.quant.linear); routing:
-  the grouped MoE kernels' (glmjax.quant.moe_experts).
+  the grouped MoE kernels' (glmjax.quant.moe_experts); swiglu: the shared expert's fold (MLP).
   """
   check_config(config, mesh)
   degree = mesh.shape[TEP]
@@ -58,8 +58,12 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
     routed = quant.moe_experts(x, ids - offset, weights, experts["gate_proj"], experts["up_proj"],
                                experts["down_proj"], impl=matmul, routing=routing,
                                chosen=expected_local_experts(config, x.shape[0]) / degree)
-    partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense)
+    partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense, swiglu=swiglu)
     return jax.lax.psum(partial, TEP)
 
   specs = (P(), P(), P(), EXPERT_SPEC, SHARED_SPECS)
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())(x, ids, weights, experts, shared)
+  # check_vma=False: the Pallas kernels inside (the MoE and bf16 GEMVs at decode sizes) state no
+  # varying-axes type for their outputs, which the check requires; the psum makes the result
+  # replicated, as out_specs says.
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(x, ids, weights, experts,
+                                                                                        shared)

@@ -84,7 +84,7 @@ def decode_sized(x: jax.Array) -> bool:
   return x.dtype == jnp.bfloat16 and 1 <= math.prod(x.shape[:-1]) <= MAX_ROWS
 
 
-def _takes_bf16_gemv(x: jax.Array, w, dense: str, dtype) -> bool:
+def takes_bf16_gemv(x: jax.Array, w, dense: str, dtype) -> bool:
   """Whether x @ w.T in `dtype` runs the split-K bf16 GEMV: a plain bf16 w under a Pallas dense
   impl, decode-sized x, a bf16 or fp32 result (see `linear`)."""
   return (dense != "xla" and not isinstance(w, QuantizedWeight) and w.dtype == jnp.bfloat16
@@ -122,7 +122,7 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
   dtype = x.dtype if dtype is None else jnp.dtype(dtype)
   rows = math.prod(x.shape[:-1])
   if not isinstance(w, QuantizedWeight):
-    if not _takes_bf16_gemv(x, w, dense, dtype):
+    if not takes_bf16_gemv(x, w, dense, dtype):
       return jnp.einsum("...k,nk->...n", x.astype(dtype), w)
     from pallas_kernels.bf16_matmul import bf16_matmul
     out = bf16_matmul(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype)
@@ -151,7 +151,7 @@ def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", d
   dtype), else [1, rows, out] (`linear` in dtype, as fp32). For a consumer that sums them in its
   own launch (pallas_kernels/moe_route.py, mla_query.py, residual_norm.py)."""
   rows = math.prod(x.shape[:-1])
-  if not _takes_bf16_gemv(x, w, dense, jnp.dtype(dtype)):
+  if not takes_bf16_gemv(x, w, dense, jnp.dtype(dtype)):
     out = linear(x, w, impl=impl, dense=dense, dtype=dtype)
     return out.astype(jnp.float32).reshape(1, rows, w.shape[0])
   from pallas_kernels.bf16_matmul import bf16_matmul_partials
@@ -160,7 +160,7 @@ def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", d
 
 def _grouped(x: jax.Array, weights, dense: str, dtype) -> bool:
   """Whether x @ w.T for the weights runs as one split-K launch (see linear_group)."""
-  return dense == "pallas_grouped" and len(weights) > 1 and all(_takes_bf16_gemv(x, w, dense, dtype) for w in weights)
+  return dense == "pallas_grouped" and len(weights) > 1 and all(takes_bf16_gemv(x, w, dense, dtype) for w in weights)
 
 
 def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla", dtype=None) -> list[jax.Array]:
