@@ -57,7 +57,7 @@ from pallas_kernels.mla_query import absorbed_query, absorbed_query_reference
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
 from pallas_kernels.moe_route import route_select
-from pallas_kernels.nvfp4_matmul import (DECODES, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
+from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
@@ -284,52 +284,54 @@ def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConf
   return rows
 
 
-def moe_sweep_rows(fmt: str, configs: list[MoEConfig], *, timer: Callable[..., float] = time_device,
-                   **case) -> list[dict[str, Any]]:
-  """Tuning aid: the grouped MoE kernel with `fmt` weights under each config (case: moe_rows')."""
+def moe_sweep_rows(fmt: str, configs: list[MoEConfig] | list[PairsConfig], *, kernel=moe_grouped_matmul,
+                   timer: Callable[..., float] = time_device, **case) -> list[dict[str, Any]]:
+  """Tuning aid: an MoE kernel (the grouped tensor-core one, or moe_hfma2 with PairsConfigs) with
+  `fmt` weights under each config (case: moe_rows')."""
   x, routing, weights, chosen_experts = _moe_case(**case)
   q = tuple(FORMATS[fmt][0](w) for w in weights)
   nbytes = _moe_bytes(q, chosen_experts / case["experts"], x, routing[0])
   rows = []
   for config in configs:
-    seconds = timer(jax.jit(functools.partial(moe_grouped_matmul, config=config)), x, *routing, *q)
+    seconds = timer(jax.jit(functools.partial(kernel, config=config)), x, *routing, *q)
     rows.append(dict(name="moe_sweep", format=fmt, config=str(config), routed=case.get("routed") or case["experts"],
                      chosen_experts=chosen_experts, **_rate(seconds, nbytes)))
   return rows
 
 
 def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
-  """Tile sweeps (kernels_bench --sweep): the NVFP4 GEMV [1, 8192] x [8192, 28672] and the
-  routed-expert MLP of moe_rows, each over both decodes; the FP8 GEMV at the same shape over
-  row tiles and K splits with either operand dtype (run 16 swept the fp16 operands'); the
-  bf16 split-K GEMV at a rank's 25 MB [5, 6144] -> 2048 over K splits."""
-  timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_device
+  """Tile sweeps (kernels_bench --sweep) of the quantized and bf16 kernels a TEP=8 rank's stack
+  runs, by own kernel time off the CPU (the time that carries into the step, BENCHMARKS.md run
+  26): the one-row NVFP4 GEMV on the CUDA cores (dot="hfma2") at [1, 8192] x [8192, 28672] over
+  row tiles, K steps, K splits and warps, with the tensor-core kernel's default beside it; the
+  routed experts as (token, expert) pairs (moe_hfma2, fused planes) at the rank's view (5 tokens,
+  top-8 of 256 routed experts, 32 local) over both launches' tiles and the groups; the FP8 GEMV
+  over row tiles and K splits with either operand dtype; the bf16 split-K GEMV at a rank's 25 MB
+  [5, 6144] -> 2048 over K splits."""
+  timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_own_kernels
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
+  hfma2 = lambda bn, bk, s, w=4: MatmulConfig(block_n=bn, block_k=bk, split_k=s, num_warps=w, **HFMA2_FIELDS)
+  gemv_configs = ([hfma2(bn, bk, s, w) for bn, bk in ((32, 512), (16, 512), (32, 256), (64, 256), (16, 1024))
+                   for s in (2, 4, 8) for w in (2, 4, 8)]
+                  + [default_config(*gemv, decode="ptx", operands="float16")])  # the tensor cores' default
   fp8_configs = [MatmulConfig(block_n=bn, block_k=128, split_k=s, operands=operands)
                  for operands in OPERANDS for bn, s in ((128, 1), (64, 1), (64, 2), (64, 4), (32, 1), (32, 2))]
   bf16_configs = [MatmulConfig(block_n=bn, block_k=bk, split_k=s)
                   for bn, bk, s in ((64, 256, 8), (64, 256, 4), (64, 256, 16), (32, 256, 8), (128, 128, 4))]
-  moe = (dict(tokens=5, top_k=2, experts=4, d=64, i=32) if quick
-         else dict(tokens=5, top_k=8, experts=32, d=6144, i=2048))
-  tiles = ((64, 256, 1), (32, 512, 1), (64, 512, 1), (32, 512, 2))
-  gemv_configs = [MatmulConfig(block_n=bn, block_k=bk, split_k=s, decode=d) for bn, bk, s in tiles for d in DECODES]
-  moe_configs = [MoEConfig(block_n=bn, block_k=bk, num_warps=w, decode=d)
-                 for bn, bk, w in ((64, 128, 4), (64, 256, 4), (32, 512, 4), (64, 512, 4), (32, 256, 4))
-                 for d in DECODES]
+  pairs_configs = [PairsConfig(gate_up=hfma2(bn, 512, gs), down=hfma2(bn, 512, ds), groups=g, fused_planes=True)
+                   for bn in (16, 32) for gs, ds in ((2, 1), (4, 2), (1, 1)) for g in (2, 4, 8)]
   if quick:
-    gemv_configs, moe_configs, fp8_configs, bf16_configs = (gemv_configs[:2], moe_configs[:2], fp8_configs[:1],
-                                                            bf16_configs[:1])
+    gemv_configs, fp8_configs, bf16_configs, pairs_configs = (gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1],
+                                                              bf16_configs[:1], pairs_configs[:1])
   for fmt, shape, configs in (("nvfp4", gemv, gemv_configs), ("fp8", gemv, fp8_configs), ("bf16", dense, bf16_configs)):
     for row in config_sweep_rows(fmt, *shape, configs, timer=timer):
       yield dict(row, config=str(row["config"]))
-  yield from moe_sweep_rows("nvfp4", moe_configs, timer=timer, **moe)
   # One TEP rank's step: ids over all routed experts, so only about 5 of the 32 local ones are
-  # chosen and the gate/up grid has few working programs: narrower row blocks give more.
-  rank_configs = [MoEConfig(block_n=bn, block_k=256, decode="ptx", routing=r)
-                  for bn in (64, 32, 16) for r in ("table", "scan")]
-  yield from moe_sweep_rows("nvfp4", rank_configs[:2] if quick else rank_configs, timer=timer,
-                            routed=4 * moe["experts"] if quick else 256, **moe)
+  # chosen, nearly each by one token: the pairs the stack runs (--moe_routing=pairs_fused).
+  rank = dict(tokens=5, top_k=2, experts=4, d=64, i=32, routed=16) if quick else dict(
+      tokens=5, top_k=8, experts=32, d=6144, i=2048, routed=256)
+  yield from moe_sweep_rows("nvfp4", pairs_configs, kernel=moe_hfma2, timer=timer, **rank)
 
 
 QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues")

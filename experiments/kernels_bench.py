@@ -2,7 +2,7 @@
 
   python -m experiments.kernels_bench --suites=dsa,quant --output=/tmp/kernels.json
   python -m experiments.kernels_bench --suites=dsa --contexts=81920 --query_tokens=5   # the targets
-  python -m experiments.kernels_bench --suites=quant --sweep   # tile and decode sweeps
+  python -m experiments.kernels_bench --suites=quant --sweep   # tile sweeps of the stack's kernels
   python -m experiments.kernels_bench --suites=quant --quant_timer=own --quant_cases=gemv   # issue 6
 
 Rows come from `experiments.bench_dsa.dsa_rows` (indexer scores, top-k, sparse MLA: one TEP=8

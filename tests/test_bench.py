@@ -95,16 +95,17 @@ def test_agreement_compares_index_sets_and_float_errors():
   assert agreement(want[:2], want) == dict(exact=False, max_rel_err=float("inf"))
 
 
-def test_quant_sweep_covers_both_decodes():
-  """kernels_bench --sweep's quant rows: the NVFP4 GEMV and MoE, each under both decodes, the
-  FP8 and bf16 GEMVs (one config each in the quick sweep), every one timed (interpret mode: the
-  PTX decode runs its jnp twin)."""
+def test_quant_sweep_covers_the_stacks_kernels():
+  """kernels_bench --sweep's quant rows: the NVFP4 GEMV on the CUDA cores beside the tensor
+  cores' default, the routed experts as pairs at a rank's view, the FP8 and bf16 GEMVs (one
+  config each in the quick sweep), every one timed (interpret mode: the PTX runs its jnp twin)."""
   from experiments.bench_quant import quant_sweep_rows
   rows = list(quant_sweep_rows(quick=True))
   assert {r["name"] for r in rows} == {"sweep", "moe_sweep"}
-  nvfp4 = [r for r in rows if r["name"] == "moe_sweep" or r["format"] == "nvfp4"]
-  for name in ("sweep", "moe_sweep"):
-    assert {"decode='jnp'" in r["config"] for r in nvfp4 if r["name"] == name} == {True, False}
+  gemv = [r["config"] for r in rows if r["name"] == "sweep" and r["format"] == "nvfp4"]
+  assert len(gemv) == 2 and {"dot='hfma2'" in c for c in gemv} == {True, False}
+  assert [r["config"].startswith("PairsConfig(") and "fused_planes=True" in r["config"]
+          for r in rows if r["name"] == "moe_sweep"] == [True]
   for fmt in ("fp8", "bf16"):
     assert len({r["config"] for r in rows if r["name"] == "sweep" and r["format"] == fmt}) == 1
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
