@@ -2,7 +2,7 @@
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
---index_epilogue, --index_query, --residual_norm, --swiglu) with the DSA kernels' --topk_method,
+--index_epilogue, --index_query, --residual_norm, --swiglu, --moe_sum) with the DSA kernels' --topk_method,
 --indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, --indexer_queries,
 --attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
 
@@ -47,6 +47,8 @@ _FOLD_HELP = {
                      "(one launch from o_proj's partials)",
     "swiglu": "an MLP's silu(gate) * up between its GEMVs (dense layers, shared expert): xla (one kernel) or pallas "
               "(in the down GEMV's launch from the gate/up partials)",
+    "moe_sum": "with --swiglu=pallas: an MoE layer's residual + routed + shared sum: xla (one kernel) or pallas (in "
+               "the shared expert's down GEMV launch)",
 }
 
 

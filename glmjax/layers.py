@@ -142,24 +142,38 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class MLP(nn.Module):
   """SwiGLU MLP: down(silu(gate(x)) * up(x)); used dense and as the shared expert. swiglu="pallas":
   at decode, where all three weights take the bf16 GEMV, the down GEMV's launch computes
-  silu(gate) * up itself from the gate/up partials (pallas_kernels/bf16_matmul.swiglu_matmul)."""
+  silu(gate) * up itself from the gate/up partials (pallas_kernels/bf16_matmul.swiglu_matmul).
+  With residual and routed (the shared expert under Runtime.moe_sum): the MoE layer's new
+  residual, residual + (bf16(sum of the routed partials) + the MLP's output), in that launch
+  where its down GEMV takes the whole K in one program, else in XLA's kernels."""
   hidden_size: int
   intermediate_size: int
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla", swiglu: str = "xla") -> jax.Array:
+  def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla", swiglu: str = "xla",
+               residual: jax.Array | None = None, routed: jax.Array | None = None) -> jax.Array:
     impls = dict(impl=matmul, dense=dense)
     gate_up = [Weight((self.intermediate_size, x.shape[-1]), ("mlp", "embed"), self.param_dtype, name=name)()
                for name in ("gate_proj", "up_proj")]
     down = Weight((self.hidden_size, self.intermediate_size), ("embed", "mlp"), self.param_dtype, name="down_proj")()
+    out_shape = (*x.shape[:-1], self.hidden_size)
     if swiglu == "pallas" and all(quant.takes_bf16_gemv(x, w, dense, self.dtype) for w in (*gate_up, down)):
-      from pallas_kernels.bf16_matmul import swiglu_matmul  # the kernels import the formats
+      from pallas_kernels.bf16_matmul import default_bf16_config, swiglu_matmul  # the kernels import the formats
       g, u = quant.linear_group_partials(x, gate_up, **impls)
-      return swiglu_matmul(g, u, down).reshape(*x.shape[:-1], self.hidden_size)
-    gate, up = quant.linear_group(x, gate_up, **impls, dtype=self.dtype)
-    return linear(nn.silu(gate) * up, down, **impls, dtype=self.dtype)
+      if residual is None:
+        return swiglu_matmul(g, u, down).reshape(out_shape)
+      if default_bf16_config(*down.shape).split_k == 1:
+        return swiglu_matmul(g, u, down, residual=residual.reshape(-1, self.hidden_size),
+                             routed=routed).reshape(out_shape)
+      out = swiglu_matmul(g, u, down).reshape(out_shape)
+    else:
+      gate, up = quant.linear_group(x, gate_up, **impls, dtype=self.dtype)
+      out = linear(nn.silu(gate) * up, down, **impls, dtype=self.dtype)
+    if residual is None:
+      return out
+    return residual + (routed.sum(0).reshape(out_shape).astype(self.dtype) + out).astype(residual.dtype)
 
 
 def split_last(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:

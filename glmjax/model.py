@@ -62,6 +62,9 @@ class DecoderLayer(nn.Module):
       else:
         x = x + attn.astype(x.dtype)
         h = post_norm(x)
+      if self.sparse_mlp and runtime.moe_sum == "pallas" and quant.decode_sized(h) and _on_one_program():
+        # the layer's sum in the shared expert's launch: the MoE returns the new residual
+        return MoE(c, name="mlp", **kw)(h, runtime=runtime, residual=x), topk, layer_cache
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
       else:

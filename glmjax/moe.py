@@ -104,7 +104,8 @@ class Experts(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, *, matmul: str = "xla",
-               routing: str = "table") -> jax.Array:
+               routing: str = "table", partials: bool = False) -> jax.Array:
+    """[T, D] in dtype, or with partials fp32 terms [S, T, D] that sum to it (quant.moe_experts)."""
     c = self.config
     e, i, d = c.num_local_experts, c.moe_intermediate_size, c.hidden_size
     make = lambda name, shape, axes: quant.param(
@@ -112,11 +113,8 @@ class Experts(nn.Module):
     gate = make("gate_proj", (e, i, d), ("expert_mlp", "embed"))
     up = make("up_proj", (e, i, d), ("expert_mlp", "embed"))
     down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
-    x = x.astype(self.dtype)
-    if matmul != "xla":
-      return quant.moe_experts(x, ids, weights, gate, up, down, impl=matmul, routing=routing,
-                               chosen=expected_local_experts(c, ids.shape[0]))
-    return experts_reference(x, ids, weights, gate, up, down)
+    return quant.moe_experts(x.astype(self.dtype), ids, weights, gate, up, down, impl=matmul, routing=routing,
+                             chosen=expected_local_experts(c, ids.shape[0]), partials=partials)
 
 
 class MoE(nn.Module):
@@ -132,7 +130,10 @@ class MoE(nn.Module):
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, runtime=None) -> jax.Array:
+  def __call__(self, x: jax.Array, *, runtime=None, residual: jax.Array | None = None) -> jax.Array:
+    """The experts' output [..., D] in dtype; given the layer's residual stream (Runtime.moe_sum,
+    on one device or one rank's program), the layer's new residual, residual + output, summed
+    in the shared expert's launch (MLP)."""
     from glmjax.parallel import expert_parallel, mesh  # the parallel package imports the model
 
     c = self.config
@@ -147,6 +148,9 @@ class MoE(nn.Module):
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
                                 mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, **impls, **kw)
       return out.reshape(x.shape)
-    routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing)
-    shared = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)(x, **runtime.mlp_impls)
-    return routed.reshape(x.shape).astype(self.dtype) + shared
+    routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing,
+                                              partials=residual is not None)
+    shared_mlp = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)
+    if residual is not None:
+      return shared_mlp(x, **runtime.mlp_impls, residual=residual, routed=routed)
+    return routed.reshape(x.shape).astype(self.dtype) + shared_mlp(x, **runtime.mlp_impls)

@@ -18,7 +18,7 @@ MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
-                 "index_epilogue", "index_query", "residual_norm", "swiglu")
+                 "index_epilogue", "index_query", "residual_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES}
@@ -71,6 +71,10 @@ class Runtime:
   kernel (with the gate/up split-K sums) between the two GEMVs, or "pallas": in the down GEMV's
   launch from the gate/up partials at decode, where all three weights take the bf16 GEMV
   (pallas_kernels/bf16_matmul.swiglu_matmul; the same bf16 roundings, sums in split order).
+  moe_sum: with swiglu="pallas", an MoE layer's end, residual + routed + shared experts: XLA's
+  kernel (with the routed experts' split sums), or "pallas": in the shared expert's down GEMV
+  launch, at decode on one device or one rank's program, where that GEMV reads its whole K in one
+  program (swiglu_matmul's layer sum; the same roundings).
   indexer_keys: the indexer's new key (k_norm, RoPE) and head weights (the H^-0.5 scale) from
   their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
   (pallas_kernels/indexer_keys.py; equal to fp32 rounding).
@@ -112,6 +116,7 @@ class Runtime:
   index_query: str = "xla"
   residual_norm: str = "xla"
   swiglu: str = "xla"
+  moe_sum: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "sampled"
   indexer_orientation: str = "keys"
@@ -136,6 +141,9 @@ class Runtime:
     if self.index_epilogue == "pallas" and (self.mla_epilogue, self.indexer_keys) != ("pallas", "pallas"):
       raise ValueError(f"index_epilogue='pallas' joins the indexer_keys launch to the mla_epilogue one: it needs both "
                        f"'pallas', got mla_epilogue={self.mla_epilogue!r}, indexer_keys={self.indexer_keys!r}")
+    if self.moe_sum == "pallas" and self.swiglu != "pallas":
+      raise ValueError(f"moe_sum='pallas' sums the MoE layer in the shared expert's swiglu launch: it needs "
+                       f"swiglu='pallas', got {self.swiglu!r}")
     if self.index_query == "pallas" and self.query_absorb != "pallas":
       raise ValueError(f"index_query='pallas' finishes the indexer's query in the absorbed-query launch: it needs "
                        f"query_absorb='pallas', got {self.query_absorb!r}")

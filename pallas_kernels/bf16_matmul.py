@@ -28,7 +28,9 @@ weights_proj, an MLP's gate with up): in the rank's layer 8 launches and 61 us a
 swiglu_matmul is an MLP's down GEMV that builds its input itself, silu(gate) * up, from the
 gate/up launch's split-K partials (`--swiglu=pallas`): XLA's kernel between the two GEMVs (the
 sums, silu, the product: 1.2-1.9 us a layer in the rank's profile, run 26) folds into the
-launch. Not yet timed on the H200.
+launch. For an MoE layer's shared expert (`--moe_sum=pallas`) the launch also ends the layer:
+residual + routed experts + shared expert, XLA's last kernel of the layer (`layer_sum`). Not
+yet timed on the H200.
 """
 
 import functools
@@ -73,15 +75,26 @@ def swiglu_tile(g_ref, u_ref, cols, rows_ok, cols_ok) -> jax.Array:
   return (bf16(gate * sigmoid) * up).astype(jnp.bfloat16)
 
 
+def layer_sum(residual_ref, routed_ref, acc, rows_ok, n_ok) -> jax.Array:
+  """An MoE layer's new residual from the shared expert's output tile acc (fp32, the whole K): as
+  the model adds it up, residual + (bf16(sum of the routed experts' partials) + bf16(acc))
+  rounded to bf16, the sum in fp32."""
+  bf16 = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)
+  routed = bf16(sum(load_tile(routed_ref.at[jnp.int32(s)], rows_ok, n_ok) for s in range(routed_ref.shape[0])))
+  return load_tile(residual_ref, rows_ok, n_ok) + bf16(routed + bf16(acc))
+
+
 def _bf16_matmul_kernel(*refs, m: int, ns: tuple[int, ...], k: int, block_m: int, config: MatmulConfig,
-                        swiglu: bool):
+                        swiglu: bool, epilogue: bool):
   # x_ref: bf16 [block_m, Kp] of [M, K], or with swiglu g_ref, u_ref: f32 [S, block_m, Kp] of the
-  # [S, M, K] partials x comes from (swiglu_tile); then per weight (ns: their rows) w_ref bf16
-  # [bn, Kp]; then per weight o_ref [block_m, bn] of its [split_k, M, N] output (fp32 or bf16).
-  # With several weights, grid row block j belongs to one of them (row_blocks) and only that one
-  # is read.
+  # [S, M, K] partials x comes from (swiglu_tile); with epilogue then residual_ref f32 [block_m,
+  # bn] of [M, N] and routed_ref f32 [S2, block_m, bn] of [S2, M, N] (swiglu_matmul's); then per
+  # weight (ns: their rows) w_ref bf16 [bn, Kp]; then per weight o_ref [block_m, bn] of its
+  # [split_k, M, N] output (fp32 or bf16). With several weights, grid row block j belongs to one
+  # of them (row_blocks) and only that one is read.
   bn, bk = config.block_n, config.block_k
   x_refs, refs = (refs[:2], refs[2:]) if swiglu else (refs[:1], refs[1:])
+  epilogue_refs, refs = (refs[:2], refs[2:]) if epilogue else ((), refs)
   w_refs, o_refs = refs[:len(ns)], refs[len(ns):]
   rows_ok = range_mask(0, block_m, m)
   j, split = pl.program_id(0), pl.program_id(1)
@@ -96,6 +109,8 @@ def _bf16_matmul_kernel(*refs, m: int, ns: tuple[int, ...], k: int, block_m: int
       return acc + dot_t(x, w)
 
     acc = split_k_loop(body, k=k, block_m=block_m, config=config, split=split)
+    if epilogue:
+      acc = layer_sum(*epilogue_refs, acc, rows_ok, n_ok)
     store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)
 
   if len(ns) == 1:
@@ -113,22 +128,27 @@ def _check(x: jax.Array, w, out_dtype, name: str) -> None:
 
 
 def _launch(xs: tuple[jax.Array, ...], ws: tuple[jax.Array, ...], out_dtype, config: MatmulConfig | None,
-            interpret: bool | None, keep_splits: bool = False):
+            interpret: bool | None, keep_splits: bool = False, epilogue: tuple[jax.Array, ...] = ()):
   """The one launch of bf16_matmul (one weight), bf16_matmul_group (several), bf16_matmul_partials
-  and swiglu_matmul. xs: (x,), or swiglu_matmul's (g, u) partials."""
+  and swiglu_matmul. xs: (x,), or swiglu_matmul's (g, u) partials; epilogue: its (residual,
+  routed partials), which need the whole K in one program."""
   (m, k), ns = xs[0].shape[-2:], tuple(w.shape[0] for w in ws)
   config = default_bf16_config(sum(ns), k) if config is None else config
   check_tensor_core_config(config, "bf16_matmul")
   interpret = resolve_interpret(interpret)
   block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
+  if epilogue and config.split_k != 1:
+    raise ValueError(f"swiglu_matmul: the layer sum needs the whole K in one program, got split_k={config.split_k}")
   kernel = functools.partial(_bf16_matmul_kernel, m=m, ns=ns, k=k, block_m=block_m, config=config,
-                             swiglu=len(xs) == 2)
+                             swiglu=len(xs) == 2, epilogue=bool(epilogue))
   w_spec = lambda first, count: pl.BlockSpec((config.block_n, kp), lambda j, s: (local_block(j, first, count), 0))
   x_spec = lambda x: pl.BlockSpec((*x.shape[:-2], block_m, kp), lambda j, s: (0,) * x.ndim)
-  specs = [*map(x_spec, xs), *(w_spec(first, count) for first, count in row_blocks(ns, config.block_n))]
-  return skinny_call(kernel, [*xs, *ws], specs, m=m, n=ns if len(ws) > 1 else ns[0], dtype=jnp.dtype(out_dtype),
-                     config=config, interpret=interpret, name="swiglu_matmul" if len(xs) == 2 else "bf16_matmul",
-                     keep_splits=keep_splits)
+  tile_spec = lambda a: pl.BlockSpec((*a.shape[:-2], block_m, config.block_n), lambda j, s: (0,) * (a.ndim - 1) + (j,))
+  specs = [*map(x_spec, xs), *map(tile_spec, epilogue),
+           *(w_spec(first, count) for first, count in row_blocks(ns, config.block_n))]
+  return skinny_call(kernel, [*xs, *epilogue, *ws], specs, m=m, n=ns if len(ws) > 1 else ns[0],
+                     dtype=jnp.dtype(out_dtype), config=config, interpret=interpret,
+                     name="swiglu_matmul" if len(xs) == 2 else "bf16_matmul", keep_splits=keep_splits)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -175,16 +195,24 @@ def bf16_matmul_partials(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], *, 
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def swiglu_matmul(g: jax.Array, u: jax.Array, w: jax.Array, *, config: MatmulConfig | None = None,
+def swiglu_matmul(g: jax.Array, u: jax.Array, w: jax.Array, *, residual: jax.Array | None = None,
+                  routed: jax.Array | None = None, config: MatmulConfig | None = None,
                   interpret: bool | None = None) -> jax.Array:
   """A SwiGLU MLP's down projection from its gate and up projections' split-K partials: bf16
   [M, N] = (silu(gate) * up) @ w.T with gate, up the partials' sums (`swiglu_tile`), in one
   launch where XLA sums the partials and multiplies in a kernel of its own before the down
   GEMV (glmjax.layers.MLP under `Runtime.swiglu`).
 
+  With residual and routed (the shared expert of an MoE layer, `Runtime.moe_sum`), the launch
+  also adds the layer up (`layer_sum`) and returns the new residual stream, f32 [M, N], where
+  XLA's kernel of its own would (the routed partials' sum, the two additions).
+
   Args:
     g, u: f32 [S, M, K] (bf16_matmul_partials of the gate and up weights), 1 <= M <= 16.
     w: bf16 [N, K], the down projection.
+    residual: f32 [M, N], the layer's residual stream; routed: f32 [S2, M, N], the routed
+      experts' partials (quant.moe_experts(partials=True)). Both or neither; they need the whole
+      K in one program (config.split_k 1, the default for K <= 256 or so).
     config, interpret: as bf16_matmul's (default tiles: `default_bf16_config(N, K)`).
   """
   for name, part in (("g", g), ("u", u)):
@@ -192,14 +220,30 @@ def swiglu_matmul(g: jax.Array, u: jax.Array, w: jax.Array, *, config: MatmulCon
   if u.shape != g.shape:
     raise ValueError(f"swiglu_matmul: u must be shaped as g {list(g.shape)}, got {list(u.shape)}")
   _check(jnp.zeros(g.shape[1:], jnp.bfloat16), w, jnp.bfloat16, "swiglu_matmul")  # shapes only: traced away
-  return _launch((g, u), (w,), jnp.bfloat16, config, interpret)
+  if (residual is None) != (routed is None):
+    raise ValueError("swiglu_matmul: residual and routed come together (the layer sum) or not at all")
+  if residual is None:
+    return _launch((g, u), (w,), jnp.bfloat16, config, interpret)
+  rows_out = (g.shape[1], w.shape[0])
+  if residual.shape != rows_out or residual.dtype != jnp.float32:
+    raise ValueError(f"swiglu_matmul: residual must be f32 {list(rows_out)}, got "
+                     f"{residual.dtype}{list(residual.shape)}")
+  check_partials("swiglu_matmul", "routed", routed, "N")
+  if routed.shape[1:] != rows_out:
+    raise ValueError(f"swiglu_matmul: routed must be f32 [S2, {rows_out[0]}, {rows_out[1]}], got {list(routed.shape)}")
+  return _launch((g, u), (w,), jnp.float32, config, interpret, epilogue=(residual, routed))
 
 
-def swiglu_matmul_reference(g: jax.Array, u: jax.Array, w: jax.Array) -> jax.Array:
-  """The MLP's XLA path from the same partials: sums rounded to bf16, silu(gate) * up in bf16,
-  then the down projection in fp32, rounded to bf16."""
+def swiglu_matmul_reference(g: jax.Array, u: jax.Array, w: jax.Array, *, residual: jax.Array | None = None,
+                            routed: jax.Array | None = None) -> jax.Array:
+  """The model's XLA path from the same partials: sums rounded to bf16, silu(gate) * up in bf16,
+  then the down projection in fp32, rounded to bf16; with residual and routed, the MoE layer's
+  sum as the model adds it (MoE, then DecoderLayer)."""
   gate, up = (p.sum(0).astype(jnp.bfloat16) for p in (g, u))
-  return bf16_matmul_reference(jax.nn.silu(gate) * up, w)
+  shared = bf16_matmul_reference(jax.nn.silu(gate) * up, w)
+  if residual is None:
+    return shared
+  return residual + (routed.sum(0).astype(jnp.bfloat16) + shared).astype(jnp.float32)
 
 
 def bf16_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16) -> jax.Array:

@@ -186,10 +186,10 @@ def check_nvfp4_experts(owner: str, weights: dict) -> None:
                        f"{name} is {type(w).__name__}")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "keep_partials", "interpret"))
 def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj: NVFP4Weight,
               up_proj: NVFP4Weight, down_proj: NVFP4Weight, *, config: PairsConfig | None = None,
-              interpret: bool | None = None) -> jax.Array:
+              keep_partials: bool = False, interpret: bool | None = None) -> jax.Array:
   """Routed-expert MLP of a decode step, each (token, local expert) pair on the CUDA cores.
 
   Args:
@@ -198,9 +198,11 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
     topk_weights: [T, k] routing weights (applied in fp32).
     gate_proj, up_proj: NVFP4Weight [E, I, D]; down_proj: NVFP4Weight [E, D, I].
     config: tiling; default PairsConfig().
+    keep_partials: return the down launch's fp32 partials [S, T, D] unsummed (their sum rounded
+      to bf16 is the result), for a kernel that sums them itself (bf16_matmul.swiglu_matmul).
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
-    bf16 [T, D].
+    bf16 [T, D], or the partials.
   """
   config = PairsConfig() if config is None else config
   check_nvfp4_experts("moe_hfma2", check_moe_inputs("moe_hfma2", x, topk_ids, topk_weights, gate_proj, up_proj,
@@ -251,5 +253,5 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
                     jax.ShapeDtypeStruct((down_cfg.split_k * config.groups, t, d), jnp.float32),
                     pl.BlockSpec((None, tp, down_cfg.block_n), lambda j, s, g: (s * config.groups + g, 0, j)),
                     down_cfg, d, "moe_hfma2_down", t=t)
-  return partials.sum(0).astype(x.dtype)
+  return partials if keep_partials else partials.sum(0).astype(x.dtype)
 

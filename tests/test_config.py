@@ -245,6 +245,7 @@ def test_a_rank_config_is_not_a_mesh_config():
                                          ("value_merge", "atomic"), ("query_absorb", "triton"),
                                          ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("index_epilogue", "on"),
                                          ("index_query", "fused"), ("residual_norm", "fused"), ("swiglu", "fused"),
+                                         ("moe_sum", "on"),
                                          ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("indexer_orientation", "rows"),
                                          ("indexer_queries", "float16"), ("attention_queries", "int8")])
@@ -280,6 +281,13 @@ def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
   with pytest.raises(ValueError, match="moe_routing='pairs_fused'.*matmul='pallas_hfma2'"):
     Runtime(matmul="pallas", moe_routing="pairs_fused")
   assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"
+
+
+def test_runtime_moe_sum_needs_the_swiglu_launch():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="moe_sum='pallas'.*needs swiglu='pallas', got 'xla'"):
+    Runtime(moe_sum="pallas")
+  assert Runtime(swiglu="pallas", moe_sum="pallas").moe_sum == "pallas"
 
 
 def test_runtime_index_epilogue_needs_both_epilogue_kernels():

@@ -210,6 +210,23 @@ def test_swiglu_in_the_down_gemv_generates_the_same_tokens(tiny, monkeypatch):
 
 
 @fold_lane
+def test_moe_sum_in_the_shared_experts_launch_generates_the_same_tokens(tiny, monkeypatch):
+  """moe_sum="pallas": decode steps' MoE layers end in the shared expert's down GEMV launch
+  (residual + routed + shared; the launches recorded with the routed partials, one per MoE
+  layer and step); tokens equal to the XLA sum's."""
+  switches = dict(dense_matmul="pallas_grouped", swiglu="pallas")
+  xla = _generate(tiny, "pallas", "fp8", **switches)
+  calls, original = [], bf16_matmul_module.swiglu_matmul
+  monkeypatch.setattr(bf16_matmul_module, "swiglu_matmul",
+                      lambda g, u, w, **kw: calls.append((g.shape, *kw)) or original(g, u, w, **kw))
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", moe_sum="pallas", **switches), xla)
+  config = tiny[0]
+  summed = [shape for shape, *kw in calls if kw == ["residual", "routed"]]
+  assert summed and {shape[-1] for shape in summed} == {config.shared_intermediate}
+  assert len(summed) == len([c for c in calls if c[0][-1] == config.shared_intermediate])
+
+
+@fold_lane
 def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """residual_norm="pallas": decode steps add attention's output to the residual and normalise
   it in one launch from o_proj's partials (the launches counted: one a layer and step); tokens

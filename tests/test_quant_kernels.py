@@ -284,6 +284,27 @@ def test_swiglu_matmul_equals_the_mlps_two_steps(splits, m, k, n):
   assert rel_err(out, swiglu_matmul_reference(g, u, w)) <= TOL
 
 
+@pytest.mark.parametrize("splits,m,k,n,routed_splits", [(8, 5, 256, 300, 4), (1, 1, 96, 64, 1), (3, 16, 200, 130, 2)])
+def test_swiglu_matmul_sums_the_moe_layer(splits, m, k, n, routed_splits):
+  """With the residual and the routed experts' partials, the launch returns the MoE layer's new
+  residual: bit for bit the model's XLA sum (routed partials summed in order and rounded to
+  bf16, plus the shared expert's bf16 output, rounded, added to the fp32 residual)."""
+  from pallas_kernels.bf16_matmul import default_bf16_config
+  rng = np.random.default_rng(n)
+  g, u = (jnp.asarray(rng.standard_normal((splits, m, k)) * scale, jnp.float32) for scale in (2.0, 1.0))
+  w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)
+  residual = jnp.asarray(rng.standard_normal((m, n)) * 3, jnp.float32)
+  routed = jnp.asarray(rng.standard_normal((routed_splits, m, n)), jnp.float32)
+  in_order = lambda p: functools.reduce(jnp.add, list(p))
+  shared = bf16_matmul(jax.nn.silu(in_order(g).astype(jnp.bfloat16)) * in_order(u).astype(jnp.bfloat16), w,
+                       config=default_bf16_config(n, k))
+  out = swiglu_matmul(g, u, w, residual=residual, routed=routed)
+  assert out.dtype == jnp.float32 and out.shape == (m, n)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(
+      residual + (in_order(routed).astype(jnp.bfloat16) + shared).astype(jnp.float32)))
+  assert rel_err(out, swiglu_matmul_reference(g, u, w, residual=residual, routed=routed)) <= TOL
+
+
 def test_swiglu_matmul_rejects_bad_partials():
   g = jnp.zeros((2, 3, 64), jnp.float32)
   w = jnp.zeros((32, 64), jnp.bfloat16)
@@ -295,6 +316,15 @@ def test_swiglu_matmul_rejects_bad_partials():
     swiglu_matmul(g, g, w[:, :48])
   with pytest.raises(ValueError, match="M must be 1..16"):
     swiglu_matmul(jnp.zeros((2, 17, 64)), jnp.zeros((2, 17, 64)), w)
+  residual, routed = jnp.zeros((3, 32)), jnp.zeros((4, 3, 32))
+  with pytest.raises(ValueError, match="residual and routed come together"):
+    swiglu_matmul(g, g, w, residual=residual)
+  with pytest.raises(ValueError, match=r"residual must be f32 \[3, 32\]"):
+    swiglu_matmul(g, g, w, residual=residual[:, :16], routed=routed)
+  with pytest.raises(ValueError, match=r"routed must be f32 \[S2, 3, 32\]"):
+    swiglu_matmul(g, g, w, residual=residual, routed=routed[:, :2])
+  with pytest.raises(ValueError, match="the whole K in one program, got split_k=2"):
+    swiglu_matmul(g, g, w, residual=residual, routed=routed, config=MatmulConfig(block_n=16, block_k=32, split_k=2))
 
 
 def test_linear_pallas_matches_xla():
@@ -372,6 +402,11 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   # x's and h's planes in one launch each: the same bits, so the same result
   fused = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True))
   np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(out, np.float32))
+  # the down launch's partials, kept: their sum rounded to bf16 is the result
+  partials = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups), keep_partials=True)
+  assert partials.dtype == jnp.float32 and partials.shape == (down[2] * groups, 5, 80)
+  np.testing.assert_array_equal(np.asarray(partials.sum(0).astype(jnp.bfloat16), np.float32),
+                                np.asarray(out, np.float32))
 
 
 def test_moe_experts_pairs_routing():

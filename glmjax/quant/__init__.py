@@ -197,7 +197,8 @@ def _check_pairs(impl: str, routing: str, *weights) -> None:
 
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
-                down_proj, *, impl: str = "xla", routing: str = "table", chosen: float | None = None) -> jax.Array:
+                down_proj, *, impl: str = "xla", routing: str = "table", chosen: float | None = None,
+                partials: bool = False) -> jax.Array:
   """Routed-expert MLP of a few tokens: x [T, D], topk_ids int32 [T, k], topk_weights fp32 [T, k];
   gate_proj / up_proj [E, I, D], down_proj [E, D, I] (plain, NVFP4 or FP8 stacked weights).
   Ids outside [0, E) (experts of other ranks) add nothing. Returns [T, D] in x.dtype.
@@ -210,7 +211,9 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   NVFP4 weights under impl="pallas_hfma2" only, else a clear error), "pairs_fused" that with the
   activations' fp16 planes built in one launch each (PairsConfig.fused_planes); `chosen`: the
   distinct local experts a step is expected to read, which picks the kernels' tiles
-  (default_moe_config; None: all of them).
+  (default_moe_config; None: all of them). partials: fp32 terms [S, T, D] whose sum rounded to
+  x.dtype is the result (the pairs' down partials, unsummed; else [1, T, D]), for a kernel that
+  sums them itself (bf16_matmul.swiglu_matmul's epilogue).
   """
   _check_impl(impl)
   if routing in PAIR_ROUTINGS:
@@ -219,10 +222,12 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
     if routing in PAIR_ROUTINGS:
       from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
       return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
-                       config=PairsConfig(fused_planes=routing == "pairs_fused"))
+                       config=PairsConfig(fused_planes=routing == "pairs_fused"), keep_partials=partials)
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
     config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
                                 chosen=chosen, operands=_operands(impl))
-    return moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, config=config)
-  from glmjax.moe import experts_reference
-  return experts_reference(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+    out = moe_grouped_matmul(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, config=config)
+  else:
+    from glmjax.moe import experts_reference
+    out = experts_reference(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+  return out.astype(jnp.float32)[None] if partials else out
