@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.checks import resolve_interpret
-from pallas_kernels.partials import check_partials
+from pallas_kernels.partials import check_partials, split_tile_sum
 from pallas_kernels.nvfp4_matmul import (NUM_SMS, MatmulConfig, check_skinny_input, check_tensor_core_config,
                                          dot_t, load_tile, local_block, range_mask, row_blocks, skinny_call,
                                          skinny_rows, split_k_loop, store_tile)
@@ -62,26 +62,28 @@ def default_bf16_config(n: int, k: int) -> MatmulConfig:
   return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
+def _bf16(v: jax.Array) -> jax.Array:
+  """fp32 v rounded to bf16, as fp32 (a bf16 op's result, as XLA rounds it)."""
+  return v.astype(jnp.bfloat16).astype(jnp.float32)
+
+
 def swiglu_tile(g_ref, u_ref, cols, rows_ok, cols_ok) -> jax.Array:
   """bf16 silu(gate) * up over a tile of columns, as the MLP computes it from its gate and up
   projections' split-K partials g_ref, u_ref f32 [S, rows, K]: each summed over the splits in
   order and rounded to bf16 (the projection's output), then JAX's bf16 silu, x / (1 + exp(-x))
   as x * (1 / (1 + exp(-x))) with each op's result rounded to bf16 (as XLA computes bf16 ops),
   and the product with up, rounded."""
-  bf16 = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)
-  gate, up = (bf16(sum(load_tile(ref.at[jnp.int32(s), :, cols], rows_ok, cols_ok) for s in range(ref.shape[0])))
-              for ref in (g_ref, u_ref))
-  sigmoid = bf16(1.0 / bf16(1.0 + bf16(jnp.exp(-gate))))
-  return (bf16(gate * sigmoid) * up).astype(jnp.bfloat16)
+  gate, up = (_bf16(split_tile_sum(ref, rows_ok, cols_ok, slice(None), cols)) for ref in (g_ref, u_ref))
+  sigmoid = _bf16(1.0 / _bf16(1.0 + _bf16(jnp.exp(-gate))))
+  return (_bf16(gate * sigmoid) * up).astype(jnp.bfloat16)
 
 
 def layer_sum(residual_ref, routed_ref, acc, rows_ok, n_ok) -> jax.Array:
   """An MoE layer's new residual from the shared expert's output tile acc (fp32, the whole K): as
   the model adds it up, residual + (bf16(sum of the routed experts' partials) + bf16(acc))
   rounded to bf16, the sum in fp32."""
-  bf16 = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)
-  routed = bf16(sum(load_tile(routed_ref.at[jnp.int32(s)], rows_ok, n_ok) for s in range(routed_ref.shape[0])))
-  return load_tile(residual_ref, rows_ok, n_ok) + bf16(routed + bf16(acc))
+  routed = _bf16(split_tile_sum(routed_ref, rows_ok, n_ok))
+  return load_tile(residual_ref, rows_ok, n_ok) + _bf16(routed + _bf16(acc))
 
 
 def _bf16_matmul_kernel(*refs, m: int, ns: tuple[int, ...], k: int, block_m: int, config: MatmulConfig,
@@ -219,7 +221,7 @@ def swiglu_matmul(g: jax.Array, u: jax.Array, w: jax.Array, *, residual: jax.Arr
     check_partials("swiglu_matmul", name, part, "K")
   if u.shape != g.shape:
     raise ValueError(f"swiglu_matmul: u must be shaped as g {list(g.shape)}, got {list(u.shape)}")
-  _check(jnp.zeros(g.shape[1:], jnp.bfloat16), w, jnp.bfloat16, "swiglu_matmul")  # shapes only: traced away
+  _check(jax.ShapeDtypeStruct(g.shape[1:], jnp.bfloat16), w, jnp.bfloat16, "swiglu_matmul")  # x's shape, as K
   if (residual is None) != (routed is None):
     raise ValueError("swiglu_matmul: residual and routed come together (the layer sum) or not at all")
   if residual is None:

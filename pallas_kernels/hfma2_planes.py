@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.nvfp4_hfma2 import PLANES, activation_planes
 from pallas_kernels.nvfp4_matmul import BLOCK, load_tile, row_scale
+from pallas_kernels.partials import split_tile_sum
 
 
 @functools.cache
@@ -76,7 +77,7 @@ def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, 
   ids = pltriton.load(ids_ref.at[pl.ds(0, ids_ref.shape[0])], mask=jnp.arange(ids_ref.shape[0]) < slots, other=-1)
   local = jnp.sum(((ids >= 0) & (ids < experts)).astype(jnp.int32))
   lines_ok = _real_lines(planes_ref, blocks)
-  g, u = (sum(load_tile(ref.at[jnp.int32(s)], lines_ok, None) for s in range(ref.shape[0])) for ref in (g_ref, u_ref))
+  g, u = (split_tile_sum(ref, lines_ok, None) for ref in (g_ref, u_ref))
   h = (jax.nn.silu(g) * u).astype(jnp.bfloat16).astype(jnp.float32)
   _store_planes(jnp.where(row < local, h, 0.0), lines_ok, planes_ref, amax_ref, row)
 

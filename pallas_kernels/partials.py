@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.nvfp4_matmul import load_tile
+
 
 def split_sum(ref, row, start, size: int, ok) -> jax.Array:
   """sum over the splits (ref's axis 0), in split order, of ref[s, row, start:start + size]; 0
@@ -16,6 +18,12 @@ def split_sum(ref, row, start, size: int, ok) -> jax.Array:
   for s in range(1, ref.shape[0]):
     total += load(s)
   return total
+
+
+def split_tile_sum(ref, rows_ok, cols_ok, *index) -> jax.Array:
+  """sum over the splits (ref's axis 0), in split order, of the 2-D tile ref[s, *index]
+  (load_tile's masks: 0 where not ok)."""
+  return sum(load_tile(ref.at[(jnp.int32(s), *index)], rows_ok, cols_ok) for s in range(ref.shape[0]))
 
 
 def rms_normed(x: jax.Array, weight_ref, ok: jax.Array, width: int, eps: float, dtype) -> jax.Array:
