@@ -160,11 +160,11 @@ class MLP(nn.Module):
     down = Weight((self.hidden_size, self.intermediate_size), ("embed", "mlp"), self.param_dtype, name="down_proj")()
     out_shape = (*x.shape[:-1], self.hidden_size)
     if swiglu == "pallas" and all(quant.takes_bf16_gemv(x, w, dense, self.dtype) for w in (*gate_up, down)):
-      from pallas_kernels.bf16_matmul import default_bf16_config, swiglu_matmul  # the kernels import the formats
+      from pallas_kernels.bf16_matmul import swiglu_config, swiglu_matmul  # the kernels import the formats
       g, u = quant.linear_group_partials(x, gate_up, **impls)
       if residual is None:
         return swiglu_matmul(g, u, down).reshape(out_shape)
-      if default_bf16_config(*down.shape).split_k == 1:
+      if swiglu_config(*down.shape, *g.shape[:2]).split_k == 1:
         return swiglu_matmul(g, u, down, residual=residual.reshape(-1, self.hidden_size),
                              routed=routed).reshape(out_shape)
       out = swiglu_matmul(g, u, down).reshape(out_shape)

@@ -29,10 +29,14 @@ swiglu_matmul is an MLP's down GEMV that builds its input itself, silu(gate) * u
 gate/up launch's split-K partials (`--swiglu=pallas`): XLA's kernel between the two GEMVs (the
 sums, silu, the product: 1.2-1.9 us a layer in the rank's profile, run 26) folds into the
 launch. For an MoE layer's shared expert (`--moe_sum=pallas`) the launch also ends the layer:
-residual + routed experts + shared expert, XLA's last kernel of the layer (`layer_sum`). Not
-yet timed on the H200.
+residual + routed experts + shared expert, XLA's last kernel of the layer (`layer_sum`).
+Measured slower (H200, BENCHMARKS.md run 27): every program of the down GEMV sums all the
+gate/up splits again (at a TEP=8 rank's shared expert 96 programs x [8, 5, 256] x 2 f32 from
+L2, against 3.1 MB of weights), 17.3 us with the layer sum against 4.7 for XLA's steps; the
+best of 20 tilings 11.1 without it. Both stay switches, off by default.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -47,6 +51,7 @@ from pallas_kernels.nvfp4_matmul import (NUM_SMS, MatmulConfig, check_skinny_inp
                                          skinny_rows, split_k_loop, store_tile)
 
 MAX_SPLIT = 8
+SHARED_MEMORY = 232448  # bytes a program may take on an H200 (its opt-in maximum, as Triton reports it)
 
 
 def default_bf16_config(n: int, k: int) -> MatmulConfig:
@@ -60,6 +65,24 @@ def default_bf16_config(n: int, k: int) -> MatmulConfig:
   while split < MAX_SPLIT and blocks * split < 4 * NUM_SMS and steps >= 4 * split:
     split *= 2
   return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def swiglu_stage_bytes(config: MatmulConfig, splits: int, m: int) -> int:
+  """Shared memory swiglu_matmul's K loop takes for m rows: Triton pipelines every load that feeds
+  the dot, here each split's gate and up tiles (f32 [skinny_rows(m), block_k]) and the weight
+  tile, through num_stages - 1 buffers in shared memory."""
+  step = 2 * splits * skinny_rows(m) * config.block_k * 4 + config.block_n * config.block_k * 2
+  return (config.num_stages - 1) * step
+
+
+def swiglu_config(n: int, k: int, splits: int, m: int) -> MatmulConfig:
+  """swiglu_matmul's default: default_bf16_config's grid (its K split, which decides whether
+  the layer sum fits), with block_k halved until the pipelined partial tiles fit in shared
+  memory (8 splits at 128-wide steps asked 288 KB of the H200's 227 KB, run 27)."""
+  config = default_bf16_config(n, k)
+  while config.block_k > 16 and swiglu_stage_bytes(config, splits, m) > SHARED_MEMORY:
+    config = dataclasses.replace(config, block_k=config.block_k // 2)
+  return config
 
 
 def _bf16(v: jax.Array) -> jax.Array:
@@ -81,9 +104,9 @@ def swiglu_tile(g_ref, u_ref, cols, rows_ok, cols_ok) -> jax.Array:
 def layer_sum(residual_ref, routed_ref, acc, rows_ok, n_ok) -> jax.Array:
   """An MoE layer's new residual from the shared expert's output tile acc (fp32, the whole K): as
   the model adds it up, residual + (bf16(sum of the routed experts' partials) + bf16(acc))
-  rounded to bf16, the sum in fp32."""
+  rounded to bf16, the sum in fp32 (rounded to the residual's dtype when stored)."""
   routed = _bf16(split_tile_sum(routed_ref, rows_ok, n_ok))
-  return load_tile(residual_ref, rows_ok, n_ok) + _bf16(routed + _bf16(acc))
+  return load_tile(residual_ref, rows_ok, n_ok).astype(jnp.float32) + _bf16(routed + _bf16(acc))
 
 
 def _bf16_matmul_kernel(*refs, m: int, ns: tuple[int, ...], k: int, block_m: int, config: MatmulConfig,
@@ -134,15 +157,19 @@ def _launch(xs: tuple[jax.Array, ...], ws: tuple[jax.Array, ...], out_dtype, con
   """The one launch of bf16_matmul (one weight), bf16_matmul_group (several), bf16_matmul_partials
   and swiglu_matmul. xs: (x,), or swiglu_matmul's (g, u) partials; epilogue: its (residual,
   routed partials), which need the whole K in one program."""
-  (m, k), ns = xs[0].shape[-2:], tuple(w.shape[0] for w in ws)
-  config = default_bf16_config(sum(ns), k) if config is None else config
+  (m, k), ns, swiglu = xs[0].shape[-2:], tuple(w.shape[0] for w in ws), len(xs) == 2
+  if config is None:
+    config = swiglu_config(sum(ns), k, xs[0].shape[0], m) if swiglu else default_bf16_config(sum(ns), k)
   check_tensor_core_config(config, "bf16_matmul")
+  if swiglu and (smem := swiglu_stage_bytes(config, xs[0].shape[0], m)) > SHARED_MEMORY:
+    raise ValueError(f"swiglu_matmul: {config} pipelines {smem} bytes of shared memory, over the "
+                     f"{SHARED_MEMORY} a program has: lower block_k or num_stages")
   interpret = resolve_interpret(interpret)
   block_m, kp = skinny_rows(m), pl.cdiv(k, config.block_k) * config.block_k  # overhangs are masked
   if epilogue and config.split_k != 1:
     raise ValueError(f"swiglu_matmul: the layer sum needs the whole K in one program, got split_k={config.split_k}")
   kernel = functools.partial(_bf16_matmul_kernel, m=m, ns=ns, k=k, block_m=block_m, config=config,
-                             swiglu=len(xs) == 2, epilogue=bool(epilogue))
+                             swiglu=swiglu, epilogue=bool(epilogue))
   w_spec = lambda first, count: pl.BlockSpec((config.block_n, kp), lambda j, s: (local_block(j, first, count), 0))
   x_spec = lambda x: pl.BlockSpec((*x.shape[:-2], block_m, kp), lambda j, s: (0,) * x.ndim)
   tile_spec = lambda a: pl.BlockSpec((*a.shape[:-2], block_m, config.block_n), lambda j, s: (0,) * (a.ndim - 1) + (j,))
@@ -150,7 +177,7 @@ def _launch(xs: tuple[jax.Array, ...], ws: tuple[jax.Array, ...], out_dtype, con
            *(w_spec(first, count) for first, count in row_blocks(ns, config.block_n))]
   return skinny_call(kernel, [*xs, *epilogue, *ws], specs, m=m, n=ns if len(ws) > 1 else ns[0],
                      dtype=jnp.dtype(out_dtype), config=config, interpret=interpret,
-                     name="swiglu_matmul" if len(xs) == 2 else "bf16_matmul", keep_splits=keep_splits)
+                     name="swiglu_matmul" if swiglu else "bf16_matmul", keep_splits=keep_splits)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -206,16 +233,17 @@ def swiglu_matmul(g: jax.Array, u: jax.Array, w: jax.Array, *, residual: jax.Arr
   GEMV (glmjax.layers.MLP under `Runtime.swiglu`).
 
   With residual and routed (the shared expert of an MoE layer, `Runtime.moe_sum`), the launch
-  also adds the layer up (`layer_sum`) and returns the new residual stream, f32 [M, N], where
-  XLA's kernel of its own would (the routed partials' sum, the two additions).
+  also adds the layer up (`layer_sum`) and returns the new residual stream [M, N] in its dtype,
+  where XLA's kernel of its own would (the routed partials' sum, the two additions).
 
   Args:
     g, u: f32 [S, M, K] (bf16_matmul_partials of the gate and up weights), 1 <= M <= 16.
     w: bf16 [N, K], the down projection.
-    residual: f32 [M, N], the layer's residual stream; routed: f32 [S2, M, N], the routed
+    residual: f32 or bf16 [M, N], the layer's residual stream; routed: f32 [S2, M, N], the routed
       experts' partials (quant.moe_experts(partials=True)). Both or neither; they need the whole
       K in one program (config.split_k 1, the default for K <= 256 or so).
-    config, interpret: as bf16_matmul's (default tiles: `default_bf16_config(N, K)`).
+    config, interpret: as bf16_matmul's (default tiles: `swiglu_config`; a config whose pipelined
+      tiles overflow shared memory is a ValueError).
   """
   for name, part in (("g", g), ("u", u)):
     check_partials("swiglu_matmul", name, part, "K")
@@ -227,13 +255,13 @@ def swiglu_matmul(g: jax.Array, u: jax.Array, w: jax.Array, *, residual: jax.Arr
   if residual is None:
     return _launch((g, u), (w,), jnp.bfloat16, config, interpret)
   rows_out = (g.shape[1], w.shape[0])
-  if residual.shape != rows_out or residual.dtype != jnp.float32:
-    raise ValueError(f"swiglu_matmul: residual must be f32 {list(rows_out)}, got "
+  if residual.shape != rows_out or residual.dtype not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f"swiglu_matmul: residual must be f32 or bf16 {list(rows_out)}, got "
                      f"{residual.dtype}{list(residual.shape)}")
   check_partials("swiglu_matmul", "routed", routed, "N")
   if routed.shape[1:] != rows_out:
     raise ValueError(f"swiglu_matmul: routed must be f32 [S2, {rows_out[0]}, {rows_out[1]}], got {list(routed.shape)}")
-  return _launch((g, u), (w,), jnp.float32, config, interpret, epilogue=(residual, routed))
+  return _launch((g, u), (w,), residual.dtype, config, interpret, epilogue=(residual, routed))
 
 
 def swiglu_matmul_reference(g: jax.Array, u: jax.Array, w: jax.Array, *, residual: jax.Array | None = None,
@@ -245,7 +273,7 @@ def swiglu_matmul_reference(g: jax.Array, u: jax.Array, w: jax.Array, *, residua
   shared = bf16_matmul_reference(jax.nn.silu(gate) * up, w)
   if residual is None:
     return shared
-  return residual + (routed.sum(0).astype(jnp.bfloat16) + shared).astype(jnp.float32)
+  return residual + (routed.sum(0).astype(jnp.bfloat16) + shared).astype(residual.dtype)
 
 
 def bf16_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=jnp.bfloat16) -> jax.Array:

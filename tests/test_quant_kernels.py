@@ -271,7 +271,7 @@ def test_swiglu_matmul_equals_the_mlps_two_steps(splits, m, k, n):
   """The down GEMV from the gate/up partials (K not a power of two, ragged row blocks, K split
   2 ways at 1536): bit for bit the MLP's XLA path, silu(gate) * up from the split sums in
   order, then bf16_matmul at the same tiles; and the fp32 reference within bf16 rounding."""
-  from pallas_kernels.bf16_matmul import default_bf16_config
+  from pallas_kernels.bf16_matmul import swiglu_config
   rng = np.random.default_rng(k)
   g, u = (jnp.asarray(rng.standard_normal((splits, m, k)) * scale, jnp.float32) for scale in (2.0, 1.0))
   w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)
@@ -280,29 +280,49 @@ def test_swiglu_matmul_equals_the_mlps_two_steps(splits, m, k, n):
   out = swiglu_matmul(g, u, w)
   assert out.shape == (m, n) and out.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                np.asarray(bf16_matmul(h, w, config=default_bf16_config(n, k)), np.float32))
+                                np.asarray(bf16_matmul(h, w, config=swiglu_config(n, k, splits, m)), np.float32))
   assert rel_err(out, swiglu_matmul_reference(g, u, w)) <= TOL
 
 
-@pytest.mark.parametrize("splits,m,k,n,routed_splits", [(8, 5, 256, 300, 4), (1, 1, 96, 64, 1), (3, 16, 200, 130, 2)])
-def test_swiglu_matmul_sums_the_moe_layer(splits, m, k, n, routed_splits):
+@pytest.mark.parametrize("splits,m,k,n,routed_splits,dtype", [(8, 5, 256, 300, 4, jnp.float32),
+                                                              (1, 1, 96, 64, 1, jnp.float32),
+                                                              (3, 16, 200, 130, 2, jnp.bfloat16)])
+def test_swiglu_matmul_sums_the_moe_layer(splits, m, k, n, routed_splits, dtype):
   """With the residual and the routed experts' partials, the launch returns the MoE layer's new
   residual: bit for bit the model's XLA sum (routed partials summed in order and rounded to
-  bf16, plus the shared expert's bf16 output, rounded, added to the fp32 residual)."""
-  from pallas_kernels.bf16_matmul import default_bf16_config
+  bf16, plus the shared expert's bf16 output, rounded, added to the residual in its dtype, fp32
+  or bf16: a layer whose residual stream is still the bf16 embedding, as in a TEP rank's run)."""
+  from pallas_kernels.bf16_matmul import swiglu_config
   rng = np.random.default_rng(n)
   g, u = (jnp.asarray(rng.standard_normal((splits, m, k)) * scale, jnp.float32) for scale in (2.0, 1.0))
   w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)
-  residual = jnp.asarray(rng.standard_normal((m, n)) * 3, jnp.float32)
+  residual = jnp.asarray(rng.standard_normal((m, n)) * 3, dtype)
   routed = jnp.asarray(rng.standard_normal((routed_splits, m, n)), jnp.float32)
   in_order = lambda p: functools.reduce(jnp.add, list(p))
   shared = bf16_matmul(jax.nn.silu(in_order(g).astype(jnp.bfloat16)) * in_order(u).astype(jnp.bfloat16), w,
-                       config=default_bf16_config(n, k))
+                       config=swiglu_config(n, k, splits, m))
   out = swiglu_matmul(g, u, w, residual=residual, routed=routed)
-  assert out.dtype == jnp.float32 and out.shape == (m, n)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(
-      residual + (in_order(routed).astype(jnp.bfloat16) + shared).astype(jnp.float32)))
+  assert out.dtype == dtype and out.shape == (m, n)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(
+      residual + (in_order(routed).astype(jnp.bfloat16) + shared).astype(dtype), np.float32))
   assert rel_err(out, swiglu_matmul_reference(g, u, w, residual=residual, routed=routed)) <= TOL
+
+
+def test_swiglu_tiles_fit_in_shared_memory():
+  """Triton stages every split's gate/up tile in shared memory: at a TEP=8 rank's shared expert
+  (8 splits, 5 rows, K 256) 128-wide steps would take 288 KB of the H200's 227 KB (the GPU's
+  RESOURCE_EXHAUSTED, run 27); the default halves block_k, keeps the grid (one program a row
+  block, as the layer sum needs), and a config that does not fit is a clear error."""
+  from pallas_kernels.bf16_matmul import (SHARED_MEMORY, default_bf16_config, swiglu_config,
+                                          swiglu_stage_bytes)
+  wide = default_bf16_config(6144, 256)
+  assert swiglu_stage_bytes(wide, 8, 5) == 294912 > SHARED_MEMORY
+  fitted = swiglu_config(6144, 256, 8, 5)
+  assert (fitted.block_k, fitted.split_k) == (64, 1) and swiglu_stage_bytes(fitted, 8, 5) <= SHARED_MEMORY
+  assert swiglu_config(6144, 256, 1, 1) == wide  # one split fits as it is
+  g = jnp.zeros((8, 5, 256), jnp.float32)
+  with pytest.raises(ValueError, match="294912 bytes of shared memory, over the 232448"):
+    swiglu_matmul(g, g, jnp.zeros((64, 256), jnp.bfloat16), config=wide)
 
 
 def test_swiglu_matmul_rejects_bad_partials():
@@ -319,7 +339,7 @@ def test_swiglu_matmul_rejects_bad_partials():
   residual, routed = jnp.zeros((3, 32)), jnp.zeros((4, 3, 32))
   with pytest.raises(ValueError, match="residual and routed come together"):
     swiglu_matmul(g, g, w, residual=residual)
-  with pytest.raises(ValueError, match=r"residual must be f32 \[3, 32\]"):
+  with pytest.raises(ValueError, match=r"residual must be f32 or bf16 \[3, 32\]"):
     swiglu_matmul(g, g, w, residual=residual[:, :16], routed=routed)
   with pytest.raises(ValueError, match=r"routed must be f32 \[S2, 3, 32\]"):
     swiglu_matmul(g, g, w, residual=residual, routed=routed[:, :2])
