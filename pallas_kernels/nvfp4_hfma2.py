@@ -26,9 +26,10 @@ its planes as contiguous rows and broadcasts them down its weight rows. The weig
 packed bytes as they are (a u32 view of NVFP4Weight.packed), a block's two words one contiguous
 load split in registers (two stride-2 loads took twice as long).
 
-Measured (H200, [1, 8192] x [8192, 28672], own kernel time, BENCHMARKS.md run 19): 51.5-51.8
-us at its default tiles (K split 4) against 72 for the tensor-core kernel and 107 for XLA's bf16
-GEMV, 2.55 TB/s on the bytes read: 2.07x bf16, short of the 2.8x asked. It is latency-bound,
+Measured (H200, [1, 8192] x [8192, 28672], own kernel time): 47.1 us at its default tiles (16
+x 512, 8 splits, 8 warps; BENCHMARKS.md run 27) against 72 for the tensor-core kernel and 110.5
+for XLA's bf16 GEMV, 2.81 TB/s on the bytes read: 2.35x bf16, short of the 2.8x asked (run 19's
+tiles, 32 x 512 at 4 splits and 4 warps: 51.5-53.7 us). It is latency-bound,
 not instruction-bound: the prmt decode cut instructions by 15% (23.8M -> 20.2M) at the same
 time; DRAM runs at 52-56% of peak, warps wait on their loads 55% of the time, and Triton
 pipelines only loads that feed a dot. Making it pipeline these (num_stages > 1, loop_stages.py)

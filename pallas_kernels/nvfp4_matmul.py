@@ -122,21 +122,22 @@ def default_config(m: int, n: int, k: int, *, max_block_k: int = 256, decode: st
   107.8 us for 64 x 256, BENCHMARKS.md run 10). More rows: 128 x 128, so the x tile (re-read
   from L2 by every program) stays small next to the weight tile. Then split K until there are
   >= 2 programs per SM (or K runs out). dot="hfma2" (it implies decode="ptx" and fp16 operands):
-  32 x 512, the best of a sweep at [1, 8192] x [8192, 28672], K split until >= 16 programs per
-  SM while each keeps >= 2 steps (that GEMV 51.5-51.8 us at 4 splits against 55.3 unsplit; an
-  expert's gate/up 6.8 at 8 against 7.6 at 4, its down 6.4 at 4 against 7.0 at 2; run 19)."""
-  if m <= 4 or dot == "hfma2":
-    block_n, block_k = (32, 512) if decode == "ptx" or dot == "hfma2" else (64, max_block_k)
+  16 x 512 tiles, 8 warps, K split until each program keeps 2 steps, the best of 45 configs at
+  [1, 8192] x [8192, 28672] (BENCHMARKS.md run 27: 47.3-47.5 us at 8 splits in three calls,
+  against 53.7 for run 19's 32 x 512, 4 warps, split to 16 programs per SM; an expert's gate/up
+  [6144] -> 2048 7.1-7.5 against 7.7-7.9, its down [2048] -> 6144 6.8-7.0 against 7.4-7.6)."""
+  hfma2 = dot == "hfma2"
+  if m <= 4 or hfma2:
+    block_n, block_k = (16, 512) if hfma2 else (32, 512) if decode == "ptx" else (64, max_block_k)
   else:
     block_n, block_k = 128, min(128, max_block_k)
   block_n = min(block_n, max(16, pl.next_power_of_2(n)))
   block_k = min(block_k, max(16, pl.next_power_of_2(k)))
   blocks, steps = pl.cdiv(n, block_n), pl.cdiv(k, block_k)
-  programs, min_steps = (16, 2) if dot == "hfma2" else (2, 4)  # per SM; per split
-  split = 1
-  while blocks * split < programs * NUM_SMS and steps >= min_steps * split:
+  split = 1  # each split keeps >= 2 steps; the tensor cores' also stop at 2 programs per SM
+  while steps >= 4 * split and (hfma2 or blocks * split < 2 * NUM_SMS):
     split *= 2
-  fields = HFMA2_FIELDS if dot == "hfma2" else dict(decode=decode, operands=operands, dot=dot)
+  fields = dict(HFMA2_FIELDS, num_warps=8) if hfma2 else dict(decode=decode, operands=operands, dot=dot)
   return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split, **fields)
 
 
