@@ -12,7 +12,8 @@ first N decoder layers (0: all), for machines the whole model does not fit (GLM-
 experts is ~420 GB: 8 H200s; fewer GPUs take fewer layers, and the JSON says how many).
 A profile of one call of the longer loop gives the device time spent in collectives per step,
 compared with glmjax.parallel.comm_model's prediction for the same step; tokens/s is at the
-stated `--accept_length`.
+stated `--accept_length`. A collective's kernel in that profile also waits for the slower GPU;
+experiments.collective_bench times each collective alone.
 """
 
 import json
