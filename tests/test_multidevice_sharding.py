@@ -321,21 +321,20 @@ def test_tep_project_writes_the_table(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tep", [2, 8])
-def test_collective_bench_times_the_steps_collectives(tep):
-  """experiments.collective_bench: a row per collective comm_model lists for a step (its kind,
-  bytes and count), each timed from a program that really chains that many collectives (XLA
-  keeps them all: counted in the compiled program), positive times, and a summary whose matching
-  latency reproduces the measured step."""
-  from experiments import collective_bench
+def test_comm_bench_times_the_steps_collectives(tep):
+  """glmjax.parallel.comm_bench: a row per collective comm_model lists for a step (its kind, bytes
+  and count), each timed from a program that really chains that many collectives (XLA keeps them
+  all: counted in the compiled program), positive times, and a summary whose matching latency
+  reproduces the measured step."""
+  from glmjax.parallel import comm_bench
 
   config, mesh = get_model_config("tiny"), parallel.make_mesh(tep)
-  for kind, op in (("all-reduce", "all-reduce"), ("all-gather", "all-gather")):
-    fn, x = collective_bench._chained(kind, 5 * tep * 4 if kind == "all-gather" else 5 * 2 * config.hidden_size,
-                                      config.hidden_size, mesh, 3)
+  for kind in ("all-reduce", "all-gather"):
+    nbytes = 5 * tep * 4 if kind == "all-gather" else 5 * 2 * config.hidden_size
+    fn, x = comm_bench.chained(kind, nbytes, config.hidden_size, mesh, 3)
     assert x.shape == ((5 * tep, 1) if kind == "all-gather" else (5 * tep, config.hidden_size))
-    assert len(re.findall(rf"= \S+ {op}(-start)?\(", jax.jit(fn).lower(x).compile().as_text())) == 3
-  result = collective_bench.bench_collectives(config, mesh, draft_steps=2, chain=4, latency_us=5.0, iters=3,
-                                              repeats=3)
+    assert len(re.findall(rf"= \S+ {kind}(-start)?\(", jax.jit(fn).lower(x).compile().as_text())) == 3
+  result = comm_bench.bench_collectives(config, mesh, draft_steps=2, chain=4, latency_us=5.0, iters=3, repeats=3)
   want = comm_model.step_collectives(config, tep=tep, draft_steps=2)
   assert [(r["kind"], r["nbytes"], r["count"]) for r in result["rows"]] == [(c.kind, c.nbytes, c.count) for c in want]
   assert all(r["measured_us"] > 0 for r in result["rows"])
@@ -344,7 +343,20 @@ def test_collective_bench_times_the_steps_collectives(tep):
   link = comm_model.Link(latency=s["matching_latency_us"] * 1e-6)
   assert sum(c.count * c.seconds(tep, link) for c in want) * 1e3 == pytest.approx(s["step_measured_ms"])
   with pytest.raises(ValueError, match="chain must be >= 2"):
-    collective_bench.bench_collectives(config, mesh, draft_steps=2, chain=1, latency_us=5.0)
+    comm_bench.bench_collectives(config, mesh, draft_steps=2, chain=1, latency_us=5.0)
+
+
+def test_collective_bench_entry_point(tmp_path):
+  """python -m experiments.collective_bench (its own process: it simulates the devices it asks
+  for) writes the rows and the summary."""
+  import subprocess
+  import sys
+
+  out = tmp_path / "collectives.json"
+  subprocess.run([sys.executable, "-m", "experiments.collective_bench", "--config=tiny", "--cpu_devices=2", "--quick",
+                  "--chain=2", f"--output={out}"], check=True, capture_output=True)
+  report = json.loads(out.read_text())
+  assert report["summary"]["tep"] == 2 and len(report["rows"]) == 6
 
 
 @pytest.mark.multidevice
