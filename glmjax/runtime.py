@@ -74,7 +74,8 @@ class Runtime:
   moe_sum: with swiglu="pallas", an MoE layer's end, residual + routed + shared experts: XLA's
   kernel (with the routed experts' split sums), or "pallas": in the shared expert's down GEMV
   launch, at decode on one device or one rank's program, where that GEMV reads its whole K in one
-  program (swiglu_matmul's layer sum; the same roundings).
+  program (swiglu_matmul's layer sum; the roundings as written, op by op: on a bf16 residual
+  stream XLA's default excess precision may skip one of them, so tokens can differ there).
   indexer_keys: the indexer's new key (k_norm, RoPE) and head weights (the H^-0.5 scale) from
   their grouped GEMV: XLA's kernels or one Pallas launch from its partials at decode
   (pallas_kernels/indexer_keys.py; equal to fp32 rounding).

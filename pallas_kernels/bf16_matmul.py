@@ -104,7 +104,9 @@ def swiglu_tile(g_ref, u_ref, cols, rows_ok, cols_ok) -> jax.Array:
 def layer_sum(residual_ref, routed_ref, acc, rows_ok, n_ok) -> jax.Array:
   """An MoE layer's new residual from the shared expert's output tile acc (fp32, the whole K): as
   the model adds it up, residual + (bf16(sum of the routed experts' partials) + bf16(acc))
-  rounded to bf16, the sum in fp32 (rounded to the residual's dtype when stored)."""
+  rounded to bf16, the sum in fp32 (rounded to the residual's dtype when stored). That is the
+  model's sum op by op; XLA, allowed excess precision (its default), may fuse a bf16 stream's
+  two additions without the intermediate rounding (a tiny model's tokens then differ, run 27)."""
   routed = _bf16(split_tile_sum(routed_ref, rows_ok, n_ok))
   return load_tile(residual_ref, rows_ok, n_ok).astype(jnp.float32) + _bf16(routed + _bf16(acc))
 
