@@ -291,11 +291,13 @@ def test_comm_model_projection(draft_steps, accept_length, latency_us):
   link = comm_model.Link(latency=latency_us * 1e-6)
   got = comm_model.project(config, rank_step_s=0.02, tep=8, link=link, accept_length=accept_length,
                            draft_steps=draft_steps)
-  passes = (draft_steps + 1, 78), *[(1, 1)] * draft_steps  # (tokens, layers) of each pass
-  assert got["collectives"] == sum(2 * layers + 3 for _, layers in passes)
   ring = lambda nbytes, share: latency_us * 1e-6 + share * nbytes / 450e9
-  comm = sum((2 * layers + 1) * ring(tokens * 6144 * 2, 2 * 7 / 8) + 2 * ring(tokens * 8 * 4, 7 / 8)
-             for tokens, layers in passes)
+  layer = lambda tokens, layers: (2 * layers + 1) * ring(tokens * 6144 * 2, 2 * 7 / 8)
+  # verify: 78 layers, the embedding, greedy sampling's 2 gathers; each draft: 1 layer, the
+  # embedding, the draft's candidates gathered, its index and confidence (4 scalar all-reduces)
+  assert got["collectives"] == 2 * 78 + 3 + draft_steps * (2 + 1 + 5)
+  comm = (layer(draft_steps + 1, 78) + 2 * ring((draft_steps + 1) * 8 * 4, 7 / 8)
+          + draft_steps * (layer(1, 1) + ring(8 * 4, 7 / 8) + 4 * ring(4, 2 * 7 / 8)))
   assert got["comm_ms"] == pytest.approx(comm * 1e3)
   assert got["tokens_per_s"] == pytest.approx(accept_length / (0.02 + comm))
   with pytest.raises(ValueError, match="accept_length"):
@@ -321,6 +323,54 @@ def test_tep_project_writes_the_table(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tep", [2, 8])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_vocab_sharded_top_k_equals_lax_top_k(tep, k):
+  """sampling.top_k over logits split along the vocab: lax.top_k's values and indices, ties
+  included (rows of few distinct values, a row with -inf), while its compiled program moves only
+  the per-device candidates: no collective result larger than [rows, tep * k]."""
+  from glmjax.engine import sampling
+
+  mesh, rng = parallel.make_mesh(tep), np.random.default_rng(10 * tep + k)
+  scores = rng.integers(-2, 3, (3, 8 * 40)).astype(np.float32)
+  scores[1] = rng.standard_normal(8 * 40)
+  scores[2, ::3] = -np.inf
+  sharded = jax.device_put(scores, NamedSharding(mesh, P(None, "tep")))
+  fn = jax.jit(lambda x: sampling.top_k(x, k, mesh))
+  got, want = fn(sharded), jax.lax.top_k(jnp.asarray(scores), k)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  moved = re.findall(r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|collective-permute)",
+                     fn.lower(sharded).compile().as_text())
+  assert moved and all(math.prod(int(d) for d in dims.split(",") if d) <= 3 * tep * k for dims in moved)
+
+
+def test_speculative_program_gathers_no_vocab_row(model):
+  """The TEP=2 speculative decode program: drafting takes its tokens from the vocab-split logits
+  without gathering a [rows, V] row (it did, per draft token: GLM-5's 620 KB, run 27's two-GPU
+  profile); what stays is scalar: each draft's confidence (softmax's max and sum, then the max
+  of the probabilities), three all-reduces for the first draft and three in the draft loop."""
+  from experiments import step_timing
+  from glmjax.engine import steps
+  from glmjax.runtime import make_runtime
+
+  config, _ = model
+  mesh = parallel.make_mesh(2)
+  with parallel.use_mesh(mesh):
+    params = jax.jit(lambda key: init_params(config, key), out_shardings=parallel.param_shardings(
+        abstract_params(config), mesh)).eval_shape(jax.random.key(0))
+    spec = steps.StepSpec(config, make_runtime(config, attention="sparse", matmul="xla"), "bfloat16")
+    cache = step_timing._random_cache(config, 64, 16, "bf16", jax.random.key(1))
+    program, mtp = step_timing._decode_program(config, spec, 2, cache.page_table.shape[1] + 1, "bf16",
+                                               jax.random.key(2))
+    cache, mtp = parallel.shard_cache(cache, mesh), jax.device_put(mtp, NamedSharding(mesh, P()))
+    text = jax.jit(program(3)).lower(params, cache, mtp).compile().as_text()
+  moved = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce)", text)
+  assert moved and not [dims for dims, _ in moved if str(config.vocab_size) in dims.split(",")]
+  scalars = [kind for dims, kind in moved if dims == "1" and kind == "all-reduce"]
+  assert len(scalars) == 6
+
+
+@pytest.mark.parametrize("tep", [2, 8])
 def test_comm_bench_times_the_steps_collectives(tep):
   """glmjax.parallel.comm_bench: a row per collective comm_model lists for a step (its kind, bytes
   and count), each timed from a program that really chains that many collectives (XLA keeps them
@@ -331,8 +381,8 @@ def test_comm_bench_times_the_steps_collectives(tep):
   config, mesh = get_model_config("tiny"), parallel.make_mesh(tep)
   for kind in ("all-reduce", "all-gather"):
     nbytes = 5 * tep * 4 if kind == "all-gather" else 5 * 2 * config.hidden_size
-    fn, x = comm_bench.chained(kind, nbytes, config.hidden_size, mesh, 3)
-    assert x.shape == ((5 * tep, 1) if kind == "all-gather" else (5 * tep, config.hidden_size))
+    fn, x = comm_bench.chained(kind, nbytes, mesh, 3)
+    assert x.shape == ((5 * tep, 1) if kind == "all-gather" else (tep, 5 * config.hidden_size))
     assert len(re.findall(rf"= \S+ {kind}(-start)?\(", jax.jit(fn).lower(x).compile().as_text())) == 3
   result = comm_bench.bench_collectives(config, mesh, draft_steps=2, chain=4, latency_us=5.0, iters=3, repeats=3)
   want = comm_model.step_collectives(config, tep=tep, draft_steps=2)
@@ -356,7 +406,7 @@ def test_collective_bench_entry_point(tmp_path):
   subprocess.run([sys.executable, "-m", "experiments.collective_bench", "--config=tiny", "--cpu_devices=2", "--quick",
                   "--chain=2", f"--output={out}"], check=True, capture_output=True)
   report = json.loads(out.read_text())
-  assert report["summary"]["tep"] == 2 and len(report["rows"]) == 6
+  assert report["summary"]["tep"] == 2 and len(report["rows"]) == 7
 
 
 @pytest.mark.multidevice

@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,3 +40,25 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
   if sampling.temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.random.categorical(key, processed_logits(logits, sampling), axis=-1).astype(jnp.int32)
+
+
+def top_k(scores: jax.Array, k: int, mesh=None) -> tuple[jax.Array, jax.Array]:
+  """lax.top_k of scores [R, V], the vocab split over `mesh`'s "tep" axis (a TEP mesh's lm_head;
+  None: one device). GSPMD cannot split a top_k along its axis: over sharded logits a plain
+  lax.top_k gathers the whole [R, V] row to every device (GLM-5's vocab: 620 KB per draft
+  token). Here each device takes the top k of its own slice (shard_map), and only those
+  [R, tep * k] candidates are gathered for the final top k. Equal to lax.top_k, ties included:
+  both stages keep the lower index first, and the candidates lie in index order."""
+  from glmjax.parallel.mesh import TEP  # the parallel package imports the model
+  r, v = scores.shape
+  shards = 1 if mesh is None else mesh.shape[TEP]
+  if shards == 1 or v % shards or v // shards < k:
+    return jax.lax.top_k(scores, k)
+
+  def local(slice_):
+    values, index = jax.lax.top_k(slice_, k)
+    return values[:, None], (index + jax.lax.axis_index(TEP) * (v // shards))[:, None]
+
+  values, index = jax.shard_map(local, mesh=mesh, in_specs=P(None, TEP), out_specs=P(None, TEP))(scores)
+  values, pick = jax.lax.top_k(values.reshape(r, shards * k), k)
+  return values, jnp.take_along_axis(index.reshape(r, shards * k), pick, axis=1)

@@ -50,9 +50,10 @@ import jax.numpy as jnp
 from glmjax.cache.paged import KVCache, LayerCache, init_cache
 from glmjax.cache.prefix_cache import NULL_PAGE
 from glmjax.config import ModelConfig
-from glmjax.engine.sampling import Sampling, processed_logits, sample
+from glmjax.engine.sampling import Sampling, processed_logits, sample, top_k
 from glmjax.engine.steps import LoopCall, LoopProgram, StepSpec
 from glmjax.model import CausalLM
+from glmjax.parallel.mesh import active_mesh
 
 MAX_DRAFT = 7  # k + 1 <= 8 verified tokens: the sparse attention path's query limit
 
@@ -464,7 +465,7 @@ def _draft(spec: StepSpec, params, view: KVCache, mtp: LayerCache, q_logits, h_p
     if sampled:
       tok = sample(logits, key, sampling)
     else:
-      top = jax.lax.top_k(scores, draft.branch)[1]
+      top = top_k(scores, draft.branch, active_mesh())[1]
       tok = jnp.take_along_axis(top, digits[:, j][:, None], axis=1)[:, 0].astype(jnp.int32)
     return tok, jnp.max(jax.nn.softmax(scores, axis=-1), axis=-1)
 

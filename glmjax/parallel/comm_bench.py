@@ -20,15 +20,16 @@ from glmjax.parallel import comm_model
 from glmjax.parallel.mesh import TEP
 
 
-def chained(kind: str, nbytes: int, hidden: int, mesh, length: int):
+def chained(kind: str, nbytes: int, mesh, length: int):
   """(fn, x): `length` collectives of `kind` whose result is `nbytes`, each on the previous one's
   result, inside one shard_map over the mesh's "tep" axis; x, the devices' blocks stacked on axis
-  0. All-reduce: bf16 [tokens, hidden] summed over the devices (and scaled back, so the chain's
-  values stay finite). All-gather: f32 [tokens, 1] each, gathered to [tokens, tep] (the
-  sampling's per-device best logits), of which the next takes the maximum."""
+  0. All-reduce: bf16 [1, nbytes / 2] a device, summed over the devices (and scaled back, so the
+  chain's values stay finite; the time follows the bytes, not the dtype). All-gather: f32
+  [tokens, 1] a device, gathered to [tokens, tep] (the draft's and the sampling's best logit a
+  device), of which the next takes the maximum."""
   tep = mesh.shape[TEP]
   if kind == "all-reduce":
-    x = jnp.ones((tep * (nbytes // (2 * hidden)), hidden), jnp.bfloat16)
+    x = jnp.ones((tep, max(1, nbytes // 2)), jnp.bfloat16)
     step = lambda v: lax.psum(v, TEP) * (1.0 / tep)
   elif kind == "all-gather":
     x = jnp.ones((nbytes // 4, 1), jnp.float32)  # tep blocks of the result's tokens
@@ -59,7 +60,7 @@ def bench_collectives(config: ModelConfig, mesh, *, draft_steps: int, chain: int
     if key not in measured:
       times = []
       for length in (1, chain):
-        fn, x = chained(c.kind, c.nbytes, config.hidden_size, mesh, length)
+        fn, x = chained(c.kind, c.nbytes, mesh, length)
         times.append(time_device(fn, x, iters=iters, repeats=repeats))
       measured[key] = (times[1] - times[0]) / (chain - 1)
     seconds = measured[key]

@@ -10,6 +10,11 @@ compiled decode HLO by tests/test_multidevice_sharding.py):
   and its index, int32).
 A speculative step = one verification pass of the main model over draft_steps + 1 tokens per
 sequence, plus draft_steps MTP passes of 1 token per sequence (the MTP layer is one decoder layer).
+An MTP pass chooses its draft instead of sampling greedily (speculative._draft): 1 all-gather of
+[tokens, N] fp32 (each device's best logit, glmjax.engine.sampling.top_k), 1 all-reduce of the
+chosen index, int32 [tokens], and 3 all-reduces of [tokens] fp32 for the draft's confidence
+(softmax's max and sum, then the largest probability; in the GLM-5 TEP=2 program compiled on
+the CPU, XLA merged two of them).
 
 Link, NVLink 4 on the H200: 900 GB/s per GPU, both directions together (NVIDIA H200 datasheet,
 "NVLink: 900GB/s"), so 450 GB/s each way. A ring all-reduce sends and receives 2 (N-1)/N of the
@@ -53,13 +58,17 @@ class Collective:
 
 
 def pass_collectives(config: ModelConfig, *, tokens: int, layers: int, tep: int, act_bytes: int,
-                     label: str) -> list[Collective]:
-  """The collectives of one model pass over `tokens` tokens through `layers` decoder layers."""
+                     label: str, draft: bool = False) -> list[Collective]:
+  """The collectives of one model pass over `tokens` tokens through `layers` decoder layers; a
+  draft pass chooses a draft (module docstring) where the others sample greedily."""
   hidden = tokens * config.hidden_size * act_bytes
+  choice = ([Collective("all-gather", tokens * tep * 4, 1, f"{label}: the draft's candidates (best logit a device)"),
+             Collective("all-reduce", tokens * 4, 4, f"{label}: the draft's index and confidence (max, sum, max)")]
+            if draft else [Collective("all-gather", tokens * tep * 4, 2, f"{label}: greedy sampling (max, argmax)")])
   return [
     Collective("all-reduce", hidden, 2 * layers, f"{label}: o_proj and MLP/MoE, 2 per layer"),
     Collective("all-reduce", hidden, 1, f"{label}: embedding lookup"),
-    Collective("all-gather", tokens * tep * 4, 2, f"{label}: greedy sampling (max, argmax)"),
+    *choice,
   ]
 
 
@@ -74,7 +83,7 @@ def step_collectives(config: ModelConfig, *, tep: int, batch: int = 1, draft_ste
   if draft_steps:
     out += [dataclasses.replace(c, count=c.count * draft_steps)
             for c in pass_collectives(config, tokens=batch, layers=1, tep=tep, act_bytes=act_bytes,
-                                      label=f"{draft_steps} MTP draft passes")]
+                                      label=f"{draft_steps} MTP draft passes", draft=True)]
   return out
 
 
