@@ -5,6 +5,8 @@ top-k applied as a mask (what transformers computes). `sparse` gathers only the 
 (jnp references of the kernels), `pallas` runs the kernels; all three select the same set.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -82,11 +84,10 @@ def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, posi
     if layer.latent.dtype == jnp.float32:
       raise ValueError(f"attention={impl!r} reads bf16 or fp8 pages; fp32 pages are for the dense reference")
     from pallas_kernels import sparse_mla
-    if impl != "pallas":
-      return sparse_mla.sparse_mla_decode_reference(q_latent, q_rope, layer.latent, layer.latent_scale,
-                                                    layer.k_rope, page_table, topk, softmax_scale=scale)
-    return sparse_mla.sparse_mla_decode(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table,
-                                        topk, softmax_scale=scale, config=config)
+    fn = (functools.partial(sparse_mla.sparse_mla_decode, config=config) if impl == "pallas"
+          else sparse_mla.sparse_mla_decode_reference)
+    return fn(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table, topk,
+              softmax_scale=scale)
   # Dense reference (also used for prefill chunks, whose many queries make a gather per query costly).
   latent, k_rope = paged.gather_latent(layer, page_table)
   num_keys = latent.shape[1]

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from glmjax.parallel.mesh import TEP
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -49,7 +51,6 @@ def top_k(scores: jax.Array, k: int, mesh=None) -> tuple[jax.Array, jax.Array]:
   token). Here each device takes the top k of its own slice (shard_map), and only those
   [R, tep * k] candidates are gathered for the final top k. Equal to lax.top_k, ties included:
   both stages keep the lower index first, and the candidates lie in index order."""
-  from glmjax.parallel.mesh import TEP  # the parallel package imports the model
   r, v = scores.shape
   shards = 1 if mesh is None else mesh.shape[TEP]
   if shards == 1 or v % shards or v // shards < k:

@@ -63,15 +63,14 @@ def bench_collectives(config: ModelConfig, mesh, *, draft_steps: int, chain: int
         fn, x = chained(c.kind, c.nbytes, mesh, length)
         times.append(time_device(fn, x, iters=iters, repeats=repeats))
       measured[key] = (times[1] - times[0]) / (chain - 1)
-    seconds = measured[key]
-    bandwidth_s = c.seconds(tep, link) - link.latency
+    seconds, transfer = measured[key], c.transfer_seconds(tep, link)
     rows.append(dict(kind=c.kind, nbytes=c.nbytes, count=c.count, where=c.where, measured_us=seconds * 1e6,
-                     model_us=c.seconds(tep, link) * 1e6, implied_latency_us=(seconds - bandwidth_s) * 1e6))
+                     model_us=c.seconds(tep, link) * 1e6, implied_latency_us=(seconds - transfer) * 1e6))
   count = sum(r["count"] for r in rows)
   step_measured = sum(r["count"] * r["measured_us"] for r in rows)
   step_model = sum(r["count"] * r["model_us"] for r in rows)
-  bandwidth_us = step_model - count * latency_us
+  transfer_us = sum(c.count * c.transfer_seconds(tep, link) for c in collectives) * 1e6
   summary = dict(tep=tep, devices=[d.device_kind for d in mesh.devices.flat], draft_steps=draft_steps,
                  collectives=count, step_measured_ms=step_measured * 1e-3, step_model_ms=step_model * 1e-3,
-                 model_latency_us=latency_us, matching_latency_us=(step_measured - bandwidth_us) / count)
+                 model_latency_us=latency_us, matching_latency_us=(step_measured - transfer_us) / count)
   return dict(summary=summary, rows=rows)

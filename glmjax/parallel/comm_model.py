@@ -52,9 +52,13 @@ class Collective:
   where: str
 
   def seconds(self, tep: int, link: Link) -> float:
-    """Time of one: latency + the bytes each GPU sends at the link bandwidth (ring algorithm)."""
+    """Time of one: latency + its transfer."""
+    return link.latency + self.transfer_seconds(tep, link)
+
+  def transfer_seconds(self, tep: int, link: Link) -> float:
+    """The bytes each GPU sends (ring algorithm) at the link bandwidth."""
     share = (tep - 1) / tep * (2 if self.kind == "all-reduce" else 1)
-    return link.latency + share * self.nbytes / link.bandwidth
+    return share * self.nbytes / link.bandwidth
 
 
 def pass_collectives(config: ModelConfig, *, tokens: int, layers: int, tep: int, act_bytes: int,
