@@ -13,7 +13,9 @@ same, so its TB/s is an effective rate). NVFP4 cases also time the inline-PTX de
 `pallas_hfma2`, at M <= HFMA2_MAX_ROWS (1): the GEMV on the CUDA cores' fp16x2 FMAs,
 pallas_kernels/nvfp4_hfma2.py),
 the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where its TMA shapes
-allow: N a multiple of 8, K of 256; not at the quick shapes), and for the MoE
+allow: N a multiple of 8, K of 256; not at the quick shapes), the fragment-order GEMV
+(`pallas_fragments`, pallas_kernels/nvfp4_fragments.py, M <= 8, default tiles; its weight
+rearranged once, outside the timing, bytes counted as it stores them), and for the MoE
 `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing), and
 `pallas_hfma2_pairs`, each (token, local expert) pair a one-row product on the CUDA cores
 (pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model), and `pallas_hfma2_pairs_fused`,
@@ -59,6 +61,8 @@ from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
 from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
+from pallas_kernels.nvfp4_fragments import TOKENS as FRAGMENT_TOKENS
+from pallas_kernels.nvfp4_fragments import fragment_matmul, to_fragments
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 
@@ -121,6 +125,10 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     if fmt == "nvfp4":
       if n % TMA_ROW_TILE == 0 and k % K_MULTIPLE == 0:  # the Mosaic GPU kernel's TMA shapes
         timed.append(_kernel_entry(fmt, nvfp4_matmul_mgpu, xla_dequant, (x, q), nbytes, timer, impl="pallas_mgpu"))
+      if m <= FRAGMENT_TOKENS:
+        fragments = to_fragments(q)
+        timed.append(_kernel_entry(fmt, fragment_matmul, lambda x, _: xla_dequant(x, q), (x, fragments),
+                                   _nbytes(fragments) + act_bytes, timer, impl="pallas_fragments"))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 

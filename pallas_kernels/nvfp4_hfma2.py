@@ -66,21 +66,33 @@ SIGNS, MAGNITUDES = 0x80808080, 0x0E0E0E0E
 SPREAD = (0x1404, 0x3424)
 
 
-def _word_ptx(word: str, planes: list[str], first: bool) -> str:
-  """PTX decoding one code word into four fp16x2 registers and multiplying them into h.
+# The decoded registers in decode_word's order: (nibble register, prmt selector) of each.
+_SOURCES = [(s, sel) for s in ("u", "v") for sel in SPREAD]
 
-  Per byte, the fp16 high byte of a code is s<<7 | eem<<1 (its low byte is 0): for the high
-  nibbles of all four bytes at once, (w & SIGNS) | ((w >> 3) & MAGNITUDES) (v); for the low
-  nibbles, the same of w << 4 (u). prmt then spreads two of those bytes into the high bytes of
-  an fp16x2 register: 11 integer instructions for 8 weights."""
+
+def nibble_ptx(word: str) -> list[str]:
+  """PTX leaving in v (u) the fp16 high bytes of the high (low) nibbles of `word`'s four bytes
+  (needs .b32 t, u, v). Per byte, the fp16 high byte of a code is s<<7 | eem<<1 (its low byte
+  is 0): for the high nibbles of all four bytes at once, (w & SIGNS) | ((w >> 3) & MAGNITUDES);
+  for the low nibbles, the same of w << 4. prmt then spreads two of those bytes into the high
+  bytes of an fp16x2 register: 11 integer instructions for 8 weights."""
+  return [f"shr.b32 t, {word}, 3; and.b32 t, t, {MAGNITUDES:#x}; and.b32 v, {word}, {SIGNS:#x}; or.b32 v, v, t;",
+          f"shl.b32 t, {word}, 1; and.b32 t, t, {MAGNITUDES:#x}; shl.b32 u, {word}, 4; and.b32 u, u, {SIGNS:#x}; "
+          "or.b32 u, u, t;"]
+
+
+def decode_ptx(word: str, regs: list[str]) -> list[str]:
+  """PTX decoding code word `word` into the four fp16x2 registers `regs`, in decode_word's order."""
+  return [*nibble_ptx(word), *(f"prmt.b32 {d}, {src}, 0, {sel:#x};" for d, (src, sel) in zip(regs, _SOURCES))]
+
+
+def _word_ptx(word: str, planes: list[str], first: bool) -> str:
+  """PTX decoding one code word into four fp16x2 registers and multiplying them into h, each
+  register's FMA right after its prmt."""
   fmas = [f"mul.rn.f16x2 h, d, {planes[0]};" if first else f"fma.rn.f16x2 h, d, {planes[0]}, h;",
           *(f"fma.rn.f16x2 h, d, {plane}, h;" for plane in planes[1:])]
-  spread = [f"prmt.b32 d, {src}, 0, {sel:#x}; {fma}"
-            for (src, sel), fma in zip([(s, sel) for s in ("u", "v") for sel in SPREAD], fmas)]
-  return "\n".join([
-      f"shr.b32 t, {word}, 3; and.b32 t, t, {MAGNITUDES:#x}; and.b32 v, {word}, {SIGNS:#x}; or.b32 v, v, t;",
-      f"shl.b32 t, {word}, 1; and.b32 t, t, {MAGNITUDES:#x}; shl.b32 u, {word}, 4; and.b32 u, u, {SIGNS:#x}; "
-      "or.b32 u, u, t;", *spread])
+  spread = [f"prmt.b32 d, {src}, 0, {sel:#x}; {fma}" for (src, sel), fma in zip(_SOURCES, fmas)]
+  return "\n".join([*nibble_ptx(word), *spread])
 
 
 # $0 = $1 + scale $12 * (sum of the block's 16 products): $2, $3 the block's two code words,

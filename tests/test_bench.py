@@ -129,18 +129,22 @@ def test_gemv_rows_time_every_impl_against_xla_bf16():
   from experiments.bench_quant import gemv_rows
   seconds = {"bf16": 4e-6, "nvfp4": 1e-6, "fp8": 2e-6}
   timer = lambda fn, *args: seconds["fp8" if "FP8" in type(args[-1]).__name__ else
-                                    "nvfp4" if "NVFP4" in type(args[-1]).__name__ else "bf16"]
+                                    "nvfp4" if type(args[-1]).__name__ in ("NVFP4Weight", "FragmentWeight")
+                                    else "bf16"]
   rows = gemv_rows(3, 96, 160, name="t", timer=timer)
   impls = [(r["format"], r["impl"]) for r in rows]
   assert impls[:2] == [("bf16", "xla"), ("bf16", "pallas")]
   assert {("nvfp4", "pallas_ptx"), ("nvfp4", "pallas_ptx_f16"), ("fp8", "pallas_f16")} <= set(impls)
   checked = [r for r in rows if r["impl"].startswith("pallas")]
-  assert len(checked) == 6 and all(r["max_rel_err"] <= 1e-2 for r in checked)
+  assert len(checked) == 7 and all(r["max_rel_err"] <= 1e-2 for r in checked)
   by = {(r["format"], r["impl"]): r for r in rows}
   acts = (3 * 160 + 3 * 96) * 2
   assert by["bf16", "pallas"]["bytes"] == 96 * 160 * 2 + acts
   assert by["nvfp4", "pallas"]["bytes"] == 96 * 80 + 96 * 10 + 8 + acts  # codes, e4m3 scales, 2 f32
   assert by["nvfp4", "pallas"]["speedup_vs_bf16"] == pytest.approx(4.0)
+  # The fragment-order weight as stored: 6 tiles of 16 rows, K padded to 2 chunks of 128.
+  assert by["nvfp4", "pallas_fragments"]["bytes"] == 2 * 2 * 6 * 128 * 4 + 2 * 6 * 32 * 4 + 4 + acts
+  assert by["nvfp4", "pallas_fragments"]["speedup_vs_bf16"] == pytest.approx(4.0)
   # One row: the CUDA-core NVFP4 GEMV joins (dot="hfma2"), checked the same way.
   one = {(r["format"], r["impl"]): r for r in gemv_rows(1, 96, 160, name="t", timer=timer)}
   assert ("nvfp4", "pallas_hfma2") not in by and one["nvfp4", "pallas_hfma2"]["max_rel_err"] <= 1e-2

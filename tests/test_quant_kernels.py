@@ -21,6 +21,7 @@ from pallas_kernels.bf16_matmul import (bf16_matmul, bf16_matmul_group, bf16_mat
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
 from pallas_kernels.nvfp4_matmul import MatmulConfig, default_config, nvfp4_matmul, nvfp4_matmul_reference
+from tests.ptx_emulator import f16_value as _f16, f32_value as _f32, run_ptx as _run_ptx
 
 TOL = 1e-2
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
@@ -106,71 +107,6 @@ def test_f16_operands_take_activations_past_fp16_range(fmt):
   ref = reference(x, q)
   for row in range(3):
     assert rel_err(out[row], ref[row]) <= TOL
-
-
-def _f16(bits: np.ndarray) -> np.ndarray:
-  return bits.astype(np.uint16).view(np.float16).astype(np.float64)
-
-
-def _f16_bits(values: np.ndarray) -> np.ndarray:
-  return values.astype(np.float16).view(np.uint16).astype(np.uint32)
-
-
-def _f32(bits: np.ndarray) -> np.ndarray:
-  return bits.astype(np.uint32).view(np.float32).astype(np.float64)
-
-
-def _f32_bits(values: np.ndarray) -> np.ndarray:
-  return values.astype(np.float32).view(np.uint32)
-
-
-def _halves(op, *regs: np.ndarray) -> np.ndarray:
-  """An fp16x2 instruction: op on both halves in float64, each rounded once to fp16."""
-  lo = op(*(_f16(r & 0xFFFF) for r in regs))
-  hi = op(*(_f16(r >> 16) for r in regs))
-  return _f16_bits(lo) | (_f16_bits(hi) << 16)
-
-
-PTX_OPS = {  # every instruction the decode PTX programs use, on uint32 register arrays
-    "prmt.b32": None,  # below: needs the selector's nibbles
-    "shl.b32": lambda a, b: a << b,
-    "shr.b32": lambda a, b: a >> b,
-    "and.b32": lambda a, b: a & b,
-    "or.b32": lambda a, b: a | b,
-    "mul.rn.f16x2": lambda a, b: _halves(lambda x, y: x * y, a, b),
-    "fma.rn.f16x2": lambda a, b, c: _halves(lambda x, y, z: x * y + z, a, b, c),
-    "cvt.f32.f16": lambda a: _f32_bits(_f16(a)),
-    "add.f32": lambda a, b: _f32_bits(_f32(a) + _f32(b)),
-    "fma.rn.f32": lambda a, b, c: _f32_bits(_f32(a) * _f32(b) + _f32(c)),
-}
-
-
-def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Evaluates a PTX program on uint32 register arrays (`inputs`: "$i" -> values) and returns
-  every register. An emulator of exactly the instructions the decode programs use (PTX_OPS),
-  to check them on the CPU: the interpreter cannot run inline PTX."""
-  regs = {name: np.asarray(v, np.uint64).astype(np.uint32) for name, v in inputs.items()}
-  value = lambda tok: regs[tok] if tok in regs else np.uint32(int(tok, 0))
-  for line in asm.replace("\n", " ").split(";"):
-    line = line.strip().removeprefix("{").strip()
-    if not line or line.startswith((".reg", "}")):
-      continue
-    op, args = line.split(None, 1)
-    if op == "mov.b32":  # mov.b32 {lo, hi}, h: unpack a register's halves
-      halves, src = args.rsplit(",", 1)
-      lo, hi = (t.strip() for t in halves.strip(" {}").split(","))
-      regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
-      continue
-    dst, *src = [a.strip() for a in args.split(",")]
-    a = [value(x) for x in src]
-    if op == "prmt.b32":   # bytes of {b, a}: a is bytes 0-3, b 4-7; selector nibble i picks byte i
-      pool = [(np.uint32(x) >> np.uint32(8 * i)) & np.uint32(0xFF) for x in a[:2] for i in range(4)]
-      sel = int(a[2])
-      out = sum(pool[(sel >> (4 * i)) & 7].astype(np.uint64) << np.uint64(8 * i) for i in range(4))
-    else:
-      out = PTX_OPS[op](*a)
-    regs[dst] = np.asarray(out).astype(np.uint64).astype(np.uint32)
-  return regs
 
 
 def test_ptx_decode_equals_the_jnp_decode():

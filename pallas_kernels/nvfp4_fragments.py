@@ -1,0 +1,319 @@
+"""NVFP4 skinny matmul on mma.sync, the weight stored in the MMA's fragment order: y [M, N] =
+x [M, K] @ dequant(w [N, K]).T for M <= 8.
+
+Why a third NVFP4 kernel: the other two each pay for something this one does not.
+- nvfp4_matmul (tensor cores) leaves the decoded tile's register layout to Triton, which moves
+  it into the MMA operand layout through shared memory: 2 bytes a weight past L1 against the
+  0.56 read from HBM (Nsight Compute, BENCHMARKS.md run 10): 86 us at M = 5 to 8 for [M, 8192] x
+  [8192, 28672] (run 27), 1.36x XLA's bf16 where 2.8x is asked.
+- nvfp4_hfma2 (CUDA cores) multiplies each thread's weights in place, but every further row
+  repeats its FMAs: M = 2 took 86.5 us.
+Here the weight is rearranged once, when loaded (`to_fragments`, the idea of Marlin's int4
+layout), so that the 16 bytes a thread loads are exactly its mma.sync A fragments of four
+k-steps: each thread decodes its own codes into its own operand registers, one PTX program
+(`FRAGMENT_PTX`) scales them and issues the MMAs, and nothing moves between threads. The tokens
+are the MMA's N (8), so a weight costs the same from M = 1 to 8.
+
+Layout. Rows in tiles of 16 (m16n8k16's M), inputs in chunks of 128 (8 k-steps of 16), N and K
+zero-padded to them (zero codes and scales add nothing). For tile T, chunk c and lane l = 4g + t
+of a warp:
+- words [Kc, 2, Nt * 128] u32, at [c, h, 128 T + 4 l + j]: the A fragment of k-step i = 4h + j,
+  8 codes: byte b = 2 rh + cb holds row g + 8 rh's columns 2t + cb (low nibble) and 2t + 8 + cb
+  (high nibble) of the step's 16, so `decode_word` yields mma's registers a0..a3 in order. A
+  lane's four words of one h are one 16-byte load; a warp's, 512 contiguous bytes.
+- scales [Kc, Nt * 32] u32, at [c, 32 T + 4 g + j]: the e4m3 scales of rows g and g + 8 at
+  k-steps 2j and 2j + 1, bytes (s[g, 2j], s[g+8, 2j], s[g, 2j+1], s[g+8, 2j+1]). The four lanes
+  of a row group load the same word (a broadcast; nothing is stored twice), so the weight stays
+  at 4.5 bits.
+- the activations (`fragment_activations`, XLA, a few KB a call): f16_rows' fp16 x padded to 8
+  rows, as [Kc, 4, 128] u32: at [c, a, 4 l + j] the B fragment word of k-step 2a + j // 2
+  (j % 2: its first or second register), the fp16 pair x[g, 16 i + 2t (+ 8) + (0, 1)].
+The accumulator is mma's C fragment, 4 fp32 a lane: rows g, g + 8 by tokens 2t, 2t + 1; XLA
+sums the K splits and puts them in [M, N] order (`fragment_rows`), then scales (2^14, the
+per-tensor scale, f16_rows' inverse).
+
+Numerics: the decode is exact (E2M1 * 2^-14 in fp16, nvfp4_matmul), and so is its product with
+the e4m3 scale in fp16 (at most 6 significant bits, at least 2^-24); the MMA multiplies fp16 by
+fp16 exactly and accumulates in fp32.
+
+Program: a grid of (tile groups, K splits); each program keeps `tiles` tiles (a multiple of
+num_warps, so a warp owns whole tiles) as 1-D [tiles * 128] arrays, whose Triton layout gives
+lane l the elements 4l..4l+3 of each 128 (what the PTX, four elements a call, relies on; the
+GPU tests check the result), and per chunk issues two PTX calls of four k-steps.
+
+Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
+store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).
+The interpreter cannot run PTX: there `fragment_mma_twin` computes the same MMAs in jnp from the
+same registers.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight, unpack_e2m1
+from pallas_kernels import loop_stages
+from pallas_kernels.checks import check_at_least, check_launch, is_pow2, resolve_interpret
+from pallas_kernels.nvfp4_hfma2 import decode_ptx, decode_word
+from pallas_kernels.nvfp4_matmul import DECODE_SCALE, NUM_SMS, f16_rows, row_inverse_scale
+
+loop_stages.install()
+
+TILE = 16          # weight rows a tile: mma m16n8k16's M
+TOKENS = 8         # its N: the most activation rows
+STEPS = 8          # k-steps of 16 a chunk
+CHUNK = STEPS * BLOCK
+LANES = 32
+WORDS = 4 * LANES  # u32 a tile holds per array: four per lane
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+
+
+def _step_ptx(i: int, half: int) -> list[str]:
+  """k-step i (of the chunk's 8) in call `half`: decode its word into the A fragment, scale rows
+  g and g + 8 by their e4m3 scales (one cvt of the step's byte pair to fp16, each half broadcast
+  as an operand), multiply into the accumulators a0..a3."""
+  word, q = f"${8 + i % 4}", i % 2
+  b = 16 + 4 * (i // 2 - 2 * half) + 2 * q
+  c = "$4, $5, $6, $7" if i % 4 == 0 else "a0, a1, a2, a3"
+  scale = [f"mov.b32 {{s0, s1}}, ${12 + i // 2};"] if q == 0 else []
+  return [*decode_ptx(word, ["d0", "d1", "d2", "d3"]), *scale,
+          f"cvt.rn.f16x2.e4m3x2 p, s{q}; mov.b32 {{fg, fh}}, p; mov.b32 sg, {{fg, fg}}; mov.b32 sh, {{fh, fh}};",
+          "mul.rn.f16x2 d0, d0, sg; mul.rn.f16x2 d1, d1, sh; mul.rn.f16x2 d2, d2, sg; mul.rn.f16x2 d3, d3, sh;",
+          f"{MMA} {{a0, a1, a2, a3}}, {{d0, d1, d2, d3}}, {{${b}, ${b + 1}}}, {{{c}}};"]
+
+
+def fragment_ptx(half: int) -> str:
+  """The PTX of one call: k-steps 4 half .. 4 half + 3 of a chunk. Operands (four of each
+  array, a lane's): $0-3 the accumulators out (f32), $4-7 in; $8-11 the words of this half;
+  $12-15 the chunk's scale words; $16-19, $20-23 the activation words of steps 4 half, +1 and
+  4 half + 2, +3. The results go to $0-3 last, so no input register is overwritten early."""
+  return "\n".join([
+      "{", ".reg .b32 t, u, v, p, d0, d1, d2, d3, sg, sh;", ".reg .b16 s0, s1, fg, fh;", ".reg .f32 a0, a1, a2, a3;",
+      *(line for i in range(4 * half, 4 * half + 4) for line in _step_ptx(i, half)),
+      "mov.f32 $0, a0; mov.f32 $1, a1; mov.f32 $2, a2; mov.f32 $3, a3;", "}"])
+
+
+FRAGMENT_PTX = tuple(fragment_ptx(half) for half in range(2))
+FRAGMENT_CONSTRAINTS = ",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 16)
+
+
+def _fp16x2(word: jax.Array) -> jax.Array:
+  """u32 [...] -> f32 [..., 2], the fp16 pair in each word (low half first)."""
+  return lax.bitcast_convert_type(word, jnp.float16).astype(jnp.float32)
+
+
+def mma_m16n8k16(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array]) -> list[jax.Array]:
+  """mma.sync m16n8k16 (f16 x f16 + f32) on register arrays [..., 32] (a warp's lanes last): A's
+  four fp16x2 registers, B's two, C's four f32 -> D's four f32, in the PTX ISA's fragment layouts
+  (lane = 4 g + t; a_r: row g + 8 (r % 2), columns 2t + 8 (r // 2) + (0, 1); b_r: k 2t + 8r +
+  (0, 1) of column g; c_r: row g + 8 (r // 2), column 2t + r % 2). Products exact, sums in fp32."""
+  lead = a[0].shape[:-1]
+  # A [..., ch, rh, g, t, p] -> [..., 16, 16]; B [..., kh, g, t, p] -> [..., 16, 8]; C [..., rh, cb, g, t].
+  a_mat = jnp.stack([_fp16x2(r) for r in a], -3).reshape(*lead, 2, 2, 8, 4, 2)
+  a_mat = jnp.moveaxis(a_mat, -5, -3).reshape(*lead, 16, 16)
+  b_mat = jnp.stack([_fp16x2(r) for r in b], -3).reshape(*lead, 2, 8, 4, 2)
+  b_mat = jnp.moveaxis(b_mat, -3, -1).reshape(*lead, 16, 8)
+  c_mat = jnp.stack(c, -2).reshape(*lead, 2, 2, 8, 4)
+  c_mat = jnp.moveaxis(c_mat, -3, -1).reshape(*lead, 16, 8)
+  d = jnp.matmul(a_mat, b_mat, precision=lax.Precision.HIGHEST) + c_mat
+  d = jnp.moveaxis(d.reshape(*lead, 2, 8, 4, 2), -1, -3).reshape(*lead, 4, 32)
+  return [d[..., r, :] for r in range(4)]
+
+
+def _scale_pair(word: jax.Array, q: int) -> tuple[jax.Array, jax.Array]:
+  """The e4m3 scales of rows g and g + 8 in a scale word's byte pair q, as fp32."""
+  byte = lambda i: ((word >> (8 * i)) & 0xFF).astype(jnp.uint8)
+  scale = lambda i: lax.bitcast_convert_type(byte(i), jnp.float8_e4m3fn).astype(jnp.float32)
+  return scale(2 * q), scale(2 * q + 1)
+
+
+def fragment_mma_twin(acc, words, scales, xa, xb, *, half: int) -> jax.Array:
+  """FRAGMENT_PTX[half] in jnp, on the kernel's 1-D [tiles * 128] arrays (lane l: elements 4l ..
+  4l + 3 of each 128): the interpreter's stand-in. Scaled weights are exact in fp32 as in fp16."""
+  lanes = lambda x: x.reshape(-1, LANES, 4)
+  acc, words, scales, x = lanes(acc), lanes(words), lanes(scales), (lanes(xa), lanes(xb))
+  c = [acc[..., r] for r in range(4)]
+  for i in range(4 * half, 4 * half + 4):
+    s_g, s_g8 = _scale_pair(scales[..., i // 2], i % 2)
+    regs = decode_word(words[..., i % 4])
+    a = [lax.bitcast_convert_type((_fp16x2(d) * s[..., None]).astype(jnp.float16), jnp.uint32)
+         for d, s in zip(regs, (s_g, s_g8, s_g, s_g8))]
+    xs = x[i // 2 - 2 * half]
+    c = mma_m16n8k16(a, [xs[..., 2 * (i % 2)], xs[..., 2 * (i % 2) + 1]], c)
+  return jnp.stack(c, -1).reshape(-1)
+
+
+def fragment_mma(acc, words, scales, xa, xb, *, half: int, ptx: bool) -> jax.Array:
+  """acc after the four k-steps of call `half` (fragment_ptx), elementwise over lanes' words."""
+  if not ptx:
+    return fragment_mma_twin(acc, words, scales, xa, xb, half=half)
+  [out] = pltriton.elementwise_inline_asm(
+      FRAGMENT_PTX[half], args=[acc, words, scales, xa, xb], constraints=FRAGMENT_CONSTRAINTS, pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.float32)])
+  return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FragmentWeight:
+  """An NVFP4 weight [N, K] in fragment order (module docstring): what fragment_matmul reads."""
+  words: jax.Array         # u32 [Kc, 2, Nt * 128]
+  scales: jax.Array        # u32 [Kc, Nt * 32]
+  global_scale: jax.Array  # f32 []
+  shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def tiles(self) -> int:
+    return self.scales.shape[1] // LANES
+
+
+def _words(b: jax.Array) -> jax.Array:
+  """uint8 [..., 2, 2] -> u32 [...], little-endian (byte 2 i + j from [..., i, j])."""
+  return lax.bitcast_convert_type(b.reshape(*b.shape[:-2], 4), jnp.uint32)
+
+
+def to_fragments(w: NVFP4Weight) -> FragmentWeight:
+  """A 2-D NVFP4Weight rearranged into fragment order (a copy of its 4.5 bits a weight, made once)."""
+  if w.ndim != 2:
+    raise ValueError(f"to_fragments: one [N, K] weight, got shape {w.shape}")
+  n, k = w.shape
+  nt, kc = pl.cdiv(n, TILE), pl.cdiv(k, CHUNK)
+  codes = jnp.pad(unpack_e2m1(w.packed), ((0, nt * TILE - n), (0, kc * CHUNK - k)))
+  # [T, rh, g, c, h, j, ch, t, cb] -> byte (rh, cb) = code(ch 0) | code(ch 1) << 4 -> [c, h, T, g, t, j, rh, cb]
+  codes = codes.reshape(nt, 2, 8, kc, 2, 4, 2, 4, 2)
+  packed = codes[..., 0, :, :] | (codes[..., 1, :, :] << 4)
+  words = _words(packed.transpose(3, 4, 0, 2, 6, 5, 1, 7)).reshape(kc, 2, nt * WORDS)
+  bits = lax.bitcast_convert_type(w.block_scale, jnp.uint8)
+  bits = jnp.pad(bits, ((0, nt * TILE - n), (0, kc * STEPS - k // BLOCK)))
+  # [T, rh, g, c, j, q] -> [c, T, g, j, q, rh]
+  scales = _words(bits.reshape(nt, 2, 8, kc, 4, 2).transpose(3, 0, 2, 4, 5, 1)).reshape(kc, nt * LANES)
+  return FragmentWeight(words, scales, w.global_scale.astype(jnp.float32), (n, k))
+
+
+def fragment_activations(x16: jax.Array, chunks: int) -> jax.Array:
+  """fp16 [M, K] (M <= 8) -> u32 [chunks * 4 * 128]: the B fragment words (module docstring)."""
+  m, k = x16.shape
+  x16 = jnp.pad(x16, ((0, TOKENS - m), (0, chunks * CHUNK - k)))
+  pairs = lax.bitcast_convert_type(x16.reshape(TOKENS, -1, 2), jnp.uint32)
+  # [g, c, a, ip, b, t] (column pair 64c + 8i + 4b + t, i = 2a + ip) -> [c, a, g, t, ip, b]
+  return pairs.reshape(TOKENS, chunks, 4, 2, 2, 4).transpose(1, 2, 0, 5, 3, 4).reshape(-1)
+
+
+def fragment_rows(out: jax.Array, m: int, n: int, splits: int) -> jax.Array:
+  """The kernel's fp32 C fragments [splits * 4 * Nt * 32] -> [m, n], the K splits summed. Slab t
+  of a split holds lane 4g + t's sums: c_r of tile T at 32 T + 4 g + r is row 16 T + g + 8 (r //
+  2), token 2t + r % 2. Only the slabs of the m tokens are read (the kernel writes no others)."""
+  slabs = pl.cdiv(m, 2)
+  parts = out.reshape(splits, 4, -1, 8, 2, 2)[:, :slabs].sum(0)  # [t, T, g, rh, cb]
+  return parts.transpose(0, 4, 1, 3, 2).reshape(2 * slabs, -1)[:m, :n]
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentConfig:
+  """tiles: 16-row tiles a program keeps (a power of two, a multiple of num_warps: each warp
+  owns whole tiles); split_k: programs along K; num_warps; num_stages: the K loop's software
+  pipelining of its loads (loop_stages.py; 1: none); unroll: chunks whose loads a loop step
+  issues before their MMAs (the bytes a warp has in flight)."""
+  tiles: int = 4
+  split_k: int = 1
+  num_warps: int = 4
+  num_stages: int = 1
+  unroll: int = 1
+
+  def __post_init__(self):
+    check_at_least("FragmentConfig", "split_k", self.split_k)
+    check_at_least("FragmentConfig", "unroll", self.unroll)
+    check_launch("FragmentConfig", self.num_warps, self.num_stages)
+    if not is_pow2(self.tiles) or self.tiles % self.num_warps:
+      raise ValueError(f"FragmentConfig.tiles must be a power of two and a multiple of num_warps "
+                       f"({self.num_warps}), got {self.tiles}")
+
+
+def default_fragment_config(n: int, k: int) -> FragmentConfig:
+  """The tiles measured best on the H200 (BENCHMARKS.md run 28): 4 tiles a program over 2 warps
+  for large N (>= 1024 tiles), else 2 over 1; K split in two until there are >= 2048 programs
+  or a split would keep < 2 chunks; 2 chunks a loop step where each split keeps >= 4."""
+  tiles = pl.cdiv(n, TILE)
+  per_program = 4 if tiles >= 1024 else 2
+  groups, chunks = pl.cdiv(tiles, per_program), pl.cdiv(k, CHUNK)
+  split = 1
+  while groups * split < 2048 and chunks // (2 * split) >= 2:
+    split *= 2
+  return FragmentConfig(tiles=per_program, split_k=split, num_warps=per_program // 2,
+                        unroll=2 if chunks // split >= 4 else 1)
+
+
+def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: int, config: FragmentConfig,
+            interpret: bool):
+  # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128]; words_ref u32 [Kc * 2 * Nt * 128];
+  # scales_ref u32 [Kc * Nt * 32]; o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows).
+  size, first = config.tiles * WORDS, pl.program_id(0) * config.tiles
+  e = jnp.arange(size)
+  ok = None if tiles % config.tiles == 0 else first + e // WORDS < tiles
+  scale_index = (first + e // WORDS) * LANES + (e % WORDS) // 16 * 4 + e % 4  # lane 4g + t reads word 4g + j
+  load = lambda ref, index: pltriton.load(ref.at[index], mask=ok, other=None if ok is None else jnp.uint32(0))
+
+  def chunk(c) -> tuple:
+    """Chunk c's loads: the two halves' words, the scale words, the four activation arrays."""
+    words = [load(words_ref, pl.ds((2 * c + h) * tiles * WORDS + first * WORDS, size)) for h in range(2)]
+    return (words, load(scales_ref, c * tiles * LANES + scale_index),
+            [pltriton.load(x_ref.at[(4 * c + a) * WORDS + e % WORDS]) for a in range(4)])
+
+  def multiply(acc, loads) -> jax.Array:
+    words, scales, xs = loads
+    for h in range(2):
+      acc = fragment_mma(acc, words[h], scales, xs[2 * h], xs[2 * h + 1], half=h, ptx=not interpret)
+    return acc
+
+  def step(s, acc):  # config.unroll chunks' loads, then their MMAs
+    loads = [chunk(start + s * config.unroll + u) for u in range(config.unroll)]
+    for chunk_loads in loads:
+      acc = multiply(acc, chunk_loads)
+    return acc
+
+  per_split = pl.cdiv(chunks, config.split_k)
+  start = pl.program_id(1) * per_split
+  end = jnp.minimum(start + per_split, chunks)
+  steps = jnp.maximum(end - start, 0) // config.unroll
+  acc = lax.fori_loop(0, steps, step, jnp.zeros((size,), jnp.float32))
+  acc = lax.fori_loop(start + steps * config.unroll, end, lambda c, acc: multiply(acc, chunk(c)), acc)
+  # Lane 4g + t's four sums (tokens 2t, 2t + 1) go to slab t of this split, at 32 T + 4g + r;
+  # slabs of padding tokens only (2t >= m) are not written.
+  lane = e % WORDS // 4
+  slab = (pl.program_id(1) * 4 + lane % 4) * tiles * LANES
+  keep = lane % 4 < pl.cdiv(m, 2)
+  pltriton.store(o_ref.at[slab + (first + e // WORDS) * LANES + lane // 4 * 4 + e % 4], acc,
+                 mask=keep if ok is None else keep & ok)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig | None = None,
+                    interpret: bool | None = None) -> jax.Array:
+  """x bf16 [M, K] (M <= 8) @ dequant(w).T -> bf16 [M, N], w from to_fragments."""
+  n, k = w.shape
+  if x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] != k or not 1 <= x.shape[0] <= TOKENS:
+    raise ValueError(f"fragment_matmul: x must be bf16 [M, {k}] with 1 <= M <= {TOKENS}, got "
+                     f"{x.dtype}{list(x.shape)}")
+  config = config or default_fragment_config(n, k)
+  tiles, chunks = w.tiles, w.scales.shape[0]
+  x16, amax = f16_rows(x)
+  inputs = [fragment_activations(x16, chunks), w.words.reshape(-1), w.scales.reshape(-1)]
+  whole = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0,))
+  out = pl.pallas_call(
+      functools.partial(_kernel, m=x.shape[0], tiles=tiles, chunks=chunks, config=config,
+                        interpret=resolve_interpret(interpret)),
+      grid=(pl.cdiv(tiles, config.tiles), config.split_k),
+      in_specs=[whole(a) for a in inputs],
+      out_specs=pl.BlockSpec((config.split_k * tiles * WORDS,), lambda j, s: (0,)),
+      out_shape=jax.ShapeDtypeStruct((config.split_k * tiles * WORDS,), jnp.float32),  # 4 slabs of 32 a tile
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name=loop_stages.staged_name("nvfp4_fragments", config.num_stages if config.num_stages > 1 else None),
+  )(*inputs)
+  y = fragment_rows(out, x.shape[0], n, config.split_k)
+  return (y * (w.global_scale * DECODE_SCALE) * row_inverse_scale(amax)[:, None]).astype(x.dtype)

@@ -1,0 +1,143 @@
+"""The NVFP4 fragment-order kernel (pallas_kernels/nvfp4_fragments.py): the MMA's fragment layouts
+against plain matrices, the weight layout against its description, the PTX program (emulated)
+against the jnp twin the interpreter runs, the kernel against the fp32 reference, its errors, and
+its lowering for an H200."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glmjax.quant.nvfp4 import quantize_nvfp4, unpack_e2m1
+from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, default_fragment_config,
+                                            fragment_matmul, fragment_mma_twin, mma_m16n8k16, to_fragments)
+from pallas_kernels.nvfp4_matmul import nvfp4_matmul_reference
+from tests.h200_lowering import TRITON_CALL, h200_text
+from tests.ptx_emulator import f32_value, run_ptx
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
+
+
+def _pairs(values: np.ndarray) -> np.ndarray:
+  """fp16 values [..., 2] -> their u32 registers (element 0 in the low half)."""
+  return values.astype(np.float16).view(np.uint32)[..., 0]
+
+
+def test_mma_fragments_match_plain_matrices():
+  """mma_m16n8k16's reading of the registers, lane by lane from the PTX ISA's tables (lane =
+  4 g + t): D = A B + C for random matrices."""
+  rng = np.random.default_rng(0)
+  warps = 3
+  a = rng.standard_normal((warps, 16, 16)).astype(np.float16)
+  b = rng.standard_normal((warps, 16, 8)).astype(np.float16)
+  c = rng.standard_normal((warps, 16, 8)).astype(np.float32)
+  g, t = np.arange(32) // 4, np.arange(32) % 4
+  a_regs = [_pairs(np.stack([a[:, g + 8 * (r % 2), 2 * t + 8 * (r // 2) + p] for p in (0, 1)], -1))
+            for r in range(4)]
+  b_regs = [_pairs(np.stack([b[:, 2 * t + 8 * r + p, g] for p in (0, 1)], -1)) for r in range(2)]
+  c_regs = [c[:, g + 8 * (r // 2), 2 * t + r % 2] for r in range(4)]
+  d = mma_m16n8k16(*([jnp.asarray(x) for x in regs] for regs in (a_regs, b_regs, c_regs)))
+  want = a.astype(np.float64) @ b.astype(np.float64) + c
+  for r in range(4):
+    np.testing.assert_allclose(np.asarray(d[r]), want[:, g + 8 * (r // 2), 2 * t + r % 2], rtol=1e-6, atol=1e-6)
+
+
+def test_to_fragments_layout():
+  """Every word and scale byte where the module docstring puts it: word [c, h, 128 T + 4 l + j]
+  byte 2 rh + cb holds row 16 T + g + 8 rh's codes at columns 128 c + 16 i + 2t + cb (low
+  nibble) and + 8 (high), i = 4h + j; scale word [c, 32 T + 4 g + j] byte 2 q + rh the scale of
+  row 16 T + g + 8 rh at block 8 c + 2 j + q. N and K padded with zeros."""
+  n, k = 40, 272  # 3 tiles (the last half padding), 3 chunks (the last mostly padding)
+  w = quantize_nvfp4(jnp.asarray(np.random.default_rng(1).standard_normal((n, k)), jnp.float32))
+  f = to_fragments(w)
+  codes = np.zeros((48, 384), np.uint8)
+  codes[:n, :k] = np.asarray(unpack_e2m1(w.packed))
+  scales = np.zeros((48, 24), np.uint8)
+  scales[:n, :k // 16] = np.asarray(w.block_scale).view(np.uint8)
+  words, scale_words = np.asarray(f.words).view(np.uint8), np.asarray(f.scales).view(np.uint8)
+  assert words.shape == (3, 2, 3 * 128 * 4) and scale_words.shape == (3, 3 * 32 * 4)
+  for c, h, tile, lane, j, rh, cb in np.ndindex(3, 2, 3, 32, 4, 2, 2):
+    g, t, i = lane // 4, lane % 4, 4 * h + j
+    row, col = 16 * tile + g + 8 * rh, 128 * c + 16 * i + 2 * t + cb
+    byte = words[c, h, 4 * (128 * tile + 4 * lane + j) + 2 * rh + cb]
+    assert (byte & 0xF, byte >> 4) == (codes[row, col], codes[row, col + 8])
+  for c, tile, g, j, q, rh in np.ndindex(3, 3, 8, 4, 2, 2):
+    assert scale_words[c, 4 * (32 * tile + 4 * g + j) + 2 * q + rh] == scales[16 * tile + g + 8 * rh, 8 * c + 2 * j + q]
+
+
+def _e4m3_bytes(rng, shape) -> np.ndarray:
+  """Random e4m3 scale bytes, any sign and exponent, never NaN (0x7F, 0xFF)."""
+  b = rng.integers(0, 256, shape, dtype=np.uint32)
+  return np.where((b & 0x7F) == 0x7F, b ^ 1, b)
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_fragment_ptx_equals_its_twin(half):
+  """FRAGMENT_PTX[half], emulated over 3 warps' lanes, against fragment_mma_twin on the same
+  registers (every code, every scale but NaN, activations up to 2^14): the decode, the scale
+  pairing and the operand wiring agree (fp32 sums in either order)."""
+  rng = np.random.default_rng(2 + half)
+  size = 3 * 128
+  words = rng.integers(0, 2 ** 32, size, dtype=np.uint32)
+  scales = sum(_e4m3_bytes(rng, size) << (8 * i) for i in range(4)).astype(np.uint32)
+  x = (rng.standard_normal((2, size, 2)) * 2.0 ** rng.integers(0, 14, (2, size, 1))).astype(np.float16)
+  xa, xb = (_pairs(v) for v in x)
+  acc = rng.standard_normal(size).astype(np.float32)
+  lanes = lambda v, j: v.reshape(-1, 4)[:, j]
+  registers = {f"${4 + 4 * a + j}": lanes(v, j) for a, v in enumerate([acc.view(np.uint32), words, scales, xa, xb])
+               for j in range(4)}
+  regs = run_ptx(FRAGMENT_PTX[half], registers)
+  got = np.stack([f32_value(regs[f"${r}"]) for r in range(4)], -1).reshape(-1)
+  twin = np.asarray(fragment_mma_twin(*(jnp.asarray(v) for v in (acc, words, scales, xa, xb)), half=half))
+  scale = np.abs(twin).max()
+  assert scale > 1.0
+  np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("m, n, k, config", [
+    (1, 64, 128, None),
+    (3, 200, 272, FragmentConfig(tiles=4, split_k=2, num_warps=2)),        # tiles overhang N, K padded
+    (8, 136, 640, FragmentConfig(tiles=2, split_k=2, num_warps=1, unroll=2)),  # an unrolled pair and a left-over chunk
+    (5, 48, 256, FragmentConfig(tiles=2, split_k=3, num_warps=2)),         # a split with no chunk
+])
+def test_fragment_matmul_matches_reference(m, n, k, config):
+  """Fresh random x and weights against nvfp4_matmul_reference: within bf16 output rounding."""
+  rng = np.random.default_rng(m * 1000 + n)
+  x = jnp.asarray(rng.standard_normal((m, k)) + 0.1, jnp.bfloat16)
+  w = quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.5, 2, (n, 1)), jnp.float32))
+  got = np.asarray(fragment_matmul(x, to_fragments(w), config=config), np.float64)
+  want = np.asarray(nvfp4_matmul_reference(x, w), np.float64)
+  assert got.shape == (m, n)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 4e-3
+  assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+
+
+def test_fragment_matmul_rejects_bad_inputs():
+  w = to_fragments(quantize_nvfp4(jnp.ones((32, 128), jnp.float32)))
+  for x in (jnp.ones((9, 128), jnp.bfloat16), jnp.ones((2, 144), jnp.bfloat16), jnp.ones((2, 128), jnp.float32)):
+    with pytest.raises(ValueError, match="x must be bf16"):
+      fragment_matmul(x, w)
+  with pytest.raises(ValueError, match="one \\[N, K\\] weight"):
+    to_fragments(quantize_nvfp4(jnp.ones((2, 32, 128), jnp.float32)))
+  with pytest.raises(ValueError, match="multiple of num_warps"):
+    FragmentConfig(tiles=2, num_warps=4)
+  with pytest.raises(ValueError, match="power of two"):
+    FragmentConfig(tiles=3, num_warps=1)
+
+
+def test_default_fragment_config():
+  """The measured tiles (BENCHMARKS.md run 28) at the issue's shapes."""
+  assert default_fragment_config(28672, 8192) == FragmentConfig(tiles=4, split_k=8, num_warps=2, unroll=2)
+  assert default_fragment_config(2048, 6144) == FragmentConfig(tiles=2, split_k=16, num_warps=1)
+  assert default_fragment_config(6144, 2048) == FragmentConfig(tiles=2, split_k=8, num_warps=1)
+
+
+def test_fragment_matmul_lowers_for_h200():
+  w = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a)), jax.ShapeDtypeStruct((200, 272), jnp.float32))
+  for config in (None, FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, num_stages=2)):
+    text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
+                     jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), w)
+    assert TRITON_CALL in text
