@@ -60,7 +60,7 @@ from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight, unpack_e2m1
 from pallas_kernels import loop_stages
 from pallas_kernels.checks import check_at_least, check_launch, is_pow2, resolve_interpret
 from pallas_kernels.nvfp4_hfma2 import decode_ptx, decode_word
-from pallas_kernels.nvfp4_matmul import DECODE_SCALE, NUM_SMS, f16_rows, row_inverse_scale
+from pallas_kernels.nvfp4_matmul import DECODE_SCALE, f16_rows, row_inverse_scale, row_scale
 
 loop_stages.install()
 
@@ -204,6 +204,40 @@ def fragment_activations(x16: jax.Array, chunks: int) -> jax.Array:
   return pairs.reshape(TOKENS, chunks, 4, 2, 2, 4).transpose(1, 2, 0, 5, 3, 4).reshape(-1)
 
 
+def _activations_kernel(x_ref, words_ref, amax_ref, *, m: int, k: int):
+  # x_ref bf16 [M * K] (flat, whole); words_ref u32 [Kc * 4 * 128] and amax_ref f32 [8], whole.
+  # Program g: token g's row (zeros past M), its column pairs p in order, each stored where
+  # fragment_activations puts it.
+  g = pl.program_id(0)
+  p = jnp.arange(pl.next_power_of_2(words_ref.shape[0] // TOKENS))
+  ok = (p < k // 2) & (g < m)
+  lo, hi = (pltriton.load(x_ref.at[g * k + 2 * p + half], mask=ok, other=jnp.bfloat16(0)).astype(jnp.float32)
+            for half in range(2))
+  amax = jnp.maximum(jnp.max(jnp.abs(lo)), jnp.max(jnp.abs(hi)))
+  bits = lambda v: lax.bitcast_convert_type((v * row_scale(amax)).astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
+  i = p % 64 // 8  # pair p = 64 c + 8 i + 4 b + t, i = 2 a + ip -> [c, a, g, t, ip, b]
+  index = p // 64 * 512 + i // 2 * 128 + g * 16 + p % 4 * 4 + i % 2 * 2 + p % 8 // 4
+  pltriton.store(words_ref.at[index], bits(lo) | (bits(hi) << 16), mask=p < words_ref.shape[0] // TOKENS)
+  pltriton.store(amax_ref.at[pl.ds(g, 1)], jnp.full((1,), amax), mask=jnp.full((1,), True))
+
+
+def activations_kernel(x: jax.Array, chunks: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """fragment_activations(f16_rows(x)[0], chunks) and the row maxima (f32 [8], zero past M) in
+  one launch, a program per token row, instead of XLA's reduce, convert and transpose."""
+  m, k = x.shape
+  size = chunks * 4 * WORDS
+  return pl.pallas_call(
+      functools.partial(_activations_kernel, m=m, k=k),
+      grid=(TOKENS,),
+      in_specs=[pl.BlockSpec((m * k,), lambda g: (0,))],
+      out_specs=[pl.BlockSpec((size,), lambda g: (0,)), pl.BlockSpec((TOKENS,), lambda g: (0,))],
+      out_shape=[jax.ShapeDtypeStruct((size,), jnp.uint32), jax.ShapeDtypeStruct((TOKENS,), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="nvfp4_fragment_activations",
+  )(x.reshape(-1))
+
+
 def fragment_rows(out: jax.Array, m: int, n: int, splits: int) -> jax.Array:
   """The kernel's fp32 C fragments [splits * 4 * Nt * 32] -> [m, n], the K splits summed. Slab t
   of a split holds lane 4g + t's sums: c_r of tile T at 32 T + 4 g + r is row 16 T + g + 8 (r //
@@ -218,12 +252,15 @@ class FragmentConfig:
   """tiles: 16-row tiles a program keeps (a power of two, a multiple of num_warps: each warp
   owns whole tiles); split_k: programs along K; num_warps; num_stages: the K loop's software
   pipelining of its loads (loop_stages.py; 1: none); unroll: chunks whose loads a loop step
-  issues before their MMAs (the bytes a warp has in flight)."""
+  issues before their MMAs (the bytes a warp has in flight); fused_activations: the
+  activations' fp16 scaling and fragment order in one launch (activations_kernel), else XLA's
+  f16_rows and fragment_activations (three kernels)."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 1
   unroll: int = 1
+  fused_activations: bool = True
 
   def __post_init__(self):
     check_at_least("FragmentConfig", "split_k", self.split_k)
@@ -301,18 +338,23 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
                      f"{x.dtype}{list(x.shape)}")
   config = config or default_fragment_config(n, k)
   tiles, chunks = w.tiles, w.scales.shape[0]
-  x16, amax = f16_rows(x)
-  inputs = [fragment_activations(x16, chunks), w.words.reshape(-1), w.scales.reshape(-1)]
+  interpret = resolve_interpret(interpret)
+  if config.fused_activations:
+    activations, amax = activations_kernel(x, chunks, interpret)
+    amax = amax[:x.shape[0]]
+  else:
+    x16, amax = f16_rows(x)
+    activations = fragment_activations(x16, chunks)
+  inputs = [activations, w.words.reshape(-1), w.scales.reshape(-1)]
   whole = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0,))
   out = pl.pallas_call(
-      functools.partial(_kernel, m=x.shape[0], tiles=tiles, chunks=chunks, config=config,
-                        interpret=resolve_interpret(interpret)),
+      functools.partial(_kernel, m=x.shape[0], tiles=tiles, chunks=chunks, config=config, interpret=interpret),
       grid=(pl.cdiv(tiles, config.tiles), config.split_k),
       in_specs=[whole(a) for a in inputs],
       out_specs=pl.BlockSpec((config.split_k * tiles * WORDS,), lambda j, s: (0,)),
       out_shape=jax.ShapeDtypeStruct((config.split_k * tiles * WORDS,), jnp.float32),  # 4 slabs of 32 a tile
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
-      interpret=resolve_interpret(interpret),
+      interpret=interpret,
       name=loop_stages.staged_name("nvfp4_fragments", config.num_stages if config.num_stages > 1 else None),
   )(*inputs)
   y = fragment_rows(out, x.shape[0], n, config.split_k)

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from glmjax.quant.nvfp4 import quantize_nvfp4, unpack_e2m1
-from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, default_fragment_config,
-                                            fragment_matmul, fragment_mma_twin, mma_m16n8k16, to_fragments)
-from pallas_kernels.nvfp4_matmul import nvfp4_matmul_reference
+from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, activations_kernel, default_fragment_config,
+                                            fragment_activations, fragment_matmul, fragment_mma_twin, mma_m16n8k16,
+                                            to_fragments)
+from pallas_kernels.nvfp4_matmul import f16_rows, nvfp4_matmul_reference
 from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.ptx_emulator import f32_value, run_ptx
 
@@ -102,6 +103,7 @@ def test_fragment_ptx_equals_its_twin(half):
     (3, 200, 272, FragmentConfig(tiles=4, split_k=2, num_warps=2)),        # tiles overhang N, K padded
     (8, 136, 640, FragmentConfig(tiles=2, split_k=2, num_warps=1, unroll=2)),  # an unrolled pair and a left-over chunk
     (5, 48, 256, FragmentConfig(tiles=2, split_k=3, num_warps=2)),         # a split with no chunk
+    (2, 64, 384, FragmentConfig(tiles=2, num_warps=1, fused_activations=False)),  # XLA's activations
 ])
 def test_fragment_matmul_matches_reference(m, n, k, config):
   """Fresh random x and weights against nvfp4_matmul_reference: within bf16 output rounding."""
@@ -113,6 +115,19 @@ def test_fragment_matmul_matches_reference(m, n, k, config):
   assert got.shape == (m, n)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 4e-3
   assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("m, k", [(1, 128), (3, 272), (8, 6144 + 32)])
+def test_activations_kernel_equals_xla(m, k):
+  """The one-launch activations: the same words as f16_rows then fragment_activations (rows
+  past M and columns past K zero), and the same row maxima, for rows of very different scales."""
+  rng = np.random.default_rng(k + m)
+  x = jnp.asarray(rng.standard_normal((m, k)) * 10.0 ** rng.integers(-6, 6, (m, 1)), jnp.bfloat16)
+  chunks = -(-k // 128)
+  words, amax = activations_kernel(x, chunks, interpret=True)
+  x16, want_amax = f16_rows(x)
+  np.testing.assert_array_equal(np.asarray(words), np.asarray(fragment_activations(x16, chunks)))
+  np.testing.assert_array_equal(np.asarray(amax), np.pad(np.asarray(want_amax), (0, 8 - m)))
 
 
 def test_fragment_matmul_rejects_bad_inputs():
@@ -137,7 +152,7 @@ def test_default_fragment_config():
 
 def test_fragment_matmul_lowers_for_h200():
   w = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a)), jax.ShapeDtypeStruct((200, 272), jnp.float32))
-  for config in (None, FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, num_stages=2)):
+  for config in (None, FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, num_stages=2, fused_activations=False)):
     text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
                      jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), w)
     assert TRITON_CALL in text
