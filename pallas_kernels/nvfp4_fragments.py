@@ -41,6 +41,14 @@ num_warps, so a warp owns whole tiles) as 1-D [tiles * 128] arrays, whose Triton
 lane l the elements 4l..4l+3 of each 128 (what the PTX, four elements a call, relies on; the
 GPU tests check the result), and per chunk issues two PTX calls of four k-steps.
 
+Measured (H200, own time, BENCHMARKS.md run 28; XLA's bf16 GEMV 110-117 us): [M, 8192] x
+[8192, 28672] 50.1 us at M = 1 (hfma2: 47.3), 52.8 at M = 5, 53.9 at M = 8 (the tensor-core
+kernel: 86.1), 2.16-2.20x bf16; the kernel alone 44.4-46.0 us (70% of copy), the rest the
+activations' launch and XLA's epilogue. Latency-bound (Nsight Compute: 70 registers, 28 warps an
+SM, 43% of stalls on the loads); tried without gain: registers prefetching the next chunk, two
+MMA chains, Triton's pipelining (2x slower), cache hints. An expert's [6144] -> 2048 and [2048]
+-> 6144 take 6.7-8.8 us, as slow as XLA's bf16 or slower: launches, not bytes.
+
 Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
 store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).
 The interpreter cannot run PTX: there `fragment_mma_twin` computes the same MMAs in jnp from the
