@@ -38,8 +38,12 @@ fp16 exactly and accumulates in fp32.
 
 Program: a grid of (tile groups, K splits); each program keeps `tiles` tiles (a multiple of
 num_warps, so a warp owns whole tiles) as 1-D [tiles * 128] arrays, whose Triton layout gives
-lane l the elements 4l..4l+3 of each 128 (what the PTX, four elements a call, relies on; the
-GPU tests check the result), and per chunk issues two PTX calls of four k-steps.
+lane l the elements 4l..4l+3 of each 128 (what the PTX, four elements a call, relies on), and
+per chunk issues two PTX calls of four k-steps. That layout is Triton's choice, not stated here,
+and the CPU interpreter cannot see it: the same program loading the words by computed indices
+instead of contiguous `pl.ds` slices, or keeping 2-D [tiles, 128] arrays, came out wrong on the
+H200 at most tilings (BENCHMARKS.md run 28, call 9). Check any change to the loads on the GPU
+(kernels_bench's max_rel_err column).
 
 Measured (H200, own time, BENCHMARKS.md run 28; XLA's bf16 GEMV 110-117 us): [M, 8192] x
 [8192, 28672] 50.1 us at M = 1 (hfma2: 47.3), 52.8 at M = 5, 53.9 at M = 8 (the tensor-core
