@@ -62,13 +62,14 @@ from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
 from pallas_kernels.nvfp4_fragments import TOKENS as FRAGMENT_TOKENS
-from pallas_kernels.nvfp4_fragments import fragment_matmul, to_fragments
+from pallas_kernels.nvfp4_fragments import FragmentConfig, fragment_matmul, to_fragments
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
-SWEPT = FORMATS | {"bf16": (lambda w: w, bf16_matmul)}  # config_sweep_rows' kernels
+SWEPT = FORMATS | {"bf16": (lambda w: w, bf16_matmul),  # config_sweep_rows' kernels
+                   "nvfp4_fragments": (lambda w: to_fragments(quantize_nvfp4(w)), fragment_matmul)}
 
 
 def _nbytes(tree) -> int:
@@ -315,7 +316,8 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   routed experts as (token, expert) pairs (moe_hfma2, fused planes) at the rank's view (5 tokens,
   top-8 of 256 routed experts, 32 local) over both launches' tiles and the groups; the FP8 GEMV
   over row tiles and K splits with either operand dtype; the bf16 split-K GEMV at a rank's 25 MB
-  [5, 6144] -> 2048 over K splits."""
+  [5, 6144] -> 2048 over K splits; the fragment-order NVFP4 GEMV (nvfp4_fragments) at M = 1 and
+  8 over tiles a program, warps, K splits and chunks a loop step."""
   timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_own_kernels
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
@@ -329,10 +331,14 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                   for bn, bk, s in ((64, 256, 8), (64, 256, 4), (64, 256, 16), (32, 256, 8), (128, 128, 4))]
   pairs_configs = [PairsConfig(gate_up=hfma2(bn, 512, gs), down=hfma2(bn, 512, ds), groups=g, fused_planes=True)
                    for bn in (16, 32) for gs, ds in ((2, 1), (4, 2), (1, 1)) for g in (2, 4, 8)]
+  fragment_configs = [FragmentConfig(tiles=t, num_warps=w, split_k=s, unroll=u)
+                      for t, w in ((4, 2), (2, 1), (8, 4), (4, 4)) for s in (4, 8, 16) for u in (1, 2)]
   if quick:
-    gemv_configs, fp8_configs, bf16_configs, pairs_configs = (gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1],
-                                                              bf16_configs[:1], pairs_configs[:1])
-  for fmt, shape, configs in (("nvfp4", gemv, gemv_configs), ("fp8", gemv, fp8_configs), ("bf16", dense, bf16_configs)):
+    gemv_configs, fp8_configs, bf16_configs, pairs_configs, fragment_configs = (
+        gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1], bf16_configs[:1], pairs_configs[:1], fragment_configs[:1])
+  for fmt, shape, configs in (("nvfp4", gemv, gemv_configs), ("fp8", gemv, fp8_configs), ("bf16", dense, bf16_configs),
+                              ("nvfp4_fragments", gemv, fragment_configs),
+                              ("nvfp4_fragments", (8, *gemv[1:]), fragment_configs)):
     for row in config_sweep_rows(fmt, *shape, configs, timer=timer):
       yield dict(row, config=str(row["config"]))
   # One TEP rank's step: ids over all routed experts, so only about 5 of the 32 local ones are

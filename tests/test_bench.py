@@ -97,8 +97,9 @@ def test_agreement_compares_index_sets_and_float_errors():
 
 def test_quant_sweep_covers_the_stacks_kernels():
   """kernels_bench --sweep's quant rows: the NVFP4 GEMV on the CUDA cores beside the tensor
-  cores' default, the routed experts as pairs at a rank's view, the FP8 and bf16 GEMVs (one
-  config each in the quick sweep), every one timed (interpret mode: the PTX runs its jnp twin)."""
+  cores' default, the routed experts as pairs at a rank's view, the FP8 and bf16 GEMVs and the
+  fragment-order NVFP4 GEMV at 1 and 8 rows (one config each in the quick sweep), every one
+  timed (interpret mode: the PTX runs its jnp twin)."""
   from experiments.bench_quant import quant_sweep_rows
   rows = list(quant_sweep_rows(quick=True))
   assert {r["name"] for r in rows} == {"sweep", "moe_sweep"}
@@ -108,6 +109,8 @@ def test_quant_sweep_covers_the_stacks_kernels():
           for r in rows if r["name"] == "moe_sweep"] == [True]
   for fmt in ("fp8", "bf16"):
     assert len({r["config"] for r in rows if r["name"] == "sweep" and r["format"] == fmt}) == 1
+  fragments = [(r["m"], r["config"]) for r in rows if r["format"] == "nvfp4_fragments"]
+  assert [m for m, _ in fragments] == [1, 8] and all(c.startswith("FragmentConfig(") for _, c in fragments)
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
 
 
