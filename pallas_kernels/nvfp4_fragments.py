@@ -303,15 +303,19 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: 
   # scales_ref u32 [Kc * Nt * 32]; o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows).
   size, first = config.tiles * WORDS, pl.program_id(0) * config.tiles
   e = jnp.arange(size)
-  ok = None if tiles % config.tiles == 0 else first + e // WORDS < tiles
-  scale_index = (first + e // WORDS) * LANES + (e % WORDS) // 16 * 4 + e % 4  # lane 4g + t reads word 4g + j
+  # Truncating integer division (e >= 0): jnp's floor // and % add sign fix-ups that hide from
+  # Triton that these offsets run in aligned groups of 4, and it then loads 4 bytes at a time.
+  div, rem = (functools.partial(lambda op, a, b: op(a, jnp.int32(b)), op) for op in (lax.div, lax.rem))
+  tile, word = div(e, WORDS), rem(e, WORDS)
+  ok = None if tiles % config.tiles == 0 else first + tile < tiles
+  scale_index = (first + tile) * LANES + div(word, 16) * 4 + rem(e, 4)  # lane 4g + t reads word 4g + j
   load = lambda ref, index: pltriton.load(ref.at[index], mask=ok, other=None if ok is None else jnp.uint32(0))
 
   def chunk(c) -> tuple:
     """Chunk c's loads: the two halves' words, the scale words, the four activation arrays."""
     words = [load(words_ref, pl.ds((2 * c + h) * tiles * WORDS + first * WORDS, size)) for h in range(2)]
     return (words, load(scales_ref, c * tiles * LANES + scale_index),
-            [pltriton.load(x_ref.at[(4 * c + a) * WORDS + e % WORDS]) for a in range(4)])
+            [pltriton.load(x_ref.at[(4 * c + a) * WORDS + word]) for a in range(4)])
 
   def multiply(acc, loads) -> jax.Array:
     words, scales, xs = loads
@@ -333,10 +337,10 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: 
   acc = lax.fori_loop(start + steps * config.unroll, end, lambda c, acc: multiply(acc, chunk(c)), acc)
   # Lane 4g + t's four sums (tokens 2t, 2t + 1) go to slab t of this split, at 32 T + 4g + r;
   # slabs of padding tokens only (2t >= m) are not written.
-  lane = e % WORDS // 4
-  slab = (pl.program_id(1) * 4 + lane % 4) * tiles * LANES
-  keep = lane % 4 < pl.cdiv(m, 2)
-  pltriton.store(o_ref.at[slab + (first + e // WORDS) * LANES + lane // 4 * 4 + e % 4], acc,
+  lane = div(word, 4)
+  slab = (pl.program_id(1) * 4 + rem(lane, 4)) * tiles * LANES
+  keep = rem(lane, 4) < pl.cdiv(m, 2)
+  pltriton.store(o_ref.at[slab + (first + tile) * LANES + div(lane, 4) * 4 + rem(e, 4)], acc,
                  mask=keep if ok is None else keep & ok)
 
 
