@@ -45,13 +45,16 @@ instead of contiguous `pl.ds` slices, or keeping 2-D [tiles, 128] arrays, came o
 H200 at most tilings (BENCHMARKS.md run 28, call 9). Check any change to the loads on the GPU
 (kernels_bench's max_rel_err column).
 
-Measured (H200, own time, BENCHMARKS.md run 28; XLA's bf16 GEMV 110-117 us): [M, 8192] x
-[8192, 28672] 50.1 us at M = 1 (hfma2: 47.3), 52.8 at M = 5, 53.9 at M = 8 (the tensor-core
-kernel: 86.1), 2.16-2.20x bf16; the kernel alone 44.4-46.0 us (70% of copy), the rest the
-activations' launch and XLA's epilogue. Latency-bound (Nsight Compute: 70 registers, 28 warps an
-SM, 43% of stalls on the loads); tried without gain: registers prefetching the next chunk, two
-MMA chains, Triton's pipelining (2x slower), cache hints. An expert's [6144] -> 2048 and [2048]
--> 6144 take 6.7-8.8 us, as slow as XLA's bf16 or slower: launches, not bytes.
+Measured (H200, own time, BENCHMARKS.md run 28; XLA's bf16 GEMV 108-114 us in the same run):
+[M, 8192] x [8192, 28672] 47.4 us at M = 1 (hfma2: 47.2), 50.2 at M = 5, 51.1 at M = 8 (the
+tensor-core kernel: 85.6), 2.24-2.27x bf16; the kernel alone 41.3-42.9 us (76% of copy), the
+rest the activations' launch and XLA's epilogue. The gathers' offsets use truncating lax.div /
+lax.rem: with jnp's floor // and % Triton could not see their alignment and loaded the
+activation and scale words 4 bytes at a time (44.6 us). Latency-bound (Nsight Compute: 70
+registers, 28 warps an SM, most stalls on the loads); tried without gain: registers
+prefetching the next chunk, two MMA chains, Triton's pipelining (2x slower), cache hints. An
+expert's [6144] -> 2048 and [2048] -> 6144 take 6.4-8.6 us, as slow as XLA's bf16 or slower:
+launches, not bytes.
 
 Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
 store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).

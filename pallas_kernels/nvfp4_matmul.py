@@ -54,8 +54,8 @@ decodes its weights in registers and multiplies them in place with fp16x2 FMAs, 
 passes through shared memory (pallas_kernels/nvfp4_hfma2.py, measured there).
 
 pallas_kernels/nvfp4_fragments.py keeps the tensor cores without the trip through shared memory,
-for up to 8 rows, from a weight rearranged once into mma.sync's fragment order (M = 8: 53.9 us
-against this kernel's 86.1, BENCHMARKS.md run 28).
+for up to 8 rows, from a weight rearranged once into mma.sync's fragment order (M = 8: 51.1 us
+against this kernel's 85.6, BENCHMARKS.md run 28).
 """
 
 import dataclasses
