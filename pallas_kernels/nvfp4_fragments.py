@@ -25,9 +25,10 @@ of a warp:
   k-steps 2j and 2j + 1, bytes (s[g, 2j], s[g+8, 2j], s[g, 2j+1], s[g+8, 2j+1]). The four lanes
   of a row group load the same word (a broadcast; nothing is stored twice), so the weight stays
   at 4.5 bits.
-- the activations (`fragment_activations`, XLA, a few KB a call): f16_rows' fp16 x padded to 8
-  rows, as [Kc, 4, 128] u32: at [c, a, 4 l + j] the B fragment word of k-step 2a + j // 2
-  (j % 2: its first or second register), the fp16 pair x[g, 16 i + 2t (+ 8) + (0, 1)].
+- the activations, a few KB a call (`activations_kernel`, one launch; or XLA's f16_rows and
+  `fragment_activations`, FragmentConfig.fused_activations): f16_rows' fp16 x padded to 8 rows,
+  as [Kc, 4, 128] u32: at [c, a, 4 l + j] the B fragment word of k-step 2a + j // 2 (j % 2: its
+  first or second register), the fp16 pair x[g, 16 i + 2t (+ 8) + (0, 1)].
 The accumulator is mma's C fragment, 4 fp32 a lane: rows g, g + 8 by tokens 2t, 2t + 1; XLA
 sums the K splits and puts them in [M, N] order (`fragment_rows`), then scales (2^14, the
 per-tensor scale, f16_rows' inverse).
