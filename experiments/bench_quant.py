@@ -334,8 +334,8 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   fragment_configs = [FragmentConfig(tiles=t, num_warps=w, split_k=s, unroll=u)
                       for t, w in ((4, 2), (2, 1), (8, 4), (4, 4)) for s in (4, 8, 16) for u in (1, 2)]
   if quick:
-    gemv_configs, fp8_configs, bf16_configs, pairs_configs, fragment_configs = (
-        gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1], bf16_configs[:1], pairs_configs[:1], fragment_configs[:1])
+    gemv_configs, fp8_configs, bf16_configs = gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1], bf16_configs[:1]
+    pairs_configs, fragment_configs = pairs_configs[:1], fragment_configs[:1]
   for fmt, shape, configs in (("nvfp4", gemv, gemv_configs), ("fp8", gemv, fp8_configs), ("bf16", dense, bf16_configs),
                               ("nvfp4_fragments", gemv, fragment_configs),
                               ("nvfp4_fragments", (8, *gemv[1:]), fragment_configs)):

@@ -152,7 +152,8 @@ def test_default_fragment_config():
 
 def test_fragment_matmul_lowers_for_h200():
   w = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a)), jax.ShapeDtypeStruct((200, 272), jnp.float32))
-  for config in (None, FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, num_stages=2, fused_activations=False)):
+  staged = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, num_stages=2, fused_activations=False)
+  for config in (None, staged):
     text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
                      jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), w)
     assert TRITON_CALL in text
