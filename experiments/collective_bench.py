@@ -15,12 +15,12 @@ the model, and the one latency that makes the model match. `experiments.tep_proj
 --latency_us` takes that latency.
 """
 
-import json
 
 import jax
 from absl import app, flags
 
 from configs import get_model_config
+from experiments import write_json
 from glmjax import parallel
 from glmjax.parallel.comm_bench import bench_collectives
 
@@ -49,9 +49,7 @@ def main(argv: list[str]) -> None:
   print(f"TEP={s['tep']} ({s['devices'][0]}): {s['collectives']} collectives a step, {s['step_measured_ms']:.3f} ms "
         f"measured against {s['step_model_ms']:.3f} modelled at {s['model_latency_us']} us each; the model matches "
         f"at {s['matching_latency_us']:.2f} us a collective")
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w") as f:
-      json.dump(result, f, indent=1)
+  write_json(_OUTPUT.value, result)
 
 
 if __name__ == "__main__":

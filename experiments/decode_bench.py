@@ -10,13 +10,12 @@ loop (timed). Prints decode tokens/s, step time, both TTFTs, KV bytes per token 
 writes JSON.
 """
 
-import json
 
 import jax
 from absl import app, flags
 from tqdm import tqdm
 
-from experiments import study
+from experiments import study, write_json
 from glmjax import footprint
 from glmjax.bench import maybe_profile
 
@@ -54,9 +53,7 @@ def main(_):
     print(f"ctx {r['context']:>7} {r['attention']:>6} {r['kv_dtype']:>4}: {r['decode_tokens_per_s']:8.1f} tok/s, "
           f"{r['step_ms']:.2f} ms/step, cold TTFT {r['cold_prefill_ttft_s'] * 1e3:.0f} ms, "
           f"cached TTFT {r['cached_ttft_s'] * 1e3:.1f} ms", flush=True)
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w") as f:
-      json.dump(dict(config=_CONFIG.value, device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
+  write_json(_OUTPUT.value, dict(config=_CONFIG.value, device=str(jax.devices()[0].device_kind), rows=rows))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import numpy as np
 from absl import app, flags
 
 import glmjax
+from experiments import write_json
 from glmjax.api import params_dtype
 from glmjax.config import ModelConfig
 from glmjax.data import load_corpus
@@ -277,8 +278,7 @@ def main(_):
                   devices=dict(peer=device, glmjax=jax.devices()[0].device_kind),
                   versions=dict(torch=torch.__version__, transformers=transformers.__version__, jax=jax.__version__),
                   prompt=prompt, results=results)
-    with open(_OUTPUT.value, "w") as f:
-      json.dump(report, f, indent=1)
+    write_json(_OUTPUT.value, report)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ the table at the end.
 """
 
 import functools
-import json
 import platform
 
 import jax
 from absl import app, flags
 
-from experiments import bench_dsa, bench_quant
+from experiments import bench_dsa, bench_quant, write_json
 from glmjax.bench import maybe_profile
 
 SUITES = {"dsa": bench_dsa.dsa_rows, "quant": bench_quant.quant_rows}
@@ -80,9 +79,7 @@ def main(_):
         for kernel, launches, us in row.get("kernels", []):
           print(f"    {us:9.2f} us  {launches:5.2f} x  {kernel}", flush=True)
     print(f"\n== {name} on {report['device']} ==\n{format_rows(rows)}", flush=True)
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w") as f:
-      json.dump(report, f, indent=1, default=str)
+  write_json(_OUTPUT.value, report, default=str)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ stated `--accept_length`. A collective's kernel in that profile also waits for t
 experiments.collective_bench times each collective alone.
 """
 
-import json
 from typing import Any
 
 import jax
 from absl import app, flags
 
 from configs import get_model_config
-from experiments import kernel_flags
+from experiments import kernel_flags, write_json
 from experiments.step_timing import time_decode_step, with_layers
 from glmjax import parallel
 from glmjax.bench import device_kernel_times
@@ -88,9 +87,7 @@ def main(argv: list[str]) -> None:
         f"{report['tokens_per_s']:.1f} tok/s at acceptance {_ACCEPT.value}; collectives "
         f"{'not in the trace' if report['collective_s_per_step'] is None else f'{report['collective_s_per_step'] * 1e3:.3f} ms'}"
         f" per step (model: {report['predicted_comm_s_per_step'] * 1e3:.3f} ms, {predicted['collectives']} collectives)")
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w") as f:
-      json.dump(report, f, indent=1)
+  write_json(_OUTPUT.value, report)
 
 
 if __name__ == "__main__":

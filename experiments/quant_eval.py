@@ -17,7 +17,6 @@ module exists, else random tokens (with a warning: then only the agreement colum
 Without the checkpoint directory the model is a random --config (with a warning).
 """
 
-import json
 import os
 import warnings
 
@@ -28,7 +27,7 @@ from absl import app, flags
 
 import glmjax
 from configs import get_model_config
-from experiments import kernel_flags
+from experiments import kernel_flags, write_json
 from glmjax.config import ModelConfig
 from glmjax.model import init_params
 from glmjax.quant import POLICIES, quantize_params
@@ -143,8 +142,7 @@ def main(argv: list[str]) -> None:
     report = dict(model=source, text=text, flags={k: FLAGS[k].value for k in (
         "policies", "tokens", "prompts", "prompt_len", "windows", "seq_len", "attention", "matmul", "dtype", "seed")},
         rows=rows)
-    with open(FLAGS.output, "w") as f:
-      json.dump(report, f, indent=1)
+    write_json(FLAGS.output, report)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ token, decode tokens and tokens/s, the generated ids, and with --spec=mtp the ac
 """
 
 import dataclasses
-import json
 
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-from experiments import kernel_flags, study
+from experiments import kernel_flags, study, write_json
 from glmjax.engine.engine import Engine
 from glmjax.engine.sampling import Sampling
 from glmjax.engine.speculative import SpecConfig
@@ -148,9 +147,7 @@ def run(argv=None) -> dict:
     print(f"MTP: acceptance length {summary['acceptance_length']:.2f} tokens per verify step over "
           f"{verify} steps; per position {', '.join(f'{a:.2f}' for a in summary['acceptance_rate_per_position'])}; "
           f"median step {summary['step_s_median'] * 1e3:.2f} ms, submit {summary['dispatch_s_median'] * 1e3:.2f} ms")
-  if FLAGS.output:
-    with open(FLAGS.output, "w") as f:
-      json.dump(report, f, indent=1)
+  write_json(FLAGS.output, report)
   return report
 
 

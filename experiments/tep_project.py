@@ -26,7 +26,6 @@ shows several latencies. The printout also compares the weights the rank config 
 one device holds in the rules' layout (glmjax.parallel.rules).
 """
 
-import json
 import math
 from typing import Any
 
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from configs import get_model_config
-from experiments import kernel_flags
+from experiments import kernel_flags, write_json
 from experiments.step_timing import measure_rank_step
 from glmjax import parallel
 from glmjax.config import ModelConfig
@@ -151,9 +150,7 @@ def main(argv: list[str]) -> None:
       f"at {H200_BANDWIDTH / 1e12:.2f} TB/s (not applied)",
     ])
   print(format_report(report))
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w") as f:
-      json.dump(report, f, indent=1)
+  write_json(_OUTPUT.value, report)
 
 
 if __name__ == "__main__":
