@@ -75,7 +75,7 @@ from jax.experimental.pallas import triton as pltriton
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight, unpack_e2m1
 from pallas_kernels import loop_stages
 from pallas_kernels.checks import check_at_least, check_launch, is_pow2, resolve_interpret
-from pallas_kernels.nvfp4_hfma2 import decode_ptx, decode_word
+from pallas_kernels.nvfp4_hfma2 import decode_ptx, decode_word, f16_pairs
 from pallas_kernels.nvfp4_matmul import DECODE_SCALE, f16_rows, row_inverse_scale, row_scale
 
 loop_stages.install()
@@ -118,11 +118,6 @@ FRAGMENT_PTX = tuple(fragment_ptx(half) for half in range(2))
 FRAGMENT_CONSTRAINTS = ",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 16)
 
 
-def _fp16x2(word: jax.Array) -> jax.Array:
-  """u32 [...] -> f32 [..., 2], the fp16 pair in each word (low half first)."""
-  return lax.bitcast_convert_type(word, jnp.float16).astype(jnp.float32)
-
-
 def mma_m16n8k16(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array]) -> list[jax.Array]:
   """mma.sync m16n8k16 (f16 x f16 + f32) on register arrays [..., 32] (a warp's lanes last): A's
   four fp16x2 registers, B's two, C's four f32 -> D's four f32, in the PTX ISA's fragment layouts
@@ -130,9 +125,9 @@ def mma_m16n8k16(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array]) -> 
   (0, 1) of column g; c_r: row g + 8 (r // 2), column 2t + r % 2). Products exact, sums in fp32."""
   lead = a[0].shape[:-1]
   # A [..., ch, rh, g, t, p] -> [..., 16, 16]; B [..., kh, g, t, p] -> [..., 16, 8]; C [..., rh, cb, g, t].
-  a_mat = jnp.stack([_fp16x2(r) for r in a], -3).reshape(*lead, 2, 2, 8, 4, 2)
+  a_mat = jnp.stack([f16_pairs(r) for r in a], -3).reshape(*lead, 2, 2, 8, 4, 2)
   a_mat = jnp.moveaxis(a_mat, -5, -3).reshape(*lead, 16, 16)
-  b_mat = jnp.stack([_fp16x2(r) for r in b], -3).reshape(*lead, 2, 8, 4, 2)
+  b_mat = jnp.stack([f16_pairs(r) for r in b], -3).reshape(*lead, 2, 8, 4, 2)
   b_mat = jnp.moveaxis(b_mat, -3, -1).reshape(*lead, 16, 8)
   c_mat = jnp.stack(c, -2).reshape(*lead, 2, 2, 8, 4)
   c_mat = jnp.moveaxis(c_mat, -3, -1).reshape(*lead, 16, 8)
@@ -157,7 +152,7 @@ def fragment_mma_twin(acc, words, scales, xa, xb, *, half: int) -> jax.Array:
   for i in range(4 * half, 4 * half + 4):
     s_g, s_g8 = _scale_pair(scales[..., i // 2], i % 2)
     regs = decode_word(words[..., i % 4])
-    a = [lax.bitcast_convert_type((_fp16x2(d) * s[..., None]).astype(jnp.float16), jnp.uint32)
+    a = [lax.bitcast_convert_type((f16_pairs(d) * s[..., None]).astype(jnp.float16), jnp.uint32)
          for d, s in zip(regs, (s_g, s_g8, s_g, s_g8))]
     xs = x[i // 2 - 2 * half]
     c = mma_m16n8k16(a, [xs[..., 2 * (i % 2)], xs[..., 2 * (i % 2) + 1]], c)

@@ -105,7 +105,7 @@ BLOCK_FMA_PTX = "\n".join([
 BLOCK_FMA_CONSTRAINTS = ",".join(["=f", "f", *["r"] * (2 + PLANES), "f"])
 
 
-def _f16_pairs(words: jax.Array) -> jax.Array:
+def f16_pairs(words: jax.Array) -> jax.Array:
   """u32 [...] -> f32 [..., 2]: the fp16 pair in each word (low half first)."""
   return lax.bitcast_convert_type(words, jnp.float16).astype(jnp.float32)
 
@@ -126,7 +126,7 @@ def block_fma_twin(acc, word0, word1, planes, scale):
   total = jnp.zeros_like(acc)
   for h, word in enumerate((word0, word1)):
     for p, d in enumerate(decode_word(word)):
-      total += jnp.sum(_f16_pairs(d) * _f16_pairs(planes[4 * h + p]), axis=-1)
+      total += jnp.sum(f16_pairs(d) * f16_pairs(planes[4 * h + p]), axis=-1)
   return acc + total * scale
 
 

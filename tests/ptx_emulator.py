@@ -5,7 +5,11 @@ instances as a warp's lanes, 32 in a row."""
 
 import re
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+
+from pallas_kernels.nvfp4_fragments import mma_m16n8k16
 
 
 def f16_value(bits: np.ndarray) -> np.ndarray:
@@ -33,7 +37,6 @@ def _halves(op, *regs: np.ndarray) -> np.ndarray:
 
 def _e4m3x2_to_f16x2(a: np.ndarray) -> np.ndarray:
   """cvt.rn.f16x2.e4m3x2: the low byte of a 16-bit register to the low half (exact)."""
-  import ml_dtypes
   byte = lambda i: ((a >> (8 * i)) & 0xFF).astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
   return f16_bits(byte(0)) | (f16_bits(byte(1)) << 16)
 
@@ -56,8 +59,6 @@ OPS = {
 def _mma(a: list, b: list, c: list) -> list:
   """mma.sync m16n8k16 f32.f16.f16.f32 over a warp's 32 lanes (pallas_kernels.nvfp4_fragments'
   jnp form of the PTX ISA's fragment layouts, checked there against plain matrices)."""
-  import jax.numpy as jnp
-  from pallas_kernels.nvfp4_fragments import mma_m16n8k16
   lanes = lambda r: jnp.asarray(r.reshape(-1, 32))
   d = mma_m16n8k16([lanes(r) for r in a], [lanes(r) for r in b],
                    [lanes(f32_value(r).astype(np.float32)) for r in c])
