@@ -50,7 +50,7 @@ from configs import get_model_config
 from glmjax.bench import agreement, bandwidth_tbs, time_device, time_own_kernels
 from glmjax.config import ModelConfig
 from glmjax.moe import route
-from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
+from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4, to_fragments
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
@@ -62,7 +62,7 @@ from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
 from pallas_kernels.nvfp4_fragments import TOKENS as FRAGMENT_TOKENS
-from pallas_kernels.nvfp4_fragments import FragmentConfig, fragment_matmul, to_fragments
+from pallas_kernels.nvfp4_fragments import FragmentConfig, fragment_matmul
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 

@@ -23,7 +23,9 @@ def define_matmul(default: str) -> flags.FlagHolder[str]:
                            "the grouped MoE reads only the chosen experts), pallas_ptx (pallas with the "
                            "inline-PTX NVFP4 decode), pallas_ptx_f16 (pallas_ptx with fp16 tensor-core "
                            "operands: no bf16 conversion of the decoded weights), pallas_hfma2 "
-                           "(pallas_ptx_f16 with one-row NVFP4 linears on the CUDA cores' fp16x2 FMAs)")
+                           "(pallas_ptx_f16 with one-row NVFP4 linears on the CUDA cores' fp16x2 FMAs), "
+                           "pallas_fragments (pallas_hfma2 with 2-D NVFP4 weights in mma.sync fragment order, "
+                           "arranged once at load, up to 8 rows a launch)")
 
 
 # The help of each fold switch (glmjax.runtime.FOLD_SWITCHES): what XLA does, what one launch does.

@@ -133,9 +133,9 @@ def _prepare(config: ModelConfig, *, context: int, attention: str, matmul: str, 
   decode program, the plain loop or with draft_steps the speculative one. kernel_switches: more
   `make_runtime` arguments (experiments/kernel_flags.py). A call's copy, dispatch and sync are the
   same for both lengths and drop out of their difference, so no timing loop is needed."""
-  params = random_params(config, dtype, weights=weights, mesh=mesh)
-  spec = steps.StepSpec(config, make_runtime(config, attention=attention, matmul=matmul, **(kernel_switches or {})),
-                        dtype)
+  runtime = make_runtime(config, attention=attention, matmul=matmul, **(kernel_switches or {}))
+  params = runtime.arrange(random_params(config, dtype, weights=weights, mesh=mesh))
+  spec = steps.StepSpec(config, runtime, dtype)
   lengths = (2, 2 + steps_apart)
   cache = _random_cache(config, context, lengths[-1] + draft_steps, kv_dtype, jax.random.key(1))
   program, mtp = _decode_program(config, spec, draft_steps, cache.page_table.shape[1] + 1, kv_dtype,

@@ -27,7 +27,7 @@ def layer_selections(config: ModelConfig, params, tokens, *, runtime: Runtime = 
 
   dtype = jnp.dtype(params["embed_tokens"]["weight"].dtype)
   with nn.intercept_methods(capture):
-    CausalLM(config, dtype=dtype, param_dtype=dtype).apply({"params": params}, jnp.asarray(tokens),
+    CausalLM(config, dtype=dtype, param_dtype=dtype).apply({"params": runtime.arrange(params)}, jnp.asarray(tokens),
                                                             runtime=runtime)
   return dict(sorted(seen.items()))
 

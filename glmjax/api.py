@@ -46,7 +46,7 @@ def _forward(params, tokens, *, config, runtime, dtype):
 def forward(config: ModelConfig, params, input_ids, *, runtime: Runtime = Runtime()) -> jax.Array:
   """One causal pass with no cache: logits float32 [B, S, V] (the reference path)."""
   tokens = check_tokens(config, input_ids)
-  return _forward(params, tokens, config=config, runtime=runtime, dtype=params_dtype(params))
+  return _forward(runtime.arrange(params), tokens, config=config, runtime=runtime, dtype=params_dtype(params))
 
 
 def generate(config: ModelConfig, params, prompt_ids, max_new_tokens: int, *, ignore_eos: bool = False,
@@ -62,6 +62,7 @@ def generate(config: ModelConfig, params, prompt_ids, max_new_tokens: int, *, ig
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   prompt = check_tokens(config, prompt_ids, extra_positions=max_new_tokens)
+  params = runtime.arrange(params)
   b, s = prompt.shape
   if kv_dtype is None:
     kv_dtype = "fp32" if params_dtype(params) == jnp.float32 else "bf16"

@@ -32,7 +32,8 @@ from safetensors.numpy import save_file
 
 from glmjax.config import ModelConfig
 from glmjax.model import abstract_params
-from glmjax.quant import POLICIES, FP8BlockWeight, NVFP4Weight, QuantizedWeight, quantize_leaf, quantizes
+from glmjax.quant import (POLICIES, FP8BlockWeight, NVFP4Weight, QuantizedWeight, arrange_params, quantize_leaf,
+                          quantizes)
 from glmjax.quant import fp8_block, nvfp4
 
 SINGLE_FILE = "model.safetensors"
@@ -360,8 +361,10 @@ def read_quantization_config(path: str | os.PathLike) -> dict[str, Any] | None:
 def save_pretrained(config: ModelConfig, params: dict, path: str | os.PathLike, *,
                     max_shard_bytes: int = 4 << 30) -> None:
   """Write config.json and safetensors (sharded with an index past max_shard_bytes), HF layout;
-  quantized leaves as their checkpoint tensors, described by config.json's quantization_config."""
+  quantized leaves as their checkpoint tensors, described by config.json's quantization_config
+  (NVFP4 weights in the fragment kernel's order back in ModelOpt's first)."""
   os.makedirs(path, exist_ok=True)
+  params = arrange_params(params, fragments=False)
   hf = config.to_hf_dict()
   quant_config = quantization_config(config, params)
   if quant_config is not None:

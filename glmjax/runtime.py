@@ -8,11 +8,11 @@ import dataclasses
 from typing import Literal
 
 from glmjax.config import ModelConfig, derive_indexer_types
-from glmjax.quant import DENSE_IMPLS, IMPLS, PAIR_ROUTINGS
+from glmjax.quant import DENSE_IMPLS, HFMA2_IMPLS, IMPLS, PAIR_ROUTINGS, arrange_params
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
-MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2 (glmjax.quant)
+MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2, pallas_fragments (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
@@ -31,7 +31,9 @@ class Runtime:
   indexer_pattern: per decoder layer, whether it runs its own indexer (else it reuses the
   nearest preceding layer's top-k). matmul: weight-only quantized matmuls through XLA or Pallas
   (pallas_ptx: Pallas with the inline-PTX NVFP4 decode; pallas_ptx_f16: that with fp16
-  tensor-core operands; pallas_hfma2: that with one-row NVFP4 linears on the CUDA cores).
+  tensor-core operands; pallas_hfma2: that with one-row NVFP4 linears on the CUDA cores;
+  pallas_fragments: that with the 2-D NVFP4 linears of up to 8 rows on mma.sync from fragment
+  order, which `arrange` puts the params in).
   dense_matmul: the model's plain bf16 linears at decode, XLA's einsum or the split-K Pallas
   GEMV (pallas_kernels/bf16_matmul.py), or that with the projections sharing their input in one
   launch ("pallas_grouped": q_a with kv_a, the indexer's wk with weights_proj, an MLP's gate
@@ -41,8 +43,9 @@ class Runtime:
   moe_routing: under a Pallas matmul, how the MoE kernels find the chosen experts: "table"
   (built by XLA) or "scan" (each program scans the step's ids; no XLA kernels) for the grouped
   tensor-core kernels, or "pairs": each (token, local expert) pair a one-row product on the CUDA
-  cores (pallas_kernels/moe_hfma2.py; NVFP4 experts under matmul="pallas_hfma2" only), or
-  "pairs_fused": that with the activations' fp16 planes built in one launch each.
+  cores (pallas_kernels/moe_hfma2.py; NVFP4 experts under matmul="pallas_hfma2" or
+  "pallas_fragments" only), or "pairs_fused": that with the activations' fp16 planes built in one
+  launch each.
   router: the MoE router's choice of experts from its logits, XLA's kernels (glmjax.moe.route:
   the split-K sum, a sort, the weights' gather and normalisation) or one Pallas launch from the
   GEMV's partials (pallas_kernels/moe_route.py; the same choices wherever the summed logits agree).
@@ -148,9 +151,15 @@ class Runtime:
     if self.index_query == "pallas" and self.query_absorb != "pallas":
       raise ValueError(f"index_query='pallas' finishes the indexer's query in the absorbed-query launch: it needs "
                        f"query_absorb='pallas', got {self.query_absorb!r}")
-    if self.moe_routing in PAIR_ROUTINGS and self.matmul != "pallas_hfma2":
+    if self.moe_routing in PAIR_ROUTINGS and self.matmul not in HFMA2_IMPLS:
       raise ValueError(f"moe_routing={self.moe_routing!r} runs the experts on the CUDA cores' fp16x2 FMAs: it "
-                       f"needs matmul='pallas_hfma2', got {self.matmul!r}")
+                       f"needs matmul in {HFMA2_IMPLS}, got {self.matmul!r}")
+
+  def arrange(self, params):
+    """params in the weight layout this runtime's matmul reads: 2-D NVFP4 weights in fragment
+    order under matmul="pallas_fragments", in ModelOpt's under the others (quant.arrange_params;
+    params already so come back as they are). The entry points taking params and a runtime call it."""
+    return arrange_params(params, fragments=self.matmul == "pallas_fragments")
 
   @property
   def linear_impls(self) -> dict[str, str]:

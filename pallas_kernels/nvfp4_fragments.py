@@ -8,11 +8,11 @@ Why a third NVFP4 kernel: the other two each pay for something this one does not
   [8192, 28672] (run 27), 1.36x XLA's bf16 where 2.8x is asked.
 - nvfp4_hfma2 (CUDA cores) multiplies each thread's weights in place, but every further row
   repeats its FMAs: M = 2 took 86.5 us.
-Here the weight is rearranged once, when loaded (`to_fragments`, the idea of Marlin's int4
-layout), so that the 16 bytes a thread loads are exactly its mma.sync A fragments of four
-k-steps: each thread decodes its own codes into its own operand registers, one PTX program
-(`FRAGMENT_PTX`) scales them and issues the MMAs, and nothing moves between threads. The tokens
-are the MMA's N (8), so a weight costs the same from M = 1 to 8.
+Here the weight is rearranged once, when loaded (glmjax.quant.fragments: `to_fragments`,
+`arrange_params`; the idea of Marlin's int4 layout), so that the 16 bytes a thread loads are
+exactly its mma.sync A fragments of four k-steps: each thread decodes its own codes into its own
+operand registers, one PTX program (`FRAGMENT_PTX`) scales them and issues the MMAs, and nothing
+moves between threads. The tokens are the MMA's N (8), so a weight costs the same from M = 1 to 8.
 
 Layout. Rows in tiles of 16 (m16n8k16's M), inputs in chunks of 128 (8 k-steps of 16), N and K
 zero-padded to them (zero codes and scales add nothing). For tile T, chunk c and lane l = 4g + t
@@ -72,7 +72,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight, unpack_e2m1
+from glmjax.quant.fragments import CHUNK, LANES, TILE, WORDS, FragmentWeight
 from pallas_kernels import loop_stages
 from pallas_kernels.checks import check_at_least, check_launch, is_pow2, resolve_interpret
 from pallas_kernels.nvfp4_hfma2 import decode_ptx, decode_word, f16_pairs
@@ -80,12 +80,7 @@ from pallas_kernels.nvfp4_matmul import DECODE_SCALE, f16_rows, row_inverse_scal
 
 loop_stages.install()
 
-TILE = 16          # weight rows a tile: mma m16n8k16's M
-TOKENS = 8         # its N: the most activation rows
-STEPS = 8          # k-steps of 16 a chunk
-CHUNK = STEPS * BLOCK
-LANES = 32
-WORDS = 4 * LANES  # u32 a tile holds per array: four per lane
+TOKENS = 8         # mma m16n8k16's N: the most activation rows
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 
 
@@ -167,43 +162,6 @@ def fragment_mma(acc, words, scales, xa, xb, *, half: int, ptx: bool) -> jax.Arr
       FRAGMENT_PTX[half], args=[acc, words, scales, xa, xb], constraints=FRAGMENT_CONSTRAINTS, pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.float32)])
   return out
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class FragmentWeight:
-  """An NVFP4 weight [N, K] in fragment order (module docstring): what fragment_matmul reads."""
-  words: jax.Array         # u32 [Kc, 2, Nt * 128]
-  scales: jax.Array        # u32 [Kc, Nt * 32]
-  global_scale: jax.Array  # f32 []
-  shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
-
-  @property
-  def tiles(self) -> int:
-    return self.scales.shape[1] // LANES
-
-
-def _words(b: jax.Array) -> jax.Array:
-  """uint8 [..., 2, 2] -> u32 [...], little-endian (byte 2 i + j from [..., i, j])."""
-  return lax.bitcast_convert_type(b.reshape(*b.shape[:-2], 4), jnp.uint32)
-
-
-def to_fragments(w: NVFP4Weight) -> FragmentWeight:
-  """A 2-D NVFP4Weight rearranged into fragment order (a copy of its 4.5 bits a weight, made once)."""
-  if w.ndim != 2:
-    raise ValueError(f"to_fragments: one [N, K] weight, got shape {w.shape}")
-  n, k = w.shape
-  nt, kc = pl.cdiv(n, TILE), pl.cdiv(k, CHUNK)
-  codes = jnp.pad(unpack_e2m1(w.packed), ((0, nt * TILE - n), (0, kc * CHUNK - k)))
-  # [T, rh, g, c, h, j, ch, t, cb] -> byte (rh, cb) = code(ch 0) | code(ch 1) << 4 -> [c, h, T, g, t, j, rh, cb]
-  codes = codes.reshape(nt, 2, 8, kc, 2, 4, 2, 4, 2)
-  packed = codes[..., 0, :, :] | (codes[..., 1, :, :] << 4)
-  words = _words(packed.transpose(3, 4, 0, 2, 6, 5, 1, 7)).reshape(kc, 2, nt * WORDS)
-  bits = lax.bitcast_convert_type(w.block_scale, jnp.uint8)
-  bits = jnp.pad(bits, ((0, nt * TILE - n), (0, kc * STEPS - k // BLOCK)))
-  # [T, rh, g, c, j, q] -> [c, T, g, j, q, rh]
-  scales = _words(bits.reshape(nt, 2, 8, kc, 4, 2).transpose(3, 0, 2, 4, 5, 1)).reshape(kc, nt * LANES)
-  return FragmentWeight(words, scales, w.global_scale.astype(jnp.float32), (n, k))
 
 
 def fragment_activations(x16: jax.Array, chunks: int) -> jax.Array:

@@ -146,7 +146,7 @@ def test_gemv_rows_time_every_impl_against_xla_bf16():
   assert by["nvfp4", "pallas"]["bytes"] == 96 * 80 + 96 * 10 + 8 + acts  # codes, e4m3 scales, 2 f32
   assert by["nvfp4", "pallas"]["speedup_vs_bf16"] == pytest.approx(4.0)
   # The fragment-order weight as stored: 6 tiles of 16 rows, K padded to 2 chunks of 128.
-  assert by["nvfp4", "pallas_fragments"]["bytes"] == 2 * 2 * 6 * 128 * 4 + 2 * 6 * 32 * 4 + 4 + acts
+  assert by["nvfp4", "pallas_fragments"]["bytes"] == 2 * 2 * 6 * 128 * 4 + 2 * 6 * 32 * 4 + 8 + acts
   assert by["nvfp4", "pallas_fragments"]["speedup_vs_bf16"] == pytest.approx(4.0)
   # One row: the CUDA-core NVFP4 GEMV joins (dot="hfma2"), checked the same way.
   one = {(r["format"], r["impl"]): r for r in gemv_rows(1, 96, 160, name="t", timer=timer)}

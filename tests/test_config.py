@@ -276,11 +276,12 @@ def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message,
 
 def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
   from glmjax.runtime import Runtime
-  with pytest.raises(ValueError, match="moe_routing='pairs'.*matmul='pallas_hfma2'"):
+  with pytest.raises(ValueError, match=r"moe_routing='pairs'.*matmul in \('pallas_hfma2', 'pallas_fragments'\)"):
     Runtime(matmul="pallas_ptx_f16", moe_routing="pairs")
-  with pytest.raises(ValueError, match="moe_routing='pairs_fused'.*matmul='pallas_hfma2'"):
+  with pytest.raises(ValueError, match="moe_routing='pairs_fused'.*matmul in .'pallas_hfma2'"):
     Runtime(matmul="pallas", moe_routing="pairs_fused")
   assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"
+  assert Runtime(matmul="pallas_fragments", moe_routing="pairs_fused").moe_routing == "pairs_fused"
 
 
 def test_runtime_moe_sum_needs_the_swiglu_launch():

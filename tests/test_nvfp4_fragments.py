@@ -11,10 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from glmjax.quant import FragmentWeight, NVFP4Weight, arrange_params, from_fragments, quantize_fp8_block, to_fragments
 from glmjax.quant.nvfp4 import quantize_nvfp4, unpack_e2m1
 from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, activations_kernel, default_fragment_config,
-                                            fragment_activations, fragment_matmul, fragment_mma_twin, mma_m16n8k16,
-                                            to_fragments)
+                                            fragment_activations, fragment_matmul, fragment_mma_twin, mma_m16n8k16)
 from pallas_kernels.nvfp4_matmul import f16_rows, nvfp4_matmul_reference
 from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.ptx_emulator import f32_value, run_ptx
@@ -67,6 +67,48 @@ def test_to_fragments_layout():
     assert (byte & 0xF, byte >> 4) == (codes[row, col], codes[row, col + 8])
   for c, tile, g, j, q, rh in np.ndindex(3, 3, 8, 4, 2, 2):
     assert scale_words[c, 4 * (32 * tile + 4 * g + j) + 2 * q + rh] == scales[16 * tile + g + 8 * rh, 8 * c + 2 * j + q]
+
+
+def _bytes(a) -> bytes:
+  a = np.asarray(a)
+  return a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
+
+
+def _nvfp4_bytes(w: NVFP4Weight) -> list[bytes]:
+  return [_bytes(getattr(w, field)) for field in ("packed", "block_scale", "global_scale", "input_scale")]
+
+
+@pytest.mark.parametrize("n, k", [(40, 272), (16, 128), (33, 16), (130, 400)])
+def test_from_fragments_inverts_to_fragments(n, k):
+  """ModelOpt's arrays back bit for bit (the padding dropped), from random weights with zero
+  rows, zero blocks, both signs and a calibrated input scale; the same dequantized values."""
+  rng = np.random.default_rng(n + k)
+  w = rng.standard_normal((n, k)) * np.exp(rng.uniform(-8, 4, (n, 1)))
+  w[n // 2] = 0
+  w[:, :16] = 0
+  q = quantize_nvfp4(jnp.asarray(w, jnp.float32), jnp.float32(0.37))
+  f = to_fragments(q)
+  rows, cols = -(-n // 16) * 16, -(-k // 128) * 128  # padded to whole tiles and chunks, still 4.5 bits a weight
+  assert f.shape == (n, k) and f.nbytes == rows * cols * 9 // 16 + 8
+  assert _nvfp4_bytes(from_fragments(f)) == _nvfp4_bytes(q)
+  np.testing.assert_array_equal(np.asarray(f.dequantize(jnp.float32)), np.asarray(q.dequantize(jnp.float32)))
+
+
+def test_arrange_params_moves_only_2d_nvfp4_weights():
+  """fragments=True: the 2-D NVFP4 weights in fragment order; stacked NVFP4 experts, FP8 and
+  plain leaves untouched. fragments=False: everything back as it was, bit for bit."""
+  rng = np.random.default_rng(3)
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  params = {"attn": {"weight": quantize_nvfp4(draw(48, 160))}, "fp8": {"weight": quantize_fp8_block(draw(32, 64))},
+            "experts": {"gate_proj": quantize_nvfp4(draw(3, 32, 64))}, "norm": {"weight": draw(64)}}
+  arranged = arrange_params(params, fragments=True)
+  assert isinstance(arranged["attn"]["weight"], FragmentWeight) and arranged["attn"]["weight"].shape == (48, 160)
+  for path in (("fp8", "weight"), ("experts", "gate_proj"), ("norm", "weight")):
+    a, b = params[path[0]][path[1]], arranged[path[0]][path[1]]
+    assert type(a) is type(b) and jax.tree.map(_bytes, a) == jax.tree.map(_bytes, b)
+  assert arrange_params(arranged, fragments=True) is arranged  # already so: nothing to do
+  back = arrange_params(arranged, fragments=False)
+  assert _nvfp4_bytes(back["attn"]["weight"]) == _nvfp4_bytes(params["attn"]["weight"])
 
 
 def _e4m3_bytes(rng, shape) -> np.ndarray:

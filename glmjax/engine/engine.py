@@ -108,6 +108,7 @@ class Engine:
       self.params = parallel.shard_params(config, params, mesh)
       self.cache = parallel.shard_cache(self.cache, mesh)
       self.mtp = jax.device_put(self.mtp, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    self.params = runtime.arrange(self.params)  # after sharding: the rules table knows ModelOpt's layout
     self._ids = itertools.count()
 
   def open_session(self) -> Session:

@@ -10,6 +10,8 @@
   param(module, name, init_fn, shape, dtype)
                               a Flax module's weight, which may be a quantized leaf.
   quantize_nvfp4 / quantize_fp8_block / quantize_params(params, policy) / quantize_leaf
+  arrange_params(params, fragments) / to_fragments / from_fragments
+                              2-D NVFP4 weights in or out of the fragment kernel's order.
 
 impl="xla" dequantizes and runs XLA's einsum (x.dtype inputs, fp32 accumulation); impl="pallas"
 runs the weight-only kernels in pallas_kernels/ on decode-sized bf16 inputs (at most
@@ -22,7 +24,11 @@ operands="float16": no fp16 -> bf16 conversion of the decoded weights; activatio
 row into fp16 by a power of two, pallas_kernels/nvfp4_matmul.f16_rows); "pallas_hfma2" is
 "pallas_ptx_f16" with NVFP4 linears of at most nvfp4_matmul.HFMA2_MAX_ROWS rows on the CUDA
 cores' fp16x2 FMAs instead of the tensor cores (MatmulConfig.dot="hfma2",
-pallas_kernels/nvfp4_hfma2.py). Plain arrays always take the plain einsum, unless
+pallas_kernels/nvfp4_hfma2.py); "pallas_fragments" is "pallas_hfma2" with the 2-D NVFP4 weights
+in mma.sync's fragment order (FragmentWeight, glmjax.quant.fragments; `arrange_params` moves
+them once, as the Engine does when it is given this impl) on pallas_kernels/nvfp4_fragments.py,
+eight rows a launch: [5, 8192] x [8192, 28672] takes 50 us against the tensor cores' 86
+(BENCHMARKS.md run 28). Plain arrays always take the plain einsum, unless
 dense="pallas": then decode-sized bf16 x against a bf16 weight runs the split-K GEMV of
 pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for wide outputs:
 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10);
@@ -37,21 +43,25 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.quant.fp8_block import FP8BlockWeight, quantize_fp8_block
+from glmjax.quant.fragments import FragmentWeight, arrange_params, from_fragments, to_fragments
 from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
 from glmjax.quant.policy import POLICIES, quantize_leaf, quantize_params, quantizes
 
-IMPLS = ("xla", "pallas", "pallas_ptx", "pallas_ptx_f16", "pallas_hfma2")
+IMPLS = ("xla", "pallas", "pallas_ptx", "pallas_ptx_f16", "pallas_hfma2", "pallas_fragments")
+# The impls that run the NVFP4 experts' CUDA-core pairs (PAIR_ROUTINGS) and the one-row hfma2 dot.
+HFMA2_IMPLS = ("pallas_hfma2", "pallas_fragments")
 # Plain bf16 weights: XLA's einsum, the split-K Pallas GEMV, or that with weights sharing their
 # input in one launch (linear_group).
 DENSE_IMPLS = ("xla", "pallas", "pallas_grouped")
 # The NVFP4 experts on the CUDA cores, a (token, expert) pair at a time: the activations' fp16
 # planes from XLA's glue, or built in one launch each (pallas_kernels/hfma2_planes.py).
 PAIR_ROUTINGS = ("pairs", "pairs_fused")
-QuantizedWeight = NVFP4Weight | FP8BlockWeight
+QuantizedWeight = NVFP4Weight | FP8BlockWeight | FragmentWeight
 
-__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight",
-           "decode_sized", "linear", "linear_group", "linear_group_partials", "linear_partials", "moe_experts",
-           "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes"]
+__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FragmentWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES",
+           "QuantizedWeight", "arrange_params", "decode_sized", "from_fragments", "linear", "linear_group",
+           "linear_group_partials", "linear_partials", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf",
+           "quantize_nvfp4", "quantize_params", "quantizes", "to_fragments"]
 
 
 def _check_impl(impl: str, dense: str = "xla") -> None:
@@ -63,18 +73,18 @@ def _check_impl(impl: str, dense: str = "xla") -> None:
 
 def _decode(impl: str) -> str:
   """The NVFP4 tile decode of a Pallas impl."""
-  return "ptx" if impl in ("pallas_ptx", "pallas_ptx_f16", "pallas_hfma2") else "jnp"
+  return "ptx" if impl in ("pallas_ptx", "pallas_ptx_f16", *HFMA2_IMPLS) else "jnp"
 
 
 def _operands(impl: str) -> str:
   """The tensor cores' operand dtype for quantized weights under a Pallas impl."""
-  return "float16" if impl in ("pallas_ptx_f16", "pallas_hfma2") else "bfloat16"
+  return "float16" if impl in ("pallas_ptx_f16", *HFMA2_IMPLS) else "bfloat16"
 
 
 def _dot(impl: str, rows: int) -> str:
   """Where an NVFP4 linear of `rows` rows multiplies under a Pallas impl (MatmulConfig.dot)."""
   from pallas_kernels.nvfp4_matmul import HFMA2_MAX_ROWS
-  return "hfma2" if impl == "pallas_hfma2" and rows <= HFMA2_MAX_ROWS else "mma"
+  return "hfma2" if impl in HFMA2_IMPLS and rows <= HFMA2_MAX_ROWS else "mma"
 
 
 def decode_sized(x: jax.Array) -> bool:
@@ -116,7 +126,8 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
   fp32 `dtype` (the indexer's projections, the router): the same products as casting first, a
   bf16 product being exact in fp32, and no fp32 copy of the weight. Quantized, impl="xla":
   dequantize to `dtype`, einsum with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny
-  kernel for decode-sized bf16 x, else the XLA path (see the module docstring).
+  kernel for decode-sized bf16 x, else the XLA path (see the module docstring). A FragmentWeight
+  under any Pallas impl: the fragment kernel, a launch per 8 rows (each reads the weight).
   """
   _check_impl(impl, dense)
   dtype = x.dtype if dtype is None else jnp.dtype(dtype)
@@ -133,7 +144,14 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
   if impl != "xla" and decode_sized(x):
     from pallas_kernels import fp8_matmul, nvfp4_matmul  # the kernels import the formats
     x2 = x.reshape(rows, x.shape[-1])
-    if isinstance(w, NVFP4Weight):
+    if isinstance(w, FragmentWeight):
+      from pallas_kernels.nvfp4_fragments import TOKENS, fragment_matmul
+      out = jnp.concatenate([fragment_matmul(x2[i:i + TOKENS], w) for i in range(0, rows, TOKENS)])
+    elif isinstance(w, NVFP4Weight) and impl == "pallas_fragments" and w.ndim == 2:
+      raise ValueError(f"linear: impl='pallas_fragments' reads 2-D NVFP4 weights in fragment order; this one "
+                       f"{w.shape} is in ModelOpt's: arrange the params once with "
+                       f"glmjax.quant.arrange_params(params, fragments=True) (the Engine does)")
+    elif isinstance(w, NVFP4Weight):
       config = nvfp4_matmul.default_config(rows, *w.shape, decode=_decode(impl), operands=_operands(impl),
                                            dot=_dot(impl, rows))
       out = nvfp4_matmul.nvfp4_matmul(x2, w, config=config)
@@ -189,9 +207,9 @@ def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: st
 
 def _check_pairs(impl: str, routing: str, *weights) -> None:
   """The PAIR_ROUTINGS are the NVFP4 experts' CUDA-core path (moe_experts)."""
-  if impl != "pallas_hfma2":
+  if impl not in HFMA2_IMPLS:
     raise ValueError(f"moe_experts: routing={routing!r} runs on the CUDA cores' fp16x2 FMAs: it needs "
-                     f"impl='pallas_hfma2', got {impl!r}")
+                     f"impl in {HFMA2_IMPLS}, got {impl!r}")
   from pallas_kernels.moe_hfma2 import check_nvfp4_experts  # the kernels import the formats
   check_nvfp4_experts(f"moe_experts: routing={routing!r}", dict(zip(("gate_proj", "up_proj", "down_proj"), weights)))
 
@@ -208,8 +226,8 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   decode-sized bf16 x (else the reference, as in `linear`); `routing`: how the kernels find the
   chosen experts (MoEConfig.routing: "table" from XLA, or "scan" in-kernel), or "pairs": each
   (token, local expert) pair a one-row product on the CUDA cores (pallas_kernels/moe_hfma2.py;
-  NVFP4 weights under impl="pallas_hfma2" only, else a clear error), "pairs_fused" that with the
-  activations' fp16 planes built in one launch each (PairsConfig.fused_planes); `chosen`: the
+  NVFP4 weights under an impl of HFMA2_IMPLS only, else a clear error), "pairs_fused" that with
+  the activations' fp16 planes built in one launch each (PairsConfig.fused_planes); `chosen`: the
   distinct local experts a step is expected to read, which picks the kernels' tiles
   (default_moe_config; None: all of them). partials: fp32 terms [S, T, D] whose sum rounded to
   x.dtype is the result (the pairs' down partials, unsummed; else [1, T, D]), for a kernel that

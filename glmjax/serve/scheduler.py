@@ -157,7 +157,7 @@ class Scheduler:
     if max_batch < 1 or prefill_chunk < 1 or token_budget < 1:
       raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}) and token_budget "
                        f"({token_budget}) must be positive")
-    self.config, self.params = config, params
+    self.config, self.params = config, runtime.arrange(params)
     self.page_size, self.max_batch, self.max_pages = page_size, max_batch, max_seq_len // page_size
     self.prefill_chunk, self.token_budget = min(prefill_chunk, token_budget), token_budget
     self.priority, self.sampling, self.ignore_eos = priority, sampling, ignore_eos
