@@ -100,3 +100,17 @@ def test_linear_group_partials_sum_to_the_group(dense):
     assert parts.dtype == jnp.float32 and parts.shape[1:] == (5, w.shape[0])
     assert (parts.shape[0] > 1) == (dense != "xla")
     np.testing.assert_allclose(parts.sum(0), out.reshape(5, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_group_partials_share_one_split_count():
+  """An NVFP4 weight (one term) beside a bf16 one (the GEMV's K splits, as the indexer's wk and
+  weights_proj under --weights=nvfp4): both come back as one summed term, equal to their linears."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(1, 5, 1536)), jnp.bfloat16)
+  ws = [quant.quantize_nvfp4(jnp.asarray(rng.normal(size=(72, 1536)), jnp.float32)),
+        jnp.asarray(0.05 * rng.normal(size=(32, 1536)), jnp.bfloat16)]
+  assert quant.linear_partials(x, ws[1], dense="pallas").shape[0] > 1
+  for parts, w in zip(quant.linear_group_partials(x, ws, dense="pallas_grouped"), ws, strict=True):
+    assert parts.shape == (1, 5, w.shape[0])
+    want = quant.linear(x, w, dense="pallas_grouped", dtype=jnp.float32).reshape(5, -1)
+    np.testing.assert_allclose(parts[0], want, rtol=1e-5, atol=1e-5)

@@ -197,10 +197,15 @@ def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla"
 
 def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla") -> list[jax.Array]:
   """[linear_partials(x, w, ...) for w in weights], in linear_group's one launch where it would
-  group them: for a consumer that sums them in its own launch (pallas_kernels/indexer_keys.py)."""
+  group them: for a consumer that sums them in its own launch (pallas_kernels/indexer_keys.py).
+  All with one split count: where the weights' differ (a quantized weight beside a split-K bf16
+  one), each summed to [1, rows, out]."""
   _check_impl(impl, dense)
   if not _grouped(x, weights, dense, jnp.float32):
-    return [linear_partials(x, w, impl=impl, dense=dense) for w in weights]
+    partials = [linear_partials(x, w, impl=impl, dense=dense) for w in weights]
+    if len({p.shape[0] for p in partials}) > 1:
+      partials = [p.sum(0, keepdims=True) for p in partials]
+    return partials
   from pallas_kernels.bf16_matmul import bf16_matmul_partials
   return list(bf16_matmul_partials(x.reshape(-1, x.shape[-1]), tuple(weights)))
 
