@@ -103,14 +103,20 @@ def test_linear_group_partials_sum_to_the_group(dense):
 
 
 def test_linear_group_partials_share_one_split_count():
-  """An NVFP4 weight (one term) beside a bf16 one (the GEMV's K splits, as the indexer's wk and
-  weights_proj under --weights=nvfp4): both come back as one summed term, equal to their linears."""
+  """An NVFP4 weight beside a bf16 one (the indexer's wk and weights_proj under --weights=nvfp4):
+  one summed term each. The NVFP4 term is its decode kernel's bf16 output (as the unfused path
+  rounds it), not an fp32 dequantize-and-dot of the whole weight; the bf16 term its K splits'
+  sum."""
   rng = np.random.default_rng(6)
   x = jnp.asarray(rng.normal(size=(1, 5, 1536)), jnp.bfloat16)
   ws = [quant.quantize_nvfp4(jnp.asarray(rng.normal(size=(72, 1536)), jnp.float32)),
         jnp.asarray(0.05 * rng.normal(size=(32, 1536)), jnp.bfloat16)]
   assert quant.linear_partials(x, ws[1], dense="pallas").shape[0] > 1
-  for parts, w in zip(quant.linear_group_partials(x, ws, dense="pallas_grouped"), ws, strict=True):
-    assert parts.shape == (1, 5, w.shape[0])
-    want = quant.linear(x, w, dense="pallas_grouped", dtype=jnp.float32).reshape(5, -1)
-    np.testing.assert_allclose(parts[0], want, rtol=1e-5, atol=1e-5)
+  group = lambda x: quant.linear_group_partials(x, ws, impl="pallas_hfma2", dense="pallas_grouped")
+  assert "pallas_call" in str(jax.make_jaxpr(lambda x: group(x)[0])(x))
+  nvfp4, bf16 = group(x)
+  assert nvfp4.shape == (1, 5, 72) and bf16.shape == (1, 5, 32)
+  kernel = quant.linear(x, ws[0], impl="pallas_hfma2").reshape(5, 72)
+  np.testing.assert_array_equal(np.asarray(nvfp4[0]), np.asarray(kernel, np.float32))
+  want = quant.linear(x, ws[1], dense="pallas_grouped", dtype=jnp.float32).reshape(5, 32)
+  np.testing.assert_allclose(bf16[0], want, rtol=1e-5, atol=1e-5)

@@ -95,15 +95,16 @@ def test_from_fragments_inverts_to_fragments(n, k):
 
 
 def test_arrange_params_moves_only_2d_nvfp4_weights():
-  """fragments=True: the 2-D NVFP4 weights in fragment order; stacked NVFP4 experts, FP8 and
-  plain leaves untouched. fragments=False: everything back as it was, bit for bit."""
+  """fragments=True: the 2-D NVFP4 weights in fragment order; stacked NVFP4 experts, MLA's kv_b,
+  FP8 and plain leaves untouched. fragments=False: everything back as it was, bit for bit."""
   rng = np.random.default_rng(3)
   draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
   params = {"attn": {"weight": quantize_nvfp4(draw(48, 160))}, "fp8": {"weight": quantize_fp8_block(draw(32, 64))},
-            "experts": {"gate_proj": quantize_nvfp4(draw(3, 32, 64))}, "norm": {"weight": draw(64)}}
+            "experts": {"gate_proj": quantize_nvfp4(draw(3, 32, 64))}, "norm": {"weight": draw(64)},
+            "kv_b_proj": {"weight": quantize_nvfp4(draw(64, 32))}}  # RAW: read whole by the model
   arranged = arrange_params(params, fragments=True)
   assert isinstance(arranged["attn"]["weight"], FragmentWeight) and arranged["attn"]["weight"].shape == (48, 160)
-  for path in (("fp8", "weight"), ("experts", "gate_proj"), ("norm", "weight")):
+  for path in (("fp8", "weight"), ("experts", "gate_proj"), ("norm", "weight"), ("kv_b_proj", "weight")):
     a, b = params[path[0]][path[1]], arranged[path[0]][path[1]]
     assert type(a) is type(b) and jax.tree.map(_bytes, a) == jax.tree.map(_bytes, b)
   assert arrange_params(arranged, fragments=True) is arranged  # already so: nothing to do

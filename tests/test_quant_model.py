@@ -148,9 +148,9 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
 
 def test_fragment_matmul_in_the_model(params_bf16):
   """matmul="pallas_fragments", 5 rows (an MTP verify): forward puts the NVFP4 params in fragment
-  order itself, each 2-D NVFP4 linear is the fragment kernel's two launches where pallas_hfma2
-  runs one nvfp4_matmul, the MoE is the same, and the logits equal pallas_hfma2's (exact fp16
-  products, fp32 sums, one bf16 rounding a linear)."""
+  order itself (not kv_b, read whole: fragments.RAW); each 2-D NVFP4 linear is the fragment
+  kernel's two launches where pallas_hfma2 runs one nvfp4_matmul; the MoE is the same; the
+  logits equal pallas_hfma2's (exact fp16 products, fp32 sums, one bf16 rounding a linear)."""
   q = quantized(params_bf16, "nvfp4")
   ids = tokens(7, 1, 5)
   names = lambda impl: collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(
@@ -163,24 +163,23 @@ def test_fragment_matmul_in_the_model(params_bf16):
   assert rel_err(out, glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_hfma2"))) <= 2e-3
   # The engine arranges its params once, the same weights.
   engine = Engine(CONFIG, q, runtime=Runtime(matmul="pallas_fragments"), num_pages=4, page_size=16)
-  kv_b = engine.params["layers_1"]["self_attn"]["kv_b_proj"]["weight"]
-  assert isinstance(kv_b, FragmentWeight) and isinstance(engine.params["layers_1"]["mlp"]["experts"]["up_proj"],
-                                                         NVFP4Weight)
-  np.testing.assert_array_equal(np.asarray(kv_b.dequantize(jnp.float32)),
-                                np.asarray(q["layers_1"]["self_attn"]["kv_b_proj"]["weight"].dequantize(jnp.float32)))
+  attention = engine.params["layers_1"]["self_attn"]
+  assert isinstance(attention["kv_b_proj"]["weight"], NVFP4Weight)
+  assert isinstance(engine.params["layers_1"]["mlp"]["experts"]["up_proj"], NVFP4Weight)
+  o_proj = attention["o_proj"]["weight"]
+  assert isinstance(o_proj, FragmentWeight)
+  np.testing.assert_array_equal(np.asarray(o_proj.dequantize(jnp.float32)),
+                                np.asarray(q["layers_1"]["self_attn"]["o_proj"]["weight"].dequantize(jnp.float32)))
 
 
 def test_fragment_linear_takes_rows_in_eights():
-  """linear on a FragmentWeight: 12 rows in two launches (8 + 4) close to the NVFP4 reference; a
-  ModelOpt-order weight under pallas_fragments is an error that says how to arrange the params."""
+  """linear on a FragmentWeight: 12 rows in two launches (8 + 4) close to the NVFP4 reference."""
   rng = np.random.default_rng(5)
   w = quantize_nvfp4(jnp.asarray(rng.standard_normal((40, 160)), jnp.float32))
   x = jnp.asarray(rng.standard_normal((3, 4, 160)), jnp.bfloat16)
   out = linear(x, to_fragments(w), impl="pallas_fragments")
   ref = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w.dequantize(jnp.float32))
   assert out.shape == (3, 4, 40) and out.dtype == jnp.bfloat16 and rel_err(out, ref) <= 4e-3
-  with pytest.raises(ValueError, match=r"fragment order.*arrange_params\(params, fragments=True\)"):
-    linear(x, w, impl="pallas_fragments")
 
 
 def test_dense_pallas_matmul_matches_xla(params_bf16):

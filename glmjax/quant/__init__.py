@@ -26,8 +26,8 @@ row into fp16 by a power of two, pallas_kernels/nvfp4_matmul.f16_rows); "pallas_
 cores' fp16x2 FMAs instead of the tensor cores (MatmulConfig.dot="hfma2",
 pallas_kernels/nvfp4_hfma2.py); "pallas_fragments" is "pallas_hfma2" with the 2-D NVFP4 weights
 in mma.sync's fragment order (FragmentWeight, glmjax.quant.fragments; `arrange_params` moves
-them once, as the Engine does when it is given this impl) on pallas_kernels/nvfp4_fragments.py,
-eight rows a launch: [5, 8192] x [8192, 28672] takes 50 us against the tensor cores' 86
+them once, as the Engine does when it is given this impl; MLA's kv_b stays, read whole) on
+pallas_kernels/nvfp4_fragments.py, eight rows a launch: [5, 8192] x [8192, 28672] takes 50 us against the tensor cores' 86
 (BENCHMARKS.md run 28). Plain arrays always take the plain einsum, unless
 dense="pallas": then decode-sized bf16 x against a bf16 weight runs the split-K GEMV of
 pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for wide outputs:
@@ -127,7 +127,8 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
   bf16 product being exact in fp32, and no fp32 copy of the weight. Quantized, impl="xla":
   dequantize to `dtype`, einsum with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny
   kernel for decode-sized bf16 x, else the XLA path (see the module docstring). A FragmentWeight
-  under any Pallas impl: the fragment kernel, a launch per 8 rows (each reads the weight).
+  under any Pallas impl: the fragment kernel, a launch per 8 rows (each reads the weight); an
+  NVFP4Weight under "pallas_fragments" (not arranged, or RAW): "pallas_hfma2"'s kernels.
   """
   _check_impl(impl, dense)
   dtype = x.dtype if dtype is None else jnp.dtype(dtype)
@@ -147,10 +148,6 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
     if isinstance(w, FragmentWeight):
       from pallas_kernels.nvfp4_fragments import TOKENS, fragment_matmul
       out = jnp.concatenate([fragment_matmul(x2[i:i + TOKENS], w) for i in range(0, rows, TOKENS)])
-    elif isinstance(w, NVFP4Weight) and impl == "pallas_fragments" and w.ndim == 2:
-      raise ValueError(f"linear: impl='pallas_fragments' reads 2-D NVFP4 weights in fragment order; this one "
-                       f"{w.shape} is in ModelOpt's: arrange the params once with "
-                       f"glmjax.quant.arrange_params(params, fragments=True) (the Engine does)")
     elif isinstance(w, NVFP4Weight):
       config = nvfp4_matmul.default_config(rows, *w.shape, decode=_decode(impl), operands=_operands(impl),
                                            dot=_dot(impl, rows))
@@ -166,11 +163,13 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
 def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=jnp.float32) -> jax.Array:
   """x [..., in] @ w.T as fp32 terms [S, rows, out] that sum to it: the split-K GEMV's partials,
   unsummed, where `linear` in `dtype` would run that kernel (its output: their sum rounded to
-  dtype), else [1, rows, out] (`linear` in dtype, as fp32). For a consumer that sums them in its
-  own launch (pallas_kernels/moe_route.py, mla_query.py, residual_norm.py)."""
+  dtype), else [1, rows, out] (`linear` in dtype, as fp32). A quantized weight: `linear` in x's
+  dtype, as fp32: its kernel at decode, rounded as the unfused path rounds it (in fp32, x would
+  miss the kernels and dequantize the whole weight every step). For a consumer that sums them in
+  its own launch (pallas_kernels/moe_route.py, mla_query.py, residual_norm.py)."""
   rows = math.prod(x.shape[:-1])
   if not takes_bf16_gemv(x, w, dense, jnp.dtype(dtype)):
-    out = linear(x, w, impl=impl, dense=dense, dtype=dtype)
+    out = linear(x, w, impl=impl, dense=dense, dtype=x.dtype if isinstance(w, QuantizedWeight) else dtype)
     return out.astype(jnp.float32).reshape(1, rows, w.shape[0])
   from pallas_kernels.bf16_matmul import bf16_matmul_partials
   return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w)

@@ -30,6 +30,9 @@ WORDS = 4 * LANES  # u32 a tile holds per array: four per lane
 # (block 8 c + 2 j + q) <-> [c, T, g, j, q, rh].
 _WORD_AXES = (3, 4, 0, 2, 6, 5, 1, 7)
 _SCALE_AXES = (3, 0, 2, 4, 5, 1)
+# Weights the model reads whole, not through `linear`: MLA's kv_b, absorbed into the decode query
+# and the values (glmjax/attention.py). In fragment order each step would first move it back.
+RAW = ("kv_b_proj",)
 
 
 def _inverse(axes: tuple[int, ...]) -> tuple[int, ...]:
@@ -103,15 +106,18 @@ def _is_leaf(x) -> bool:
 
 
 def arrange_params(params: Any, fragments: bool) -> Any:
-  """Params with every 2-D NVFP4 weight in fragment order (fragments=True: what the fragment
-  kernel reads) or in ModelOpt's order (False); other leaves, and NVFP4 experts (3-D), as they
-  are. Each moved weight is one jitted call on its device; params with nothing to move come back
-  as they are (the same object)."""
-  def moves(leaf) -> bool:
+  """Params with every 2-D NVFP4 weight that the model multiplies through `linear` in fragment
+  order (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False);
+  other leaves, NVFP4 experts (3-D) and the RAW weights as they are. Each moved weight is one
+  jitted call on its device; params with nothing to move come back as they are (the same object)."""
+  def moves(path, leaf) -> bool:
     if fragments:
-      return isinstance(leaf, NVFP4Weight) and leaf.ndim == 2
+      names = {getattr(key, "key", None) for key in path}
+      return isinstance(leaf, NVFP4Weight) and leaf.ndim == 2 and not names & set(RAW)
     return isinstance(leaf, FragmentWeight)
-  if not any(moves(leaf) for leaf in jax.tree.leaves(params, is_leaf=_is_leaf)):
+  found = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)[0]
+  if not any(moves(path, leaf) for path, leaf in found):
     return params
   move = jax.jit(to_fragments if fragments else from_fragments)
-  return jax.tree.map(lambda leaf: move(leaf) if moves(leaf) else leaf, params, is_leaf=_is_leaf)
+  return jax.tree_util.tree_map_with_path(lambda path, leaf: move(leaf) if moves(path, leaf) else leaf, params,
+                                          is_leaf=_is_leaf)
