@@ -17,7 +17,6 @@ describes them (`quantization_config` / `read_quantization_config`; ModelConfig 
 """
 
 import json
-import math
 import os
 from typing import Any, Callable, Iterator
 
@@ -35,6 +34,7 @@ from glmjax.model import abstract_params
 from glmjax.quant import (POLICIES, FP8BlockWeight, NVFP4Weight, QuantizedWeight, arrange_params, quantize_leaf,
                           quantizes)
 from glmjax.quant import fp8_block, nvfp4
+from glmjax.quant.leaf import field_spec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -176,21 +176,14 @@ def _stored_format(names: list[str], available: set[str]) -> tuple[type | None, 
 
 def _field_sharding(sharding: jax.sharding.Sharding, logical: tuple[int, ...],
                     shape: tuple[int, ...]) -> jax.sharding.Sharding:
-  """The sharding of one array of a param leaf: the param's own for the weight itself; for the
-  packed and block-scale arrays of a quantized leaf the same spec along the same dims, for its
-  per-tensor scales ([...] = the leading expert dims) that of those dims; a dim that the mesh
-  axes do not divide is replicated."""
+  """The sharding of one array of a param leaf: the param's own for the weight itself, else
+  glmjax.quant.leaf.field_spec's for a quantized leaf's arrays."""
   if shape == logical or sharding.is_fully_replicated:
     return sharding
   if not isinstance(sharding, jax.sharding.NamedSharding):
     raise ValueError(f"quantized leaves need a NamedSharding (or a replicated one) to shard their "
                      f"packed and scale arrays, got {sharding}")
-  spec = (tuple(sharding.spec) + (None,) * len(logical))[:len(logical)]
-  spec = spec if len(shape) == len(logical) else spec[:len(shape)]
-  def size(axes) -> int:
-    return math.prod(sharding.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
-  return jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(*(a if n % size(a) == 0 else None for a, n in zip(spec, shape))))
+  return jax.sharding.NamedSharding(sharding.mesh, field_spec(sharding.spec, len(logical), shape, sharding.mesh.shape))
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, shardings: ShardingFn | None = None,

@@ -35,6 +35,7 @@ from glmjax.checkpoint import TensorFiles, load_params, save_pretrained
 from glmjax.engine import steps
 from glmjax.engine.sampling import Sampling
 from glmjax.model import abstract_params, init_params
+from glmjax.quant import quantize_params
 from glmjax.parallel import comm_model, rules
 from glmjax.runtime import Runtime
 from tests.conftest import rel_err
@@ -78,6 +79,52 @@ def test_forward_matches_one_device(model, tep):
   assert got.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tep")), 3)  # vocab-split
   assert rel_err(got, want) < 1e-5
   np.testing.assert_array_equal(np.argmax(got, -1), np.argmax(want, -1))
+
+
+@pytest.mark.parametrize("policy", ["nvfp4", "fp8"])
+def test_quantized_params_shard_field_by_field(model, policy):
+  """shard_params on quantized leaves: codes and block scales split as their weight, per-tensor
+  scales as its leading dims, an FP8 block-scale dim the degree does not divide replicated; the
+  shared expert's quantized weights through the expert-parallel shard_map; the logits those of
+  one device."""
+  config, params = model
+  q = quantize_params(params, policy)
+  ids = _prompt(config, 3, (1, 8))
+  want = glmjax.forward(config, q, ids)
+  mesh = parallel.make_mesh(2)
+  sharded = parallel.shard_params(config, q, mesh)
+  o_proj, experts = sharded["layers_1"]["self_attn"]["o_proj"]["weight"], sharded["layers_1"]["mlp"]["experts"]
+  spec = lambda a: tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
+  if policy == "nvfp4":
+    assert spec(o_proj.packed) == spec(o_proj.block_scale) == (None, "tep") and spec(o_proj.global_scale) == ()
+    assert spec(experts["up_proj"].packed) == ("tep", None, None) and spec(experts["up_proj"].global_scale) == ("tep",)
+  else:  # q_b [320, 64]: 3 blocks of 128 rows, which 2 does not divide
+    q_b = sharded["layers_1"]["self_attn"]["q_b_proj"]["weight"]
+    assert spec(q_b.weight) == ("tep", None) and spec(q_b.scale_inv) == (None, None)
+    assert spec(o_proj.weight) == spec(o_proj.scale_inv) == (None, "tep")
+    # In the expert-parallel shard_map a device reads its slice's scales from the start: fine
+    # for the shared expert's one block, an error for q_b's three.
+    with pytest.raises(ValueError, match=r"q_b: a FP8BlockWeight \(3, 1\) field does not split"):
+      rules.quantized_specs(P("tep"), q_b, mesh.shape, local=True, param="q_b")
+  with parallel.use_mesh(mesh):
+    got = glmjax.forward(config, sharded, ids)
+  assert rel_err(got, want) < 1e-5
+
+
+def test_fragment_matmul_under_the_mesh(model):
+  """bf16 NVFP4 params sharded, then put in fragment order by forward (runtime.arrange: the shared
+  expert stays in ModelOpt's order for the expert-parallel shard_map): the logits of one device
+  up to bf16 rounding of the row-parallel sums."""
+  config, params = model
+  config = dataclasses.replace(config, num_hidden_layers=2, mlp_layer_types=config.mlp_layer_types[:2],
+                               indexer_types=config.indexer_types[:2])  # a dense and an MoE layer
+  q = quantize_params(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), "nvfp4")
+  q = {k: v for k, v in q.items() if not k.startswith("layers_") or int(k[7:]) < 2}
+  ids, runtime, mesh = _prompt(config, 5, (1, 5)), Runtime(matmul="pallas_fragments"), parallel.make_mesh(2)
+  want = glmjax.forward(config, q, ids, runtime=runtime)
+  with parallel.use_mesh(mesh):
+    got = glmjax.forward(config, parallel.shard_params(config, q, mesh), ids, runtime=runtime)
+  assert rel_err(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("tep", (2,))

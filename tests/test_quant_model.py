@@ -148,17 +148,19 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
 
 def test_fragment_matmul_in_the_model(params_bf16):
   """matmul="pallas_fragments", 5 rows (an MTP verify): forward puts the NVFP4 params in fragment
-  order itself (not kv_b, read whole: fragments.RAW); each 2-D NVFP4 linear is the fragment
-  kernel's two launches where pallas_hfma2 runs one nvfp4_matmul; the MoE is the same; the
-  logits equal pallas_hfma2's (exact fp16 products, fp32 sums, one bf16 rounding a linear)."""
+  order itself (not kv_b, read whole, nor the shared expert: fragments.RAW); each other 2-D
+  NVFP4 linear is the fragment kernel's two launches where pallas_hfma2 runs one nvfp4_matmul;
+  the MoE is the same; the logits equal pallas_hfma2's (exact fp16 products, fp32 sums, one bf16
+  rounding a linear)."""
   q = quantized(params_bf16, "nvfp4")
   ids = tokens(7, 1, 5)
   names = lambda impl: collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(
       lambda p: glmjax.forward(CONFIG, p, ids, runtime=Runtime(matmul=impl)))(q).jaxpr))
   hfma2, fragments = names("pallas_hfma2"), names("pallas_fragments")
-  linears = hfma2.pop("nvfp4_matmul")
+  linears, shared = hfma2.pop("nvfp4_matmul"), 3 * len(MOE_LAYERS)  # the shared experts' stay (RAW)
   assert linears >= 13
-  assert fragments == hfma2 + collections.Counter(nvfp4_fragments=linears, nvfp4_fragment_activations=linears)
+  assert fragments == hfma2 + collections.Counter(nvfp4_matmul=shared, nvfp4_fragments=linears - shared,
+                                                  nvfp4_fragment_activations=linears - shared)
   out = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_fragments"))
   assert rel_err(out, glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_hfma2"))) <= 2e-3
   # The engine arranges its params once, the same weights.

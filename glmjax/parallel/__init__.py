@@ -19,18 +19,24 @@ from glmjax.config import ModelConfig
 from glmjax.model import abstract_params
 from glmjax.parallel.mesh import (TEP, abstract_mesh, active_mesh, initialize_distributed, make_mesh,
                                   use_mesh)
-from glmjax.parallel.rules import RULES, cache_shardings, check_config, param_shardings, shardings_fn
+from glmjax.parallel.rules import (RULES, cache_shardings, check_config, param_shardings, quantized_shardings,
+                                   shardings_fn)
+from glmjax.quant import QuantizedWeight
 
 __all__ = ["RULES", "TEP", "abstract_mesh", "active_mesh", "cache_shardings", "check_config",
-           "initialize_distributed", "make_mesh", "param_shardings", "shard_cache", "shard_params",
-           "shardings_fn", "use_mesh"]
+           "initialize_distributed", "make_mesh", "param_shardings", "quantized_shardings", "shard_cache",
+           "shard_params", "shardings_fn", "use_mesh"]
 
 
 def shard_params(config: ModelConfig, params, mesh: jax.sharding.Mesh):
-  """Place params (unboxed arrays of `config`) in the TEP layout of the rules table. Params in
-  host memory of one process; across hosts, load with `shardings_fn` instead."""
+  """Place params (unboxed arrays of `config`, quantized leaves among them) in the TEP layout of
+  the rules table. Params in host memory of one process; across hosts, load with `shardings_fn`
+  instead."""
   check_config(config, mesh)
-  return jax.device_put(params, param_shardings(abstract_params(config), mesh))
+  shardings = jax.tree.map(lambda s, leaf: quantized_shardings(s, leaf) if isinstance(leaf, QuantizedWeight) else s,
+                           param_shardings(abstract_params(config), mesh), params,
+                           is_leaf=lambda x: isinstance(x, QuantizedWeight))
+  return jax.device_put(params, shardings)
 
 
 def shard_cache(cache: KVCache, mesh: jax.sharding.Mesh) -> KVCache:

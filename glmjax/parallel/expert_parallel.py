@@ -26,11 +26,11 @@ from glmjax.config import ModelConfig
 from glmjax.layers import MLP
 from glmjax.moe import expected_local_experts
 from glmjax.parallel.mesh import TEP
-from glmjax.parallel.rules import check_config
+from glmjax.parallel.rules import check_config, quantized_specs
 
 # The shard_map's view of the params: whole experts per device, the shared expert split as a
-# column- then row-parallel MLP. rules.py gives the params the same layout, so entering the
-# shard_map moves nothing.
+# column- then row-parallel MLP (a quantized weight's fields as rules.quantized_specs splits
+# them). rules.py gives the params the same layout, so entering the shard_map moves nothing.
 EXPERT_SPEC = P(TEP)
 SHARED_SPECS = {"gate_proj": {"weight": P(TEP)}, "up_proj": {"weight": P(TEP)},
                 "down_proj": {"weight": P(None, TEP)}}
@@ -61,7 +61,11 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
     partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense, swiglu=swiglu)
     return jax.lax.psum(partial, TEP)
 
-  specs = (P(), P(), P(), EXPERT_SPEC, SHARED_SPECS)
+  is_spec = lambda x: isinstance(x, P)
+  shared_specs = jax.tree.map(
+      lambda spec, w: quantized_specs(spec, w, mesh.shape, local=True, param="shared_experts")
+      if isinstance(w, quant.QuantizedWeight) else spec, SHARED_SPECS, shared, is_leaf=is_spec)
+  specs = (P(), P(), P(), EXPERT_SPEC, shared_specs)
   # check_vma=False: the Pallas kernels inside (the MoE and bf16 GEMVs at decode sizes) state no
   # varying-axes type for their outputs, which the check requires; the psum makes the result
   # replicated, as out_specs says.

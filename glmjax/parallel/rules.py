@@ -22,6 +22,8 @@ from glmjax.cache.paged import KVCache
 from glmjax.checkpoint import ShardingFn
 from glmjax.config import RANK_FIELDS, ModelConfig
 from glmjax.model import abstract_params
+from glmjax.quant import QuantizedWeight
+from glmjax.quant.leaf import field_spec
 from glmjax.parallel.mesh import TEP
 
 RULES: dict[str, str | None] = {
@@ -72,6 +74,30 @@ def param_shardings(abstract_params: Any, mesh: Mesh) -> Any:
     return NamedSharding(mesh, mesh_spec(leaf.names, leaf.value.shape, mesh, param=_path(keypath)))
   return jax.tree_util.tree_map_with_path(sharding, abstract_params,
                                           is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def quantized_specs(spec: PartitionSpec, leaf: QuantizedWeight, mesh_shape, *, local: bool = False,
+                    param: str = "") -> QuantizedWeight:
+  """A quantized leaf's PartitionSpecs, field by field, from its logical weight's `spec`
+  (glmjax.quant.leaf.field_spec: a dim the mesh does not divide is replicated, which GSPMD keeps
+  correct). local: for a shard_map, where each device dequantizes its own slice and reads a
+  replicated block-scale dim from its start: a ValueError naming `param` unless that dim holds
+  one block."""
+  def field(array: jax.Array) -> PartitionSpec:
+    axes = field_spec(spec, leaf.ndim, array.shape, mesh_shape)
+    wanted = field_spec(spec, leaf.ndim, array.shape, None)
+    if local and any(a != w and n > 1 for a, w, n in zip(axes, wanted, array.shape)):
+      raise ValueError(f"{param}: a {type(leaf).__name__} {array.shape} field does not split as its weight "
+                       f"{leaf.shape} over {spec}: the devices' slices would straddle its blocks")
+    return axes
+  return jax.tree.map(field, leaf)
+
+
+def quantized_shardings(sharding: NamedSharding, leaf: QuantizedWeight) -> QuantizedWeight:
+  """`quantized_specs` as NamedShardings on the sharding's mesh (for device_put)."""
+  specs = quantized_specs(sharding.spec, leaf, sharding.mesh.shape)
+  return jax.tree.map(lambda spec: NamedSharding(sharding.mesh, spec), specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def check_config(config: ModelConfig, mesh: Mesh | AbstractMesh) -> None:

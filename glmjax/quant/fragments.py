@@ -30,9 +30,11 @@ WORDS = 4 * LANES  # u32 a tile holds per array: four per lane
 # (block 8 c + 2 j + q) <-> [c, T, g, j, q, rh].
 _WORD_AXES = (3, 4, 0, 2, 6, 5, 1, 7)
 _SCALE_AXES = (3, 0, 2, 4, 5, 1)
-# Weights the model reads whole, not through `linear`: MLA's kv_b, absorbed into the decode query
-# and the values (glmjax/attention.py). In fragment order each step would first move it back.
-RAW = ("kv_b_proj",)
+# Weights kept in ModelOpt's order: MLA's kv_b, which the model reads whole (absorbed into the
+# decode query and the values, glmjax/attention.py: in fragment order each step would first move
+# it back), and the shared expert, which the expert-parallel shard_map slices array by array
+# (a FragmentWeight's static shape is the whole weight's).
+RAW = ("kv_b_proj", "shared_experts")
 
 
 def _inverse(axes: tuple[int, ...]) -> tuple[int, ...]:
