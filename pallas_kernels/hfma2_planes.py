@@ -30,19 +30,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.checks import resolve_interpret
-from pallas_kernels.nvfp4_hfma2 import PLANES, activation_planes
+from pallas_kernels.nvfp4_hfma2 import PLANES, plane_pairs
 from pallas_kernels.nvfp4_matmul import BLOCK, load_tile, row_scale
 from pallas_kernels.partials import split_tile_sum
 
 
 @functools.cache
 def _plane_columns() -> tuple[tuple[int, int], ...]:
-  """(low, high) half's column within a 16-column block, per plane: read off activation_planes
-  itself (run on the block's column numbers), so the layout is stated once."""
-  with jax.ensure_compile_time_eval():  # first called while a kernel traces: a constant, not a tracer
-    words = np.asarray(activation_planes(jnp.arange(BLOCK, dtype=jnp.float16)[None]))[0, :, 0]
-  column = lambda half: int(np.uint16(half).view(np.float16))
-  return tuple((column(w & 0xFFFF), column(w >> 16)) for w in words)
+  """(low, high) half's column within a 16-column block, per plane: read off plane_pairs itself
+  (in numpy, on the block's column numbers: no jax op, so no trace or mesh context reaches it)."""
+  return tuple((int(low), int(high)) for low, high in plane_pairs(np.arange(BLOCK)[None])[0, :, 0])
 
 
 def _real_lines(planes_ref, blocks: int) -> jax.Array:

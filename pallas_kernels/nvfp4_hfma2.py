@@ -140,14 +140,18 @@ def block_fma(acc, word0, word1, planes, scale, *, ptx: bool):
   return out
 
 
+def plane_pairs(x):
+  """[M, K] -> [M, 8, K/16, 2] (a jax or numpy array): plane 4h + p of block b holds the two
+  columns that decode_word's register p of the block's word h holds: columns 8h + c of the
+  block with c = 4 (p % 2) + 2 q + p // 2 for half q (0 low, 1 high)."""
+  m, k = x.shape
+  cols = x.reshape(m, k // BLOCK, 2, 2, 2, 2)             # [m, b, h, p % 2, q, p // 2]
+  return cols.transpose(0, 2, 5, 3, 1, 4).reshape(m, PLANES, k // BLOCK, 2)
+
+
 def activation_planes(x16: jax.Array) -> jax.Array:
-  """fp16 [M, K] -> u32 [M, 8, K/16]: plane 4h + p of block b holds the two columns that
-  decode_word's register p of the block's word h holds: columns 8h + c of the block with
-  c = 4 (p % 2) + 2 q + p // 2 for half q (0 low, 1 high)."""
-  m, k = x16.shape
-  cols = x16.reshape(m, k // BLOCK, 2, 2, 2, 2)             # [m, b, h, p % 2, q, p // 2]
-  pairs = cols.transpose(0, 2, 5, 3, 1, 4).reshape(m, PLANES, k // BLOCK, 2)
-  return lax.bitcast_convert_type(pairs, jnp.uint32)
+  """fp16 [M, K] -> u32 [M, 8, K/16]: `plane_pairs`, each pair one word (low half first)."""
+  return lax.bitcast_convert_type(plane_pairs(x16), jnp.uint32)
 
 
 def code_words(packed: jax.Array) -> jax.Array:

@@ -127,6 +127,20 @@ def test_fragment_matmul_under_the_mesh(model):
   assert rel_err(got, want) < 1e-2
 
 
+def test_planes_kernel_traces_inside_a_shard_map():
+  """The hfma2 planes kernel's column table, built while a kernel traces, inside the expert-parallel
+  shard_map (where a jnp constant would be a manual-sharded value): the same planes as outside."""
+  from pallas_kernels import hfma2_planes
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.bfloat16)
+  hfma2_planes._plane_columns.cache_clear()
+  mesh = parallel.make_mesh(2)
+  with parallel.use_mesh(mesh):
+    inside = jax.jit(jax.shard_map(hfma2_planes.rows_planes, mesh=mesh, in_specs=P(), out_specs=P(),
+                                   check_vma=False))(a)
+  for got, want in zip(inside, hfma2_planes.rows_planes(a), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("tep", (2,))
 def test_generate_matches_one_device(model, tep):
   """The public API through the cache. Batch 1 at TEP=2 is the case whose local experts (4)
