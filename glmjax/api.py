@@ -44,7 +44,9 @@ def _forward(params, tokens, *, config, runtime, dtype):
 
 
 def forward(config: ModelConfig, params, input_ids, *, runtime: Runtime = Runtime()) -> jax.Array:
-  """One causal pass with no cache: logits float32 [B, S, V] (the reference path)."""
+  """One causal pass with no cache: logits float32 [B, S, V] (the reference path). Params in the
+  runtime's weight layout (Runtime.arrange) are used as they are; others are moved on each call,
+  so a loop of calls under matmul="pallas_fragments" should arrange them once first."""
   tokens = check_tokens(config, input_ids)
   return _forward(runtime.arrange(params), tokens, config=config, runtime=runtime, dtype=params_dtype(params))
 
