@@ -100,7 +100,7 @@ def evaluate(config: ModelConfig, params, policies: list[str], windows: np.ndarr
     raise ValueError(f"unknown policies {bad}; known: {POLICIES}")
   rows, reference = [], None
   for policy in ["none"] + [p for p in policies if p != "none"]:
-    quantized = quantize_params(params, policy)
+    quantized = runtime.arrange(quantize_params(params, policy))  # moved once, not per call
     loss = mean_nll(config, quantized, windows, runtime)
     generated = glmjax.generate(config, quantized, prompts, new_tokens, ignore_eos=True, runtime=runtime)
     if reference is None:

@@ -177,3 +177,20 @@ def test_ablate_and_sweep_on_tiny(tmp_path):
       "baseline", "+prefix cache", "+MTP (k=2)"]
   for png in ("ablate_tokens_per_s.png", "ablate_step_vs_floor.png", "ablate_contexts.png"):
     assert (out / png).stat().st_size > 1000
+
+
+@pytest.mark.side_lane  # 30 s on 2 cores
+def test_quant_eval_on_tiny(tmp_path):
+  """The policies' accuracy table: the reference first and equal to itself, every loss finite and
+  positive, weights smaller in the order bf16 > NVFP4 experts > NVFP4 everywhere, the table printed."""
+  out = tmp_path / "quant_eval.json"
+  log = _wait(_launch("experiments.quant_eval", [
+      "--config=tiny", "--checkpoint=", "--policies=none,nvfp4_experts,nvfp4", "--tokens=4", "--prompts=2",
+      "--prompt_len=8", "--windows=2", "--seq_len=16", f"--output={out}"], tmp_path / "log", tmp_path / "cache"),
+      tmp_path / "log")
+  rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+  assert list(rows) == ["none", "nvfp4_experts", "nvfp4"]
+  assert rows["none"]["ppl_change"] == 0 and rows["none"]["agreement"] == rows["none"]["agreement_forced"] == 1
+  assert all(0 < r["loss"] < 20 and r["ppl"] == pytest.approx(np.exp(r["loss"]), rel=1e-6) for r in rows.values())
+  assert 1 == rows["none"]["bytes_ratio"] > rows["nvfp4_experts"]["bytes_ratio"] > rows["nvfp4"]["bytes_ratio"] > 0.25
+  assert all(f"{name} " in log for name in rows)
