@@ -55,7 +55,10 @@ activation and scale words 4 bytes at a time (44.6 us). Latency-bound (Nsight Co
 registers, 28 warps an SM, most stalls on the loads); tried without gain: registers
 prefetching the next chunk, two MMA chains, Triton's pipelining (2x slower), cache hints. An
 expert's [6144] -> 2048 and [2048] -> 6144 take 6.4-8.6 us, as slow as XLA's bf16 or slower:
-launches, not bytes.
+launches, not bytes. Run 30 kept the loads one by one (MMAs replaced by xors): the weights and
+scales alone take 34.6 us, the read ceiling (3.82 TB/s); the activation words, twice a tile's
+weight bytes and re-read by every tile group, cost 5.5-6.3 us more. Reusing them across tiles,
+and one launch for the call, are what is left.
 
 Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
 store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).
