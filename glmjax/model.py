@@ -45,14 +45,21 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, cos, sin, prev_topk, *, positions, runtime, cache, cache_slot):
+    from glmjax.parallel import tensor_parallel  # the parallel package imports the model
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     with jax.named_scope(f"layer{self.layer_id}_attn"):
       normed = RMSNorm(c.hidden_size, c.rms_norm_eps, name="input_layernorm", **kw)(x)
-      fused = runtime.residual_norm == "pallas" and quant.decode_sized(normed) and _on_one_program()
-      attn, topk, layer_cache = MLAttention(c, self.has_indexer, name="self_attn", **kw)(
-          normed, cos, sin, prev_topk, positions=positions, runtime=runtime, layer_id=self.layer_id,
-          cache=cache, cache_slot=cache_slot, o_partials=fused)
+      fused = runtime.residual_norm == "pallas" and quant.decode_sized(normed)
+      call = dict(positions=positions, runtime=runtime, layer_id=self.layer_id, cache=cache, cache_slot=cache_slot,
+                  o_partials=fused)
+      if mesh := self._split_mesh("self_attn", tensor_parallel.HEAD_SPECS):
+        attn, topk, layer_cache = tensor_parallel.attention(
+            self.variables["params"]["self_attn"], normed, cos, sin, prev_topk, config=c,
+            has_indexer=self.has_indexer, mesh=mesh, **kw, **call)
+      else:
+        attn, topk, layer_cache = MLAttention(c, self.has_indexer, name="self_attn", **kw)(
+            normed, cos, sin, prev_topk, **call)
     with jax.named_scope(f"layer{self.layer_id}_mlp"):
       post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, name="post_attention_layernorm", **kw)
       if fused:  # the residual add and the norm in one launch from o_proj's partials
@@ -62,21 +69,33 @@ class DecoderLayer(nn.Module):
       else:
         x = x + attn.astype(x.dtype)
         h = post_norm(x)
-      if self.sparse_mlp and runtime.moe_sum == "pallas" and quant.decode_sized(h) and _on_one_program():
+      if self.sparse_mlp and runtime.moe_sum == "pallas" and quant.decode_sized(h) and _tep_mesh() is None:
         # the layer's sum in the shared expert's launch: the MoE returns the new residual
         return MoE(c, name="mlp", **kw)(h, runtime=runtime, residual=x), topk, layer_cache
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
+      elif mesh := self._split_mesh("mlp", tensor_parallel.MLP_SPECS):
+        h = tensor_parallel.mlp(self.variables["params"]["mlp"], h, hidden_size=c.hidden_size,
+                                intermediate_size=c.intermediate_size, mesh=mesh, **kw, **runtime.mlp_impls)
       else:
         h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.mlp_impls)
     return x + h.astype(x.dtype), topk, layer_cache
 
+  def _split_mesh(self, name: str, table: dict):
+    """The TEP mesh that submodule `name` runs split over, as a shard_map
+    (glmjax.parallel.tensor_parallel: its params split by `table`, whole quantization blocks a
+    device); None on one device, at init, or where GSPMD partitions it instead."""
+    if self.is_initializing():
+      return None
+    from glmjax.parallel import tensor_parallel  # the parallel package imports the model
+    return tensor_parallel.mesh_for(self.variables["params"][name], table)
 
-def _on_one_program() -> bool:
-  """Whether no TEP mesh is active (one device, or one rank's program): a fold that reads a
-  row-parallel projection's partials applies; under a mesh GSPMD all-reduces its output first."""
+
+def _tep_mesh():
+  """The active TEP mesh (None: one device, or one rank's program). A fold that reads the MoE's
+  unsummed partials applies only without it."""
   from glmjax.parallel.mesh import active_mesh  # the parallel package imports the model
-  return active_mesh() is None
+  return active_mesh()
 
 
 class MTPBlock(nn.Module):

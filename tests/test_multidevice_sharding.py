@@ -35,7 +35,7 @@ from glmjax.checkpoint import TensorFiles, load_params, save_pretrained
 from glmjax.engine import steps
 from glmjax.engine.sampling import Sampling
 from glmjax.model import abstract_params, init_params
-from glmjax.quant import quantize_params
+from glmjax.quant import FragmentWeight, NVFP4Weight, quantize_params, to_fragments
 from glmjax.parallel import comm_model, rules
 from glmjax.runtime import Runtime
 from tests.conftest import rel_err
@@ -112,9 +112,9 @@ def test_quantized_params_shard_field_by_field(model, policy):
 
 
 def test_fragment_matmul_under_the_mesh(model):
-  """bf16 NVFP4 params sharded, then put in fragment order by forward (runtime.arrange: the shared
-  expert stays in ModelOpt's order for the expert-parallel shard_map): the logits of one device
-  up to bf16 rounding of the row-parallel sums."""
+  """bf16 NVFP4 params sharded, then put in fragment order by forward (runtime.arrange: weights
+  split over the mesh stay in ModelOpt's order for the TEP shard_maps, a split FragmentWeight
+  there is a clear error): the logits of one device up to bf16 rounding of the row-parallel sums."""
   config, params = model
   config = dataclasses.replace(config, num_hidden_layers=2, mlp_layer_types=config.mlp_layer_types[:2],
                                indexer_types=config.indexer_types[:2])  # a dense and an MoE layer
@@ -122,8 +122,14 @@ def test_fragment_matmul_under_the_mesh(model):
   q = {k: v for k, v in q.items() if not k.startswith("layers_") or int(k[7:]) < 2}
   ids, runtime, mesh = _prompt(config, 5, (1, 5)), Runtime(matmul="pallas_fragments"), parallel.make_mesh(2)
   want = glmjax.forward(config, q, ids, runtime=runtime)
+  sharded = parallel.shard_params(config, q, mesh)
+  attn = runtime.arrange(sharded)["layers_1"]["self_attn"]  # split weights stay in ModelOpt's order
+  assert isinstance(attn["q_a_proj"]["weight"], FragmentWeight) and isinstance(attn["q_b_proj"]["weight"], NVFP4Weight)
+  with pytest.raises(ValueError, match="q_b: a FragmentWeight .* cannot be split"):
+    rules.quantized_specs(P("tep"), to_fragments(q["layers_1"]["self_attn"]["q_b_proj"]["weight"]), mesh.shape,
+                          local=True, param="q_b")
   with parallel.use_mesh(mesh):
-    got = glmjax.forward(config, parallel.shard_params(config, q, mesh), ids, runtime=runtime)
+    got = glmjax.forward(config, sharded, ids, runtime=runtime)
   assert rel_err(got, want) < 1e-2
 
 
@@ -254,6 +260,49 @@ def test_sharded_steps_collectives_and_donated_caches(model, reference_steps, te
   for c in listed:
     expected[(c.kind, c.nbytes // 4)] += c.count
   assert collections.Counter((kind, e) for _, kind, e in found) == expected, found
+
+
+# Every Pallas switch the bf16 model can take at decode: the DSA kernels, the grouped split-K GEMVs
+# and the folds (the NVFP4 experts' pairs_fused aside: its weights are not bf16).
+PALLAS_STACK = dict(attention="pallas", dense_matmul="pallas_grouped", cache_write="pallas", router="pallas",
+              value_merge="pallas", query_absorb="pallas", indexer_keys="pallas", mla_epilogue="pallas",
+              index_epilogue="pallas", index_query="pallas", residual_norm="pallas", swiglu="pallas",
+              indexer_queries="bfloat16", attention_queries="bfloat16")
+
+
+def test_pallas_stack_under_the_mesh_gathers_no_weight(model):
+  """The Pallas stack in bf16 at TEP=2: the compiled decode step's collectives are the XLA path's
+  (two all-reduces of [tokens, hidden] a layer; GSPMD alone gathered every sharded weight a
+  kernel reads: q_b, kv_b, o_proj, the dense MLP), and its greedy tokens are one device's."""
+  config, params = model
+  params = jax.tree_util.tree_map_with_path(  # the router's bias stays fp32, as checkpoints keep it
+    lambda path, a: a if "e_score_correction_bias" in jax.tree_util.keystr(path) else a.astype(jnp.bfloat16), params)
+  spec = steps.StepSpec(config, Runtime(**PALLAS_STACK), "bfloat16")
+  prompt = jnp.asarray(_prompt(config, 4, (1, 6)))
+  positions = jnp.arange(6, dtype=jnp.int32)[None]
+  static = dict(spec=spec, sampling=Sampling(), max_new_tokens=4)
+
+  def run(params, cache):
+    logits, _, cache = steps.prefill_chunk(params, cache, prompt, positions, spec=spec)
+    step_args = (jnp.argmax(logits, -1).astype(jnp.int32), jnp.ones(1, bool), jax.random.key(0),
+                 jnp.asarray([], jnp.int32), jnp.full((1,), 4, jnp.int32))
+    compiled = steps.decode_loop.lower(params, cache, *step_args, **static).compile()
+    return np.asarray(compiled(params, cache, *step_args)[0]), compiled.as_text()
+
+  cache = lambda: init_cache(config, num_pages=5, page_size=8, batch=1, max_pages=4, kv_dtype="fp8").replace(
+    page_table=1 + jnp.arange(4, dtype=jnp.int32)[None])
+  want, one_device = run(params, cache())
+  mesh = parallel.make_mesh(2)
+  with parallel.use_mesh(mesh):
+    got, hlo = run(parallel.shard_params(config, params, mesh), parallel.shard_cache(cache(), mesh))
+  assert "bf16_matmul" in one_device and "sparse_mla" in one_device  # the kernels do run
+  np.testing.assert_array_equal(got, want)
+  layers = collections.defaultdict(list)
+  for scope, kind, elements in _collectives(hlo):
+    if scope.startswith("layers_"):
+      layers[scope].append((kind, elements))
+  message = config.hidden_size  # [1 token, hidden]
+  assert layers == {f"layers_{i}": [("all-reduce", message)] * 2 for i in range(config.num_hidden_layers)}, layers
 
 
 class _RecordingFiles(TensorFiles):

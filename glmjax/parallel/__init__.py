@@ -1,10 +1,11 @@
 """TEP=N sharding with JAX's own machinery: a one-axis mesh, one rules table from the params'
-logical axes to it, GSPMD for everything but the MoE layer, and an explicit expert-parallel
-shard_map there.
+logical axes to it, explicit shard_maps for each decoder layer's parts (attention by heads and
+the dense MLP by its intermediate, tensor_parallel.py; the MoE by experts, expert_parallel.py),
+and GSPMD for the rest (embedding, lm_head, sampling).
 
     mesh = parallel.make_mesh(8)
     params = parallel.shard_params(config, params, mesh)
-    with parallel.use_mesh(mesh):                       # traced under the mesh: MoE is expert-parallel
+    with parallel.use_mesh(mesh):                       # traced under the mesh: the layers' shard_maps
       logits = glmjax.forward(config, params, ids)
       ... steps.prefill_chunk / decode_loop with parallel.shard_cache(cache, mesh) ...
 

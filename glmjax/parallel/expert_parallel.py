@@ -8,10 +8,10 @@ shared expert, and one psum sums the partials.
 
 Collectives per decoder layer in decode: 2, each an all-reduce of [tokens, hidden] in the compute
 dtype (tests/test_multidevice_sharding.py counts them in the compiled HLO):
-  1. after attention: o_proj is row-parallel (its input columns are the local heads); GSPMD
-     inserts the all-reduce from the param shardings of rules.py.
-  2. after the MLP: the psum below on MoE layers (routed and shared experts together), GSPMD's
-     all-reduce after the row-parallel down_proj on dense layers.
+  1. after attention: o_proj is row-parallel (its input columns are the local heads): the psum
+     of tensor_parallel.attention.
+  2. after the MLP: the psum below on MoE layers (routed and shared experts together),
+     tensor_parallel.mlp's after the row-parallel down_proj on dense layers.
 The norms, the q/kv latent projections, the router, the indexer and the MLA cache are replicated
 and need none. Per step, outside the layers: the vocab-split embedding lookup (one all-reduce of
 [tokens, hidden]) and the reductions of sampling over the vocab-split logits.
@@ -26,14 +26,13 @@ from glmjax.config import ModelConfig
 from glmjax.layers import MLP
 from glmjax.moe import expected_local_experts
 from glmjax.parallel.mesh import TEP
-from glmjax.parallel.rules import check_config, quantized_specs
+from glmjax.parallel.rules import check_config
+from glmjax.parallel.tensor_parallel import MLP_SPECS, local_specs
 
 # The shard_map's view of the params: whole experts per device, the shared expert split as a
-# column- then row-parallel MLP (a quantized weight's fields as rules.quantized_specs splits
-# them). rules.py gives the params the same layout, so entering the shard_map moves nothing.
+# column- then row-parallel MLP (tensor_parallel.MLP_SPECS). rules.py gives the params the same
+# layout, so entering the shard_map moves nothing.
 EXPERT_SPEC = P(TEP)
-SHARED_SPECS = {"gate_proj": {"weight": P(TEP)}, "up_proj": {"weight": P(TEP)},
-                "down_proj": {"weight": P(None, TEP)}}
 
 
 def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared: dict, *,
@@ -61,11 +60,7 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
     partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense, swiglu=swiglu)
     return jax.lax.psum(partial, TEP)
 
-  is_spec = lambda x: isinstance(x, P)
-  shared_specs = jax.tree.map(
-      lambda spec, w: quantized_specs(spec, w, mesh.shape, local=True, param="shared_experts")
-      if isinstance(w, quant.QuantizedWeight) else spec, SHARED_SPECS, shared, is_leaf=is_spec)
-  specs = (P(), P(), P(), EXPERT_SPEC, shared_specs)
+  specs = (P(), P(), P(), EXPERT_SPEC, local_specs(shared, MLP_SPECS, mesh, module="shared_experts"))
   # check_vma=False: the Pallas kernels inside (the MoE and bf16 GEMVs at decode sizes) state no
   # varying-axes type for their outputs, which the check requires; the psum makes the result
   # replicated, as out_specs says.

@@ -22,7 +22,7 @@ from glmjax.cache.paged import KVCache
 from glmjax.checkpoint import ShardingFn
 from glmjax.config import RANK_FIELDS, ModelConfig
 from glmjax.model import abstract_params
-from glmjax.quant import QuantizedWeight
+from glmjax.quant import FragmentWeight, QuantizedWeight
 from glmjax.quant.leaf import field_spec
 from glmjax.parallel.mesh import TEP
 
@@ -82,7 +82,11 @@ def quantized_specs(spec: PartitionSpec, leaf: QuantizedWeight, mesh_shape, *, l
   (glmjax.quant.leaf.field_spec: a dim the mesh does not divide is replicated, which GSPMD keeps
   correct). local: for a shard_map, where each device dequantizes its own slice and reads a
   replicated block-scale dim from its start: a ValueError naming `param` unless that dim holds
-  one block."""
+  one block, or for a split FragmentWeight (its static shape is the whole weight's: split weights
+  stay in ModelOpt's order, glmjax.quant.fragments.arrange_params)."""
+  if local and isinstance(leaf, FragmentWeight) and any(axis is not None for axis in spec):
+    raise ValueError(f"{param}: a FragmentWeight {leaf.shape} cannot be split over {spec} in a shard_map; keep "
+                     "split weights in ModelOpt's order (Runtime.arrange does, for params already sharded)")
   def field(array: jax.Array) -> PartitionSpec:
     axes = field_spec(spec, leaf.ndim, array.shape, mesh_shape)
     wanted = field_spec(spec, leaf.ndim, array.shape, None)

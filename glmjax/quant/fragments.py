@@ -33,7 +33,8 @@ _SCALE_AXES = (3, 0, 2, 4, 5, 1)
 # Weights kept in ModelOpt's order: MLA's kv_b, which the model reads whole (absorbed into the
 # decode query and the values, glmjax/attention.py: in fragment order each step would first move
 # it back), and the shared expert, which the expert-parallel shard_map slices array by array
-# (a FragmentWeight's static shape is the whole weight's).
+# (a FragmentWeight's static shape is the whole weight's). So do weights split over a mesh (the
+# TEP shard_maps slice them the same way; `arrange_params`).
 RAW = ("kv_b_proj", "shared_experts")
 
 
@@ -107,15 +108,23 @@ def _is_leaf(x) -> bool:
   return isinstance(x, QuantizedWeight)
 
 
+def _split(leaf: QuantizedWeight) -> bool:
+  """Whether any of the leaf's concrete arrays is split over devices (not whole on each); traced
+  params (arranged inside a jitted function) are taken as whole."""
+  concrete = lambda a: isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+  return any(concrete(a) and not a.sharding.is_fully_replicated for a in jax.tree.leaves(leaf))
+
+
 def arrange_params(params: Any, fragments: bool) -> Any:
   """Params with every 2-D NVFP4 weight that the model multiplies through `linear` in fragment
   order (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False);
-  other leaves, NVFP4 experts (3-D) and the RAW weights as they are. Each moved weight is one
-  jitted call on its device; params with nothing to move come back as they are (the same object)."""
+  other leaves, NVFP4 experts (3-D), the RAW weights and weights split over devices as they are.
+  Each moved weight is one jitted call on its device; params with nothing to move come back as
+  they are (the same object)."""
   def moves(path, leaf) -> bool:
     if fragments:
       names = {getattr(key, "key", None) for key in path}
-      return isinstance(leaf, NVFP4Weight) and leaf.ndim == 2 and not names & set(RAW)
+      return isinstance(leaf, NVFP4Weight) and leaf.ndim == 2 and not names & set(RAW) and not _split(leaf)
     return isinstance(leaf, FragmentWeight)
   found = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)[0]
   if not any(moves(path, leaf) for path, leaf in found):

@@ -1,0 +1,99 @@
+"""The dense parts of a decoder layer under TEP as explicit shard_maps over "tep": attention by
+heads, a SwiGLU MLP by its intermediate. Each device runs the model's own module on its slice
+(local config: H/N heads, I/N intermediate) and one psum sums the row-parallel outputs.
+
+Why not GSPMD: GSPMD partitions XLA's ops, but it cannot split a Pallas call. Every sharded
+weight a kernel reads (q_b, kv_b's halves, o_proj, the MLP's) would be gathered whole to every
+device, each step (BENCHMARKS.md run 29: 75% of a two-GPU step's kernel time). Inside these
+shard_maps the kernels see their device's slice, and the step keeps the collectives
+comm_model counts: one all-reduce of [tokens, hidden] after attention and one after the MLP.
+
+Layout (rules.py gives the params the same one, so entering a shard_map moves no weight):
+- attention: q_b_proj and kv_b_proj rows (whole heads), o_proj columns; the latent projections,
+  norms, the indexer and the cache replicated (each device writes the same pages and selects the
+  same top-k);
+- MLP: gate/up rows, down columns (also the shared expert's, glmjax.parallel.expert_parallel).
+"""
+
+import dataclasses
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from glmjax import quant
+from glmjax.config import ModelConfig
+from glmjax.layers import MLP
+from glmjax.parallel.mesh import TEP, active_mesh
+from glmjax.parallel.rules import check_config, quantized_specs
+
+HEAD_SPECS = {"q_b_proj": {"weight": P(TEP)}, "kv_b_proj": {"weight": P(TEP)}, "o_proj": {"weight": P(None, TEP)}}
+MLP_SPECS = {"gate_proj": {"weight": P(TEP)}, "up_proj": {"weight": P(TEP)}, "down_proj": {"weight": P(None, TEP)}}
+
+
+def local_specs(params: dict, table: dict, mesh, *, module: str) -> dict:
+  """A module's params -> their shard_map in_specs: `table`'s spec where it names the param
+  (a quantized weight's fields as rules.quantized_specs splits them for a shard_map: a clear
+  error where a device's slice would straddle blocks), replicated elsewhere."""
+  def spec(path, leaf):
+    names = [getattr(key, "key", None) for key in path]
+    node = table
+    for name in names:
+      node = node.get(name, {}) if isinstance(node, dict) else node
+    axes = node if isinstance(node, P) else P()
+    if isinstance(leaf, quant.QuantizedWeight):
+      return quantized_specs(axes, leaf, mesh.shape, local=True, param=f"{module}/{'/'.join(map(str, names))}")
+    return axes
+  return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
+
+
+def mesh_for(params: dict, table: dict):
+  """The active TEP mesh where `params` split over it as `table` says into whole quantization
+  blocks (local_specs); None on one device, or where a device's slice would straddle blocks
+  (FP8's 128-row blocks of a small model): GSPMD then partitions the module's XLA ops and
+  gathers the weights its kernels read."""
+  mesh = active_mesh()
+  if mesh is None:
+    return None
+  try:
+    local_specs(params, table, mesh, module="")
+  except ValueError:
+    return None
+  return mesh
+
+
+def attention(params: dict, x, cos, sin, prev_topk, *, cache, config: ModelConfig, has_indexer: bool, dtype,
+              param_dtype, mesh, o_partials: bool = False, **call):
+  """MLAttention's call (glmjax.attention; `call`: its keyword arguments) with each device's
+  heads: (out [B, T, D] replicated, topk, new LayerCache). o_partials: out as [1, B * T, D] fp32,
+  o_proj's split-K partials summed on each device before the psum (Runtime.residual_norm reads
+  one split)."""
+  from glmjax.attention import MLAttention  # attention imports the layers this module does
+  check_config(config, mesh)
+  degree = mesh.shape[TEP]
+  local_config = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // degree,
+                                     num_key_value_heads=max(1, config.num_key_value_heads // degree))
+  mla = MLAttention(local_config, has_indexer, dtype=dtype, param_dtype=param_dtype, parent=None)
+
+  def local(params, x, cos, sin, prev_topk, cache):
+    out, topk, layer = mla.apply({"params": params}, x, cos, sin, prev_topk, cache=cache, o_partials=o_partials,
+                                 **call)
+    if o_partials:
+      out = out.sum(0, keepdims=True)
+    return jax.lax.psum(out, TEP), topk, layer
+
+  specs = (local_specs(params, HEAD_SPECS, mesh, module="self_attn"), P(), P(), P(), P(), P())
+  # check_vma=False: the Pallas kernels inside state no varying-axes type for their outputs; the
+  # replicated outputs (top-k, pages) are the same on every device, the psum makes out so.
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P()), check_vma=False)(
+      params, x, cos, sin, prev_topk, cache)
+
+
+def mlp(params: dict, x: jax.Array, *, hidden_size: int, intermediate_size: int, dtype, param_dtype, mesh,
+        module: str = "mlp", **impls) -> jax.Array:
+  """A SwiGLU MLP's output [..., D] in dtype, replicated: each device's intermediate slice, one
+  psum (`impls`: MLP's keyword arguments)."""
+  local_mlp = MLP(hidden_size, intermediate_size // mesh.shape[TEP], dtype=dtype, param_dtype=param_dtype,
+                  parent=None)
+  local = lambda params, x: jax.lax.psum(local_mlp.apply({"params": params}, x, **impls), TEP)
+  specs = (local_specs(params, MLP_SPECS, mesh, module=module), P())
+  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(params, x)
