@@ -226,21 +226,29 @@ class FragmentConfig:
   pipelining of its loads (loop_stages.py; 1: none); unroll: chunks whose loads a loop step
   issues before their MMAs (the bytes a warp has in flight); fused_activations: the
   activations' fp16 scaling and fragment order in one launch (activations_kernel), else XLA's
-  f16_rows and fragment_activations (three kernels)."""
+  f16_rows and fragment_activations (three kernels); tile_groups: the program's tiles in this
+  many contiguous groups whose MMAs share one load of the activation words (1: a warp loads
+  them again for each of its tiles; BENCHMARKS.md run 30 found those loads 5.5-6.3 us of the
+  42.8 us kernel). tiles / tile_groups must be a multiple of num_warps."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 1
   unroll: int = 1
   fused_activations: bool = True
+  tile_groups: int = 1
 
   def __post_init__(self):
     check_at_least("FragmentConfig", "split_k", self.split_k)
     check_at_least("FragmentConfig", "unroll", self.unroll)
+    check_at_least("FragmentConfig", "tile_groups", self.tile_groups)
     check_launch("FragmentConfig", self.num_warps, self.num_stages)
     if not is_pow2(self.tiles) or self.tiles % self.num_warps:
       raise ValueError(f"FragmentConfig.tiles must be a power of two and a multiple of num_warps "
                        f"({self.num_warps}), got {self.tiles}")
+    if self.tiles % (self.tile_groups * self.num_warps):
+      raise ValueError(f"FragmentConfig.tile_groups ({self.tile_groups}) must leave each group a multiple of "
+                       f"num_warps ({self.num_warps}) of the {self.tiles} tiles")
 
 
 def default_fragment_config(n: int, k: int) -> FragmentConfig:
@@ -261,47 +269,58 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: 
             interpret: bool):
   # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128]; words_ref u32 [Kc * 2 * Nt * 128];
   # scales_ref u32 [Kc * Nt * 32]; o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows).
-  size, first = config.tiles * WORDS, pl.program_id(0) * config.tiles
+  # The program's tiles in config.tile_groups contiguous groups; element e of a group's arrays is
+  # tile e // 128 of the group, lane word e % 128, so one load of the activation words serves
+  # every group.
+  group = config.tiles // config.tile_groups
+  size, first = group * WORDS, pl.program_id(0) * config.tiles
+  starts = [first + g * group for g in range(config.tile_groups)]
   e = jnp.arange(size)
   # Truncating integer division (e >= 0): jnp's floor // and % add sign fix-ups that hide from
   # Triton that these offsets run in aligned groups of 4, and it then loads 4 bytes at a time.
   div, rem = (functools.partial(lambda op, a, b: op(a, jnp.int32(b)), op) for op in (lax.div, lax.rem))
   tile, word = div(e, WORDS), rem(e, WORDS)
-  ok = None if tiles % config.tiles == 0 else first + tile < tiles
-  scale_index = (first + tile) * LANES + div(word, 16) * 4 + rem(e, 4)  # lane 4g + t reads word 4g + j
-  load = lambda ref, index: pltriton.load(ref.at[index], mask=ok, other=None if ok is None else jnp.uint32(0))
+  oks = [None if tiles % config.tiles == 0 else start + tile < tiles for start in starts]
+  scale_index = tile * LANES + div(word, 16) * 4 + rem(e, 4)  # lane 4g + t reads word 4g + j
+  load = lambda ref, index, ok: pltriton.load(ref.at[index], mask=ok, other=None if ok is None else jnp.uint32(0))
 
   def chunk(c) -> tuple:
-    """Chunk c's loads: the two halves' words, the scale words, the four activation arrays."""
-    words = [load(words_ref, pl.ds((2 * c + h) * tiles * WORDS + first * WORDS, size)) for h in range(2)]
-    return (words, load(scales_ref, c * tiles * LANES + scale_index),
-            [pltriton.load(x_ref.at[(4 * c + a) * WORDS + word]) for a in range(4)])
+    """Chunk c's loads: per group the two halves' words and the scale words; the four
+    activation arrays, once."""
+    words = [[load(words_ref, pl.ds((2 * c + h) * tiles * WORDS + start * WORDS, size), ok) for h in range(2)]
+             for start, ok in zip(starts, oks)]
+    scales = [load(scales_ref, c * tiles * LANES + start * LANES + scale_index, ok) for start, ok in zip(starts, oks)]
+    return words, scales, [pltriton.load(x_ref.at[(4 * c + a) * WORDS + word]) for a in range(4)]
 
-  def multiply(acc, loads) -> jax.Array:
+  def multiply(accs, loads) -> tuple:
     words, scales, xs = loads
-    for h in range(2):
-      acc = fragment_mma(acc, words[h], scales, xs[2 * h], xs[2 * h + 1], half=h, ptx=not interpret)
-    return acc
+    accs = list(accs)
+    for g in range(config.tile_groups):
+      for h in range(2):
+        accs[g] = fragment_mma(accs[g], words[g][h], scales[g], xs[2 * h], xs[2 * h + 1], half=h, ptx=not interpret)
+    return tuple(accs)
 
-  def step(s, acc):  # config.unroll chunks' loads, then their MMAs
-    loads = [chunk(start + s * config.unroll + u) for u in range(config.unroll)]
+  def step(s, accs):  # config.unroll chunks' loads, then their MMAs
+    loads = [chunk(begin + s * config.unroll + u) for u in range(config.unroll)]
     for chunk_loads in loads:
-      acc = multiply(acc, chunk_loads)
-    return acc
+      accs = multiply(accs, chunk_loads)
+    return accs
 
   per_split = pl.cdiv(chunks, config.split_k)
-  start = pl.program_id(1) * per_split
-  end = jnp.minimum(start + per_split, chunks)
-  steps = jnp.maximum(end - start, 0) // config.unroll
-  acc = lax.fori_loop(0, steps, step, jnp.zeros((size,), jnp.float32))
-  acc = lax.fori_loop(start + steps * config.unroll, end, lambda c, acc: multiply(acc, chunk(c)), acc)
+  begin = pl.program_id(1) * per_split
+  end = jnp.minimum(begin + per_split, chunks)
+  steps = jnp.maximum(end - begin, 0) // config.unroll
+  accs = (jnp.zeros((size,), jnp.float32),) * config.tile_groups
+  accs = lax.fori_loop(0, steps, step, accs)
+  accs = lax.fori_loop(begin + steps * config.unroll, end, lambda c, accs: multiply(accs, chunk(c)), accs)
   # Lane 4g + t's four sums (tokens 2t, 2t + 1) go to slab t of this split, at 32 T + 4g + r;
   # slabs of padding tokens only (2t >= m) are not written.
   lane = div(word, 4)
   slab = (pl.program_id(1) * 4 + rem(lane, 4)) * tiles * LANES
   keep = rem(lane, 4) < pl.cdiv(m, 2)
-  pltriton.store(o_ref.at[slab + (first + tile) * LANES + div(lane, 4) * 4 + rem(e, 4)], acc,
-                 mask=keep if ok is None else keep & ok)
+  for start, ok, acc in zip(starts, oks, accs):
+    pltriton.store(o_ref.at[slab + (start + tile) * LANES + div(lane, 4) * 4 + rem(e, 4)], acc,
+                   mask=keep if ok is None else keep & ok)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))

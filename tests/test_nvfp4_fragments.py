@@ -147,6 +147,8 @@ def test_fragment_ptx_equals_its_twin(half):
     (8, 136, 640, FragmentConfig(tiles=2, split_k=2, num_warps=1, unroll=2)),  # an unrolled pair and a left-over chunk
     (5, 48, 256, FragmentConfig(tiles=2, split_k=3, num_warps=2)),         # a split with no chunk
     (2, 64, 384, FragmentConfig(tiles=2, num_warps=1, fused_activations=False)),  # XLA's activations
+    (3, 200, 272, FragmentConfig(tiles=4, split_k=2, num_warps=2, tile_groups=2)),  # a group wholly past N
+    (8, 136, 640, FragmentConfig(tiles=4, split_k=2, num_warps=1, unroll=2, tile_groups=4)),  # four share x
 ])
 def test_fragment_matmul_matches_reference(m, n, k, config):
   """Fresh random x and weights against nvfp4_matmul_reference: within bf16 output rounding."""
@@ -184,6 +186,8 @@ def test_fragment_matmul_rejects_bad_inputs():
     FragmentConfig(tiles=2, num_warps=4)
   with pytest.raises(ValueError, match="power of two"):
     FragmentConfig(tiles=3, num_warps=1)
+  with pytest.raises(ValueError, match="tile_groups \\(4\\) must leave each group a multiple of num_warps"):
+    FragmentConfig(tiles=4, num_warps=2, tile_groups=4)
 
 
 def test_default_fragment_config():
@@ -196,7 +200,8 @@ def test_default_fragment_config():
 def test_fragment_matmul_lowers_for_h200():
   w = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a)), jax.ShapeDtypeStruct((200, 272), jnp.float32))
   staged = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, num_stages=2, fused_activations=False)
-  for config in (None, staged):
+  grouped = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, tile_groups=2)
+  for config in (None, staged, grouped):
     text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
                      jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), w)
     assert TRITON_CALL in text
