@@ -30,8 +30,9 @@ of a warp:
   as [Kc, 4, 128] u32: at [c, a, 4 l + j] the B fragment word of k-step 2a + j // 2 (j % 2: its
   first or second register), the fp16 pair x[g, 16 i + 2t (+ 8) + (0, 1)].
 The accumulator is mma's C fragment, 4 fp32 a lane: rows g, g + 8 by tokens 2t, 2t + 1; XLA
-sums the K splits and puts them in [M, N] order (`fragment_rows`), then scales (2^14, the
-per-tensor scale, f16_rows' inverse).
+sums the K splits and puts them in [M, N] order (`fragment_rows`; or the program stores them
+in that order, FragmentConfig.rows_out), then scales (2^14, the per-tensor scale, f16_rows'
+inverse).
 
 Numerics: the decode is exact (E2M1 * 2^-14 in fp16, nvfp4_matmul), and so is its product with
 the e4m3 scale in fp16 (at most 6 significant bits, at least 2^-24); the MMA multiplies fp16 by
@@ -229,7 +230,10 @@ class FragmentConfig:
   f16_rows and fragment_activations (three kernels); tile_groups: the program's tiles in this
   many contiguous groups whose MMAs share one load of the activation words (1: a warp loads
   them again for each of its tiles; BENCHMARKS.md run 30 found those loads 5.5-6.3 us of the
-  42.8 us kernel). tiles / tile_groups must be a multiple of num_warps."""
+  42.8 us kernel). tiles / tile_groups must be a multiple of num_warps. rows_out: the program
+  stores its sums as [split, token, row] (32-byte runs a warp), so XLA's epilogue is a plain sum
+  over the splits; else in C fragment order, 16-byte stores, and the epilogue also transposes
+  (`fragment_rows`)."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
@@ -237,6 +241,7 @@ class FragmentConfig:
   unroll: int = 1
   fused_activations: bool = True
   tile_groups: int = 1
+  rows_out: bool = False
 
   def __post_init__(self):
     check_at_least("FragmentConfig", "split_k", self.split_k)
@@ -313,14 +318,21 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: 
   accs = (jnp.zeros((size,), jnp.float32),) * config.tile_groups
   accs = lax.fori_loop(0, steps, step, accs)
   accs = lax.fori_loop(begin + steps * config.unroll, end, lambda c, accs: multiply(accs, chunk(c)), accs)
-  # Lane 4g + t's four sums (tokens 2t, 2t + 1) go to slab t of this split, at 32 T + 4g + r;
-  # slabs of padding tokens only (2t >= m) are not written.
-  lane = div(word, 4)
-  slab = (pl.program_id(1) * 4 + rem(lane, 4)) * tiles * LANES
-  keep = rem(lane, 4) < pl.cdiv(m, 2)
+  # Lane 4g + t's sum r (c_r: row 16 T + g + 8 (r // 2), token 2t + r % 2). rows_out: at
+  # [split, token, row]; else slab t of this split at 32 T + 4g + r. Padding tokens' sums (token
+  # >= m; whole slabs: 2t >= m) are not written.
+  lane, r = div(word, 4), rem(e, 4)
+  g, t = div(lane, 4), rem(lane, 4)
+  if config.rows_out:
+    token = 2 * t + rem(r, 2)
+    keep = token < m
+    row = tile * TILE + g + 8 * div(r, 2)
+    index = lambda start: (pl.program_id(1) * TOKENS + token) * (tiles * TILE) + start * TILE + row
+  else:
+    keep = t < pl.cdiv(m, 2)
+    index = lambda start: (pl.program_id(1) * 4 + t) * tiles * LANES + (start + tile) * LANES + g * 4 + r
   for start, ok, acc in zip(starts, oks, accs):
-    pltriton.store(o_ref.at[slab + (start + tile) * LANES + div(lane, 4) * 4 + rem(e, 4)], acc,
-                   mask=keep if ok is None else keep & ok)
+    pltriton.store(o_ref.at[index(start)], acc, mask=keep if ok is None else keep & ok)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -352,5 +364,9 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
       interpret=interpret,
       name=loop_stages.staged_name("nvfp4_fragments", config.num_stages if config.num_stages > 1 else None),
   )(*inputs)
-  y = fragment_rows(out, x.shape[0], n, config.split_k)
+  m = x.shape[0]
+  if config.rows_out:
+    y = out.reshape(config.split_k, TOKENS, tiles * TILE)[:, :m, :n].sum(0)
+  else:
+    y = fragment_rows(out, m, n, config.split_k)
   return (y * (w.global_scale * DECODE_SCALE) * row_inverse_scale(amax)[:, None]).astype(x.dtype)

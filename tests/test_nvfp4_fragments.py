@@ -149,6 +149,9 @@ def test_fragment_ptx_equals_its_twin(half):
     (2, 64, 384, FragmentConfig(tiles=2, num_warps=1, fused_activations=False)),  # XLA's activations
     (3, 200, 272, FragmentConfig(tiles=4, split_k=2, num_warps=2, tile_groups=2)),  # a group wholly past N
     (8, 136, 640, FragmentConfig(tiles=4, split_k=2, num_warps=1, unroll=2, tile_groups=4)),  # four share x
+    (3, 200, 272, FragmentConfig(tiles=4, split_k=2, num_warps=2, rows_out=True)),  # sums stored by row
+    (8, 136, 640, FragmentConfig(tiles=2, split_k=3, num_warps=1, unroll=2, rows_out=True)),
+    (5, 48, 256, FragmentConfig(tiles=4, split_k=3, num_warps=1, tile_groups=2, rows_out=True)),
 ])
 def test_fragment_matmul_matches_reference(m, n, k, config):
   """Fresh random x and weights against nvfp4_matmul_reference: within bf16 output rounding."""
@@ -200,7 +203,7 @@ def test_default_fragment_config():
 def test_fragment_matmul_lowers_for_h200():
   w = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a)), jax.ShapeDtypeStruct((200, 272), jnp.float32))
   staged = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, num_stages=2, fused_activations=False)
-  grouped = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, tile_groups=2)
+  grouped = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, tile_groups=2, rows_out=True)
   for config in (None, staged, grouped):
     text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
                      jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), w)
