@@ -4,14 +4,14 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
 --index_epilogue, --index_query, --residual_norm, --swiglu, --moe_sum) with the DSA kernels' --topk_method,
 --indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, --indexer_queries,
---attention_queries (`define`); glmjax.runtime.Runtime's fields of those names."""
+--attention_queries, and --tensor_parallel (`define`); glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 
 from absl import flags
 
 from glmjax.quant import DENSE_IMPLS
-from glmjax.runtime import FOLD_SWITCHES, FOLDS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES
+from glmjax.runtime import FOLD_SWITCHES, FOLDS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES, TENSOR_PARALLEL
 from pallas_kernels.indexer_scores import ORIENTATIONS
 from pallas_kernels.topk import METHODS
 
@@ -84,5 +84,9 @@ def define() -> Callable[[], dict[str, str]]:
       "attention_queries": flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
                                              "precision of the decode attention's queries (bfloat16: FlashMLA's "
                                              "numerics)"),
+      "tensor_parallel": flags.DEFINE_enum("tensor_parallel", "shard_map", list(TENSOR_PARALLEL),
+                                           "under --tep > 1: each layer's attention and dense MLP as shard_maps "
+                                           "(kernels read their slice) or gspmd (which gathers the sharded weights "
+                                           "Pallas calls read)"),
   }
   return lambda: {name: flag.value for name, flag in switches.items()}

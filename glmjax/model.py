@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
       fused = runtime.residual_norm == "pallas" and quant.decode_sized(normed)
       call = dict(positions=positions, runtime=runtime, layer_id=self.layer_id, cache=cache, cache_slot=cache_slot,
                   o_partials=fused)
-      if mesh := self._split_mesh("self_attn", tensor_parallel.HEAD_SPECS):
+      if mesh := self._split_mesh("self_attn", tensor_parallel.HEAD_SPECS, runtime):
         attn, topk, layer_cache = tensor_parallel.attention(
             self.variables["params"]["self_attn"], normed, cos, sin, prev_topk, config=c,
             has_indexer=self.has_indexer, mesh=mesh, **kw, **call)
@@ -74,18 +74,19 @@ class DecoderLayer(nn.Module):
         return MoE(c, name="mlp", **kw)(h, runtime=runtime, residual=x), topk, layer_cache
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
-      elif mesh := self._split_mesh("mlp", tensor_parallel.MLP_SPECS):
+      elif mesh := self._split_mesh("mlp", tensor_parallel.MLP_SPECS, runtime):
         h = tensor_parallel.mlp(self.variables["params"]["mlp"], h, hidden_size=c.hidden_size,
                                 intermediate_size=c.intermediate_size, mesh=mesh, **kw, **runtime.mlp_impls)
       else:
         h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.mlp_impls)
     return x + h.astype(x.dtype), topk, layer_cache
 
-  def _split_mesh(self, name: str, table: dict):
+  def _split_mesh(self, name: str, table: dict, runtime: Runtime):
     """The TEP mesh that submodule `name` runs split over, as a shard_map
     (glmjax.parallel.tensor_parallel: its params split by `table`, whole quantization blocks a
-    device); None on one device, at init, or where GSPMD partitions it instead."""
-    if self.is_initializing():
+    device); None on one device, at init, or where GSPMD partitions it instead (by
+    Runtime.tensor_parallel, or where a device's slice would straddle quantization blocks)."""
+    if self.is_initializing() or runtime.tensor_parallel == "gspmd":
       return None
     from glmjax.parallel import tensor_parallel  # the parallel package imports the model
     return tensor_parallel.mesh_for(self.variables["params"][name], table)

@@ -14,6 +14,7 @@ Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
 MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2, pallas_fragments (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
+TENSOR_PARALLEL = ("shard_map", "gspmd")  # how a TEP mesh splits a layer's attention and dense MLP
 MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
@@ -21,7 +22,7 @@ FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexe
                  "index_epilogue", "index_query", "residual_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
-            "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES}
+            "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,10 @@ class Runtime:
   numerics: one term, softmax weights in bf16; the jnp sparse path rounds its weights to bf16
   too, but against the row's maximum rather than the kernel's running one, so the two agree to
   bf16 rounding, not bit for bit: greedy tokens may differ at near-ties).
+  tensor_parallel: under a TEP mesh, a decoder layer's attention and dense MLP as explicit
+  shard_maps (glmjax.parallel.tensor_parallel: each kernel reads its device's slice) or left to
+  GSPMD ("gspmd": it partitions XLA's ops, but gathers every sharded weight a Pallas call reads,
+  each step); the MoE is expert_parallel's shard_map either way.
   """
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None
@@ -130,6 +135,7 @@ class Runtime:
   attention_warps: int = 0
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
+  tensor_parallel: str = "shard_map"
 
   def __post_init__(self):
     from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed

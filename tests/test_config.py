@@ -248,7 +248,8 @@ def test_a_rank_config_is_not_a_mesh_config():
                                          ("moe_sum", "on"),
                                          ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("indexer_orientation", "rows"),
-                                         ("indexer_queries", "float16"), ("attention_queries", "int8")])
+                                         ("indexer_queries", "float16"), ("attention_queries", "int8"),
+                                         ("tensor_parallel", "pjit")])
 def test_runtime_rejects_unknown_switches(field, value):
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match=field):

@@ -272,37 +272,43 @@ PALLAS_STACK = dict(attention="pallas", dense_matmul="pallas_grouped", cache_wri
 
 def test_pallas_stack_under_the_mesh_gathers_no_weight(model):
   """The Pallas stack in bf16 at TEP=2: the compiled decode step's collectives are the XLA path's
-  (two all-reduces of [tokens, hidden] a layer; GSPMD alone gathered every sharded weight a
-  kernel reads: q_b, kv_b, o_proj, the dense MLP), and its greedy tokens are one device's."""
+  (two all-reduces of [tokens, hidden] a layer), and its greedy tokens are one device's. With
+  tensor_parallel="gspmd" the same tokens, but every layer gathers weights (GSPMD cannot split a
+  Pallas call: q_b, kv_b, o_proj, the dense MLP)."""
   config, params = model
   params = jax.tree_util.tree_map_with_path(  # the router's bias stays fp32, as checkpoints keep it
     lambda path, a: a if "e_score_correction_bias" in jax.tree_util.keystr(path) else a.astype(jnp.bfloat16), params)
-  spec = steps.StepSpec(config, Runtime(**PALLAS_STACK), "bfloat16")
   prompt = jnp.asarray(_prompt(config, 4, (1, 6)))
   positions = jnp.arange(6, dtype=jnp.int32)[None]
-  static = dict(spec=spec, sampling=Sampling(), max_new_tokens=4)
 
-  def run(params, cache):
+  def run(params, cache, layout):
+    spec = steps.StepSpec(config, Runtime(**PALLAS_STACK, tensor_parallel=layout), "bfloat16")
+    static = dict(spec=spec, sampling=Sampling(), max_new_tokens=4)
     logits, _, cache = steps.prefill_chunk(params, cache, prompt, positions, spec=spec)
     step_args = (jnp.argmax(logits, -1).astype(jnp.int32), jnp.ones(1, bool), jax.random.key(0),
                  jnp.asarray([], jnp.int32), jnp.full((1,), 4, jnp.int32))
     compiled = steps.decode_loop.lower(params, cache, *step_args, **static).compile()
-    return np.asarray(compiled(params, cache, *step_args)[0]), compiled.as_text()
+    layers = collections.defaultdict(list)
+    for scope, kind, elements in _collectives(compiled.as_text()):
+      if scope.startswith("layers_"):
+        layers[scope].append((kind, elements))
+    return np.asarray(compiled(params, cache, *step_args)[0]), compiled.as_text(), layers
 
   cache = lambda: init_cache(config, num_pages=5, page_size=8, batch=1, max_pages=4, kv_dtype="fp8").replace(
     page_table=1 + jnp.arange(4, dtype=jnp.int32)[None])
-  want, one_device = run(params, cache())
+  want, one_device, _ = run(params, cache(), "shard_map")
+  assert "bf16_matmul" in one_device and "sparse_mla" in one_device  # the kernels do run
   mesh = parallel.make_mesh(2)
   with parallel.use_mesh(mesh):
-    got, hlo = run(parallel.shard_params(config, params, mesh), parallel.shard_cache(cache(), mesh))
-  assert "bf16_matmul" in one_device and "sparse_mla" in one_device  # the kernels do run
+    sharded = parallel.shard_params(config, params, mesh)
+    got, _, layers = run(sharded, parallel.shard_cache(cache(), mesh), "shard_map")
+    gspmd, _, gspmd_layers = run(sharded, parallel.shard_cache(cache(), mesh), "gspmd")
   np.testing.assert_array_equal(got, want)
-  layers = collections.defaultdict(list)
-  for scope, kind, elements in _collectives(hlo):
-    if scope.startswith("layers_"):
-      layers[scope].append((kind, elements))
+  np.testing.assert_array_equal(gspmd, want)
   message = config.hidden_size  # [1 token, hidden]
   assert layers == {f"layers_{i}": [("all-reduce", message)] * 2 for i in range(config.num_hidden_layers)}, layers
+  assert all(("all-gather" in {kind for kind, _ in found}) for found in gspmd_layers.values()), gspmd_layers
+  assert len(gspmd_layers) == config.num_hidden_layers
 
 
 class _RecordingFiles(TensorFiles):
