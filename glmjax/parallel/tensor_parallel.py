@@ -7,6 +7,7 @@ weight a kernel reads (q_b, kv_b's halves, o_proj, the MLP's) would be gathered 
 device, each step (BENCHMARKS.md run 29: 75% of a two-GPU step's kernel time). Inside these
 shard_maps the kernels see their device's slice, and the step keeps the collectives
 comm_model counts: one all-reduce of [tokens, hidden] after attention and one after the MLP.
+Runtime.tensor_parallel="gspmd" keeps GSPMD's layout instead, for the ablation.
 
 Layout (rules.py gives the params the same one, so entering a shard_map moves no weight):
 - attention: q_b_proj and kv_b_proj rows (whole heads), o_proj columns; the latent projections,
