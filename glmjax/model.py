@@ -53,10 +53,10 @@ class DecoderLayer(nn.Module):
       fused = runtime.residual_norm == "pallas" and quant.decode_sized(normed)
       call = dict(positions=positions, runtime=runtime, layer_id=self.layer_id, cache=cache, cache_slot=cache_slot,
                   o_partials=fused)
-      if mesh := self._split_mesh("self_attn", tensor_parallel.HEAD_SPECS, runtime):
+      if specs := self._split_specs("self_attn", tensor_parallel.HEAD_SPECS, runtime):
         attn, topk, layer_cache = tensor_parallel.attention(
-            self.variables["params"]["self_attn"], normed, cos, sin, prev_topk, config=c,
-            has_indexer=self.has_indexer, mesh=mesh, **kw, **call)
+            self.variables["params"]["self_attn"], specs, normed, cos, sin, prev_topk, config=c,
+            has_indexer=self.has_indexer, **kw, **call)
       else:
         attn, topk, layer_cache = MLAttention(c, self.has_indexer, name="self_attn", **kw)(
             normed, cos, sin, prev_topk, **call)
@@ -74,22 +74,22 @@ class DecoderLayer(nn.Module):
         return MoE(c, name="mlp", **kw)(h, runtime=runtime, residual=x), topk, layer_cache
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
-      elif mesh := self._split_mesh("mlp", tensor_parallel.MLP_SPECS, runtime):
-        h = tensor_parallel.mlp(self.variables["params"]["mlp"], h, hidden_size=c.hidden_size,
-                                intermediate_size=c.intermediate_size, mesh=mesh, **kw, **runtime.mlp_impls)
+      elif specs := self._split_specs("mlp", tensor_parallel.MLP_SPECS, runtime):
+        h = tensor_parallel.mlp(self.variables["params"]["mlp"], specs, h, hidden_size=c.hidden_size,
+                                intermediate_size=c.intermediate_size, **kw, **runtime.mlp_impls)
       else:
         h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.mlp_impls)
     return x + h.astype(x.dtype), topk, layer_cache
 
-  def _split_mesh(self, name: str, table: dict, runtime: Runtime):
-    """The TEP mesh that submodule `name` runs split over, as a shard_map
-    (glmjax.parallel.tensor_parallel: its params split by `table`, whole quantization blocks a
-    device); None on one device, at init, or where GSPMD partitions it instead (by
-    Runtime.tensor_parallel, or where a device's slice would straddle quantization blocks)."""
+  def _split_specs(self, name: str, table: dict, runtime: Runtime) -> dict | None:
+    """The in_specs of submodule `name`'s shard_map over the TEP mesh
+    (glmjax.parallel.tensor_parallel.split_specs: its params split by `table`); None on one
+    device, at init, or where GSPMD partitions it instead (Runtime.tensor_parallel="gspmd", or a
+    device's slice would straddle quantization blocks)."""
     if self.is_initializing() or runtime.tensor_parallel == "gspmd":
       return None
     from glmjax.parallel import tensor_parallel  # the parallel package imports the model
-    return tensor_parallel.mesh_for(self.variables["params"][name], table)
+    return tensor_parallel.split_specs(self.variables["params"][name], table)
 
 
 def _tep_mesh():

@@ -273,7 +273,8 @@ def default_fragment_config(n: int, k: int) -> FragmentConfig:
 def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: int, config: FragmentConfig,
             interpret: bool):
   # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128]; words_ref u32 [Kc * 2 * Nt * 128];
-  # scales_ref u32 [Kc * Nt * 32]; o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows).
+  # scales_ref u32 [Kc * Nt * 32]; o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows), or with
+  # rows_out [split_k * 8 * Nt * 16].
   # The program's tiles in config.tile_groups contiguous groups; element e of a group's arrays is
   # tile e // 128 of the group, lane word e % 128, so one load of the activation words serves
   # every group.

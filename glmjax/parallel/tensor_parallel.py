@@ -47,28 +47,28 @@ def local_specs(params: dict, table: dict, mesh, *, module: str) -> dict:
   return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
 
 
-def mesh_for(params: dict, table: dict):
-  """The active TEP mesh where `params` split over it as `table` says into whole quantization
-  blocks (local_specs); None on one device, or where a device's slice would straddle blocks
-  (FP8's 128-row blocks of a small model): GSPMD then partitions the module's XLA ops and
-  gathers the weights its kernels read."""
+def split_specs(params: dict, table: dict) -> dict | None:
+  """`local_specs` of a module's params on the active TEP mesh, the in_specs of its shard_map;
+  None on one device, or where a device's slice would straddle quantization blocks (FP8's
+  128-row blocks of a small model): GSPMD then partitions the module's XLA ops and gathers the
+  weights its kernels read."""
   mesh = active_mesh()
   if mesh is None:
     return None
   try:
-    local_specs(params, table, mesh, module="")
+    return local_specs(params, table, mesh, module="")
   except ValueError:
     return None
-  return mesh
 
 
-def attention(params: dict, x, cos, sin, prev_topk, *, cache, config: ModelConfig, has_indexer: bool, dtype,
-              param_dtype, mesh, o_partials: bool = False, **call):
+def attention(params: dict, specs: dict, x, cos, sin, prev_topk, *, cache, config: ModelConfig, has_indexer: bool,
+              dtype, param_dtype, o_partials: bool = False, **call):
   """MLAttention's call (glmjax.attention; `call`: its keyword arguments) with each device's
-  heads: (out [B, T, D] replicated, topk, new LayerCache). o_partials: out as [1, B * T, D] fp32,
-  o_proj's split-K partials summed on each device before the psum (Runtime.residual_norm reads
-  one split)."""
+  heads of the active mesh, params split as `specs` (split_specs with HEAD_SPECS): (out
+  [B, T, D] replicated, topk, new LayerCache). o_partials: out as [1, B * T, D] fp32, o_proj's
+  split-K partials summed on each device before the psum (Runtime.residual_norm reads one split)."""
   from glmjax.attention import MLAttention  # attention imports the layers this module does
+  mesh = active_mesh()
   check_config(config, mesh)
   degree = mesh.shape[TEP]
   local_config = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // degree,
@@ -82,19 +82,19 @@ def attention(params: dict, x, cos, sin, prev_topk, *, cache, config: ModelConfi
       out = out.sum(0, keepdims=True)
     return jax.lax.psum(out, TEP), topk, layer
 
-  specs = (local_specs(params, HEAD_SPECS, mesh, module="self_attn"), P(), P(), P(), P(), P())
   # check_vma=False: the Pallas kernels inside state no varying-axes type for their outputs; the
   # replicated outputs (top-k, pages) are the same on every device, the psum makes out so.
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P()), check_vma=False)(
-      params, x, cos, sin, prev_topk, cache)
+  return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P(), P(), P(), P()), out_specs=(P(), P(), P()),
+                       check_vma=False)(params, x, cos, sin, prev_topk, cache)
 
 
-def mlp(params: dict, x: jax.Array, *, hidden_size: int, intermediate_size: int, dtype, param_dtype, mesh,
-        module: str = "mlp", **impls) -> jax.Array:
-  """A SwiGLU MLP's output [..., D] in dtype, replicated: each device's intermediate slice, one
-  psum (`impls`: MLP's keyword arguments)."""
+def mlp(params: dict, specs: dict, x: jax.Array, *, hidden_size: int, intermediate_size: int, dtype, param_dtype,
+        **impls) -> jax.Array:
+  """A SwiGLU MLP's output [..., D] in dtype, replicated: each device's intermediate slice of the
+  active mesh, params split as `specs` (split_specs with MLP_SPECS), one psum (`impls`: MLP's
+  keyword arguments)."""
+  mesh = active_mesh()
   local_mlp = MLP(hidden_size, intermediate_size // mesh.shape[TEP], dtype=dtype, param_dtype=param_dtype,
                   parent=None)
   local = lambda params, x: jax.lax.psum(local_mlp.apply({"params": params}, x, **impls), TEP)
-  specs = (local_specs(params, MLP_SPECS, mesh, module=module), P())
-  return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(params, x)
+  return jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False)(params, x)
