@@ -257,17 +257,18 @@ class FragmentConfig:
 
 
 def default_fragment_config(n: int, k: int) -> FragmentConfig:
-  """The tiles measured best on the H200 (BENCHMARKS.md run 28): 4 tiles a program over 2 warps
-  for large N (>= 1024 tiles), else 2 over 1; K split in two until there are >= 2048 programs
-  or a split would keep < 2 chunks; 2 chunks a loop step where each split keeps >= 4."""
+  """The tiles measured best on the H200 (BENCHMARKS.md runs 28, 31): 4 tiles a program over 2
+  warps for large N (>= 1024 tiles), else 2 over 1, each warp's 2 tiles sharing one load of the
+  activations (tile_groups=2); K split in two until there are >= 1024 programs or a split would
+  keep < 2 chunks; 2 chunks a loop step where each split keeps >= 4; sums stored by row."""
   tiles = pl.cdiv(n, TILE)
   per_program = 4 if tiles >= 1024 else 2
   groups, chunks = pl.cdiv(tiles, per_program), pl.cdiv(k, CHUNK)
   split = 1
-  while groups * split < 2048 and chunks // (2 * split) >= 2:
+  while groups * split < 1024 and chunks // (2 * split) >= 2:
     split *= 2
   return FragmentConfig(tiles=per_program, split_k=split, num_warps=per_program // 2,
-                        unroll=2 if chunks // split >= 4 else 1)
+                        unroll=2 if chunks // split >= 4 else 1, tile_groups=2, rows_out=True)
 
 
 def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: int, config: FragmentConfig,
