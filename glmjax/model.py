@@ -89,7 +89,7 @@ class DecoderLayer(nn.Module):
     if self.is_initializing() or runtime.tensor_parallel == "gspmd":
       return None
     from glmjax.parallel import tensor_parallel  # the parallel package imports the model
-    return tensor_parallel.split_specs(self.variables["params"][name], table)
+    return tensor_parallel.split_specs(self.variables["params"][name], table, module=f"{self.name}/{name}")
 
 
 def _tep_mesh():

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import re
+import warnings
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -86,7 +87,7 @@ def test_quantized_params_shard_field_by_field(model, policy):
   """shard_params on quantized leaves: codes and block scales split as their weight, per-tensor
   scales as its leading dims, an FP8 block-scale dim the degree does not divide replicated; the
   shared expert's quantized weights through the expert-parallel shard_map; the logits those of
-  one device."""
+  one device; a warning for each layer whose weights cannot split in its shard_map."""
   config, params = model
   q = quantize_params(params, policy)
   ids = _prompt(config, 3, (1, 8))
@@ -106,9 +107,14 @@ def test_quantized_params_shard_field_by_field(model, policy):
     # for the shared expert's one block, an error for q_b's three.
     with pytest.raises(ValueError, match=r"q_b: a FP8BlockWeight \(3, 1\) field does not split"):
       rules.quantized_specs(P("tep"), q_b, mesh.shape, local=True, param="q_b")
-  with parallel.use_mesh(mesh):
+  with parallel.use_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
     got = glmjax.forward(config, sharded, ids)
   assert rel_err(got, want) < 1e-5
+  # FP8's q_b cannot split in the heads' shard_map: that layer's attention says it runs under GSPMD.
+  fallbacks = [str(w.message) for w in caught if "runs under GSPMD" in str(w.message)]
+  assert (policy == "fp8") == bool(fallbacks), fallbacks
+  assert all(re.search(r"layers_\d+/self_attn .*q_b_proj", m) for m in fallbacks), fallbacks
 
 
 def test_fragment_matmul_under_the_mesh(model):

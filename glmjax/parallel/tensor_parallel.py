@@ -17,6 +17,7 @@ Layout (rules.py gives the params the same one, so entering a shard_map moves no
 """
 
 import dataclasses
+import warnings
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -47,17 +48,19 @@ def local_specs(params: dict, table: dict, mesh, *, module: str) -> dict:
   return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
 
 
-def split_specs(params: dict, table: dict) -> dict | None:
-  """`local_specs` of a module's params on the active TEP mesh, the in_specs of its shard_map;
-  None on one device, or where a device's slice would straddle quantization blocks (FP8's
-  128-row blocks of a small model): GSPMD then partitions the module's XLA ops and gathers the
-  weights its kernels read."""
+def split_specs(params: dict, table: dict, *, module: str) -> dict | None:
+  """`local_specs` of `module`'s params on the active TEP mesh, the in_specs of its shard_map;
+  None on one device, or, with a warning, where a device's slice would straddle quantization
+  blocks (FP8's 128-row blocks of a small model): GSPMD then partitions the module's XLA ops and
+  gathers the weights its kernels read."""
   mesh = active_mesh()
   if mesh is None:
     return None
   try:
-    return local_specs(params, table, mesh, module="")
-  except ValueError:
+    return local_specs(params, table, mesh, module=module)
+  except ValueError as err:
+    warnings.warn(f"tensor_parallel: {module} runs under GSPMD, not its shard_map, so the weights its "
+                  f"kernels read are gathered every step: {err}", stacklevel=2)
     return None
 
 
