@@ -317,8 +317,8 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   top-8 of 256 routed experts, 32 local) over both launches' tiles and the groups; the FP8 GEMV
   over row tiles and K splits with either operand dtype; the bf16 split-K GEMV at a rank's 25 MB
   [5, 6144] -> 2048 over K splits; the fragment-order NVFP4 GEMV (nvfp4_fragments) at M = 1 and
-  8 over tiles a program, warps, K splits, chunks a loop step, tile groups sharing the
-  activation loads, and sums stored by row."""
+  8 over tiles a program, warps, K splits and chunks a loop step (two tiles a warp sharing the
+  activation loads, sums stored by row), and with either switch off."""
   timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_own_kernels
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
@@ -332,12 +332,12 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                   for bn, bk, s in ((64, 256, 8), (64, 256, 4), (64, 256, 16), (32, 256, 8), (128, 128, 4))]
   pairs_configs = [PairsConfig(gate_up=hfma2(bn, 512, gs), down=hfma2(bn, 512, ds), groups=g, fused_planes=True)
                    for bn in (16, 32) for gs, ds in ((2, 1), (4, 2), (1, 1)) for g in (2, 4, 8)]
-  fragment_configs = [FragmentConfig(tiles=t, num_warps=w, split_k=s, unroll=u)
-                      for t, w in ((4, 2), (2, 1), (8, 4), (4, 4)) for s in (4, 8, 16) for u in (1, 2)]
-  fragment_configs += [FragmentConfig(tiles=t, num_warps=w, split_k=s, unroll=2, tile_groups=g)  # shared x loads
-                       for t, w, g in ((4, 2, 2), (8, 4, 2), (8, 2, 4), (4, 1, 4), (8, 1, 8)) for s in (4, 8)]
-  fragment_configs += [FragmentConfig(tiles=4, num_warps=2, split_k=s, unroll=2, tile_groups=g, rows_out=True)
-                       for g in (1, 2) for s in (4, 8)]  # sums stored by row
+  # Two tiles a warp sharing the activation loads, sums by row (run 31's best), around the default;
+  # then each of those two switches off, at run 28's tiles.
+  fragment_configs = [FragmentConfig(tiles=t, num_warps=w, split_k=s, unroll=u, tile_groups=2, rows_out=True)
+                      for t, w in ((4, 2), (2, 1), (8, 4)) for s in (2, 4, 8, 16) for u in (1, 2)]
+  fragment_configs += [FragmentConfig(tiles=4, num_warps=2, split_k=8, unroll=2, tile_groups=g, rows_out=r)
+                       for g, r in ((1, False), (1, True), (2, False))]
   if quick:
     gemv_configs, fp8_configs, bf16_configs = gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1], bf16_configs[:1]
     pairs_configs, fragment_configs = pairs_configs[:1], fragment_configs[:1]
