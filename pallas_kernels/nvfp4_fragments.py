@@ -58,8 +58,11 @@ prefetching the next chunk, two MMA chains, Triton's pipelining (2x slower), cac
 expert's [6144] -> 2048 and [2048] -> 6144 take 6.4-8.6 us, as slow as XLA's bf16 or slower:
 launches, not bytes. Run 30 kept the loads one by one (MMAs replaced by xors): the weights and
 scales alone take 34.6 us, the read ceiling (3.82 TB/s); the activation words, twice a tile's
-weight bytes and re-read by every tile group, cost 5.5-6.3 us more. Reusing them across tiles,
-and one launch for the call, are what is left.
+weight bytes and re-read by every tile group, cost 5.5-6.3 us more. Run 31 shared them between
+a warp's two tiles (FragmentConfig.tile_groups) and stored the sums by row (.rows_out), now the
+default: 46.3-48.4 us own (the launch alone 41.7-42.5), 2.34-2.40x XLA's bf16 in the same call
+(run 28's default there: 53.2-56.2). What is left is one launch for the call (the activations
+launch and the split sum, 4.6-5.9 us) and a faster program.
 
 Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
 store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).
@@ -230,10 +233,11 @@ class FragmentConfig:
   f16_rows and fragment_activations (three kernels); tile_groups: the program's tiles in this
   many contiguous groups whose MMAs share one load of the activation words (1: a warp loads
   them again for each of its tiles; BENCHMARKS.md run 30 found those loads 5.5-6.3 us of the
-  42.8 us kernel). tiles / tile_groups must be a multiple of num_warps. rows_out: the program
-  stores its sums as [split, token, row] (32-byte runs a warp), so XLA's epilogue is a plain sum
-  over the splits; else in C fragment order, 16-byte stores, and the epilogue also transposes
-  (`fragment_rows`)."""
+  42.8 us kernel, run 31 two tiles a warp sharing them 4.2-4.4 us faster, four or eight
+  slower). tiles / tile_groups must be a multiple of num_warps. rows_out: the program stores its
+  sums as [split, token, row] (32-byte runs a warp), so XLA's epilogue is a plain sum over the
+  splits (run 31: 1.8-2.8 us less a GEMV); else in C fragment order, 16-byte stores, and the
+  epilogue also transposes (`fragment_rows`)."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
