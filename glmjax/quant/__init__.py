@@ -28,8 +28,8 @@ pallas_kernels/nvfp4_hfma2.py); "pallas_fragments" is "pallas_hfma2" with the 2-
 in mma.sync's fragment order (FragmentWeight, glmjax.quant.fragments; `arrange_params` moves
 them once, as the Engine does when it is given this impl; MLA's kv_b stays, read whole) on
 pallas_kernels/nvfp4_fragments.py, eight rows a launch: [5, 8192] x [8192, 28672] takes 50 us
-against the tensor cores' 86 (BENCHMARKS.md run 28); `tep8_shard`'s step with every linear
-NVFP4, 17.91 ms against 18.21 (run 29). Plain arrays always take the plain einsum, unless
+against the tensor cores' 86 (BENCHMARKS.md run 28), 47.7 with run 31's default tiles (XLA's
+bf16: 114); `tep8_shard`'s step with every linear NVFP4, 17.91 ms against 18.21 (run 29). Plain arrays always take the plain einsum, unless
 dense="pallas": then decode-sized bf16 x against a bf16 weight runs the split-K GEMV of
 pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for wide outputs:
 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10);
