@@ -15,7 +15,8 @@ pallas_kernels/nvfp4_hfma2.py),
 the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where its TMA shapes
 allow: N a multiple of 8, K of 256; not at the quick shapes), the fragment-order GEMV
 (`pallas_fragments`, pallas_kernels/nvfp4_fragments.py, M <= 8, default tiles; its weight
-rearranged once, outside the timing, bytes counted as it stores them), and for the MoE
+rearranged once, outside the timing, bytes counted as it stores them; `pallas_fragments_bf16`:
+that on bf16 operands, reading x itself), and for the MoE
 `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing), and
 `pallas_hfma2_pairs`, each (token, local expert) pair a one-row product on the CUDA cores
 (pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model), and `pallas_hfma2_pairs_fused`,
@@ -50,7 +51,7 @@ from configs import get_model_config
 from glmjax.bench import agreement, bandwidth_tbs, time_device, time_own_kernels
 from glmjax.config import ModelConfig
 from glmjax.moe import route
-from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4, to_fragments
+from glmjax.quant import FRAGMENT_OPERANDS, linear, moe_experts, quantize_fp8_block, quantize_nvfp4, to_fragments
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
@@ -126,10 +127,11 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
     if fmt == "nvfp4":
       if n % TMA_ROW_TILE == 0 and k % K_MULTIPLE == 0:  # the Mosaic GPU kernel's TMA shapes
         timed.append(_kernel_entry(fmt, nvfp4_matmul_mgpu, xla_dequant, (x, q), nbytes, timer, impl="pallas_mgpu"))
-      if m <= FRAGMENT_TOKENS:
-        fragments = to_fragments(q)
+      for operands in FRAGMENT_OPERANDS if m <= FRAGMENT_TOKENS else ():
+        fragments = to_fragments(q, operands)
         timed.append(_kernel_entry(fmt, fragment_matmul, lambda x, _: xla_dequant(x, q), (x, fragments),
-                                   _nbytes(fragments) + act_bytes, timer, impl="pallas_fragments"))
+                                   _nbytes(fragments) + act_bytes, timer,
+                                   impl="pallas_fragments" + ("_bf16" if operands == "bfloat16" else "")))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 

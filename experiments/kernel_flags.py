@@ -4,13 +4,14 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
 --index_epilogue, --index_query, --residual_norm, --swiglu, --moe_sum) with the DSA kernels' --topk_method,
 --indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, --indexer_queries,
---attention_queries, and --tensor_parallel (`define`); glmjax.runtime.Runtime's fields of those names."""
+--attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of
+those names."""
 
 from typing import Callable
 
 from absl import flags
 
-from glmjax.quant import DENSE_IMPLS
+from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERANDS
 from glmjax.runtime import FOLD_SWITCHES, FOLDS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES, TENSOR_PARALLEL
 from pallas_kernels.indexer_scores import ORIENTATIONS
 from pallas_kernels.topk import METHODS
@@ -88,5 +89,9 @@ def define() -> Callable[[], dict[str, str]]:
                                            "under --tep > 1: each layer's attention and dense MLP as shard_maps "
                                            "(kernels read their slice) or gspmd (which gathers the sharded weights "
                                            "Pallas calls read)"),
+      "fragment_operands": flags.DEFINE_enum("fragment_operands", "float16", list(FRAGMENT_OPERANDS),
+                                             "--matmul=pallas_fragments' MMA operands: float16 (x scaled into fp16 "
+                                             "by its row maximum in a launch before the GEMV) or bfloat16 (K "
+                                             "permuted in the weights' order so the GEMV reads x's rows itself)"),
   }
   return lambda: {name: flag.value for name, flag in switches.items()}

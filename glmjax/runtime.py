@@ -8,7 +8,7 @@ import dataclasses
 from typing import Literal
 
 from glmjax.config import ModelConfig, derive_indexer_types
-from glmjax.quant import DENSE_IMPLS, HFMA2_IMPLS, IMPLS, PAIR_ROUTINGS, arrange_params
+from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERANDS, HFMA2_IMPLS, IMPLS, PAIR_ROUTINGS, arrange_params
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
@@ -22,7 +22,8 @@ FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexe
                  "index_epilogue", "index_query", "residual_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
-            "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL}
+            "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
+            "fragment_operands": FRAGMENT_OPERANDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,10 @@ class Runtime:
   shard_maps (glmjax.parallel.tensor_parallel: each kernel reads its device's slice) or left to
   GSPMD ("gspmd": it partitions XLA's ops, but gathers every sharded weight a Pallas call reads,
   each step); the MoE is expert_parallel's shard_map either way.
+  fragment_operands: under matmul="pallas_fragments", the MMA's operand dtype, which `arrange`
+  lays the weights out for: "float16" (x scaled into fp16 by its row maximum in a launch before
+  each GEMV) or "bfloat16" (K permuted in the weights' order, so the GEMV reads x's rows itself:
+  one launch fewer; pallas_kernels/nvfp4_fragments.py).
   """
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None
@@ -136,6 +141,7 @@ class Runtime:
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
   tensor_parallel: str = "shard_map"
+  fragment_operands: str = "float16"
 
   def __post_init__(self):
     from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed
@@ -163,9 +169,11 @@ class Runtime:
 
   def arrange(self, params):
     """params in the weight layout this runtime's matmul reads: 2-D NVFP4 weights in fragment
-    order under matmul="pallas_fragments", in ModelOpt's under the others (quant.arrange_params;
-    params already so come back as they are). The entry points taking params and a runtime call it."""
-    return arrange_params(params, fragments=self.matmul == "pallas_fragments")
+    order (for fragment_operands) under matmul="pallas_fragments", in ModelOpt's under the others
+    (quant.arrange_params; params already so come back as they are). The entry points taking
+    params and a runtime call it."""
+    return arrange_params(params, fragments=self.matmul == "pallas_fragments",
+                          operands=self.fragment_operands)
 
   @property
   def linear_impls(self) -> dict[str, str]:

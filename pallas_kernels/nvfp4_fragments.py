@@ -38,6 +38,18 @@ Numerics: the decode is exact (E2M1 * 2^-14 in fp16, nvfp4_matmul), and so is it
 the e4m3 scale in fp16 (at most 6 significant bits, at least 2^-24); the MMA multiplies fp16 by
 fp16 exactly and accumulates in fp32.
 
+bf16 operands (FragmentWeight.operands="bfloat16", to_fragments(w, "bfloat16"); Runtime's
+fragment_operands): the fp16 MMA needs x scaled into fp16's range by its row maximum, which spans
+the row, so a launch before the GEMV builds the activation words. On bf16 operands x needs no
+scaling and the program reads its rows itself: K is permuted inside each 64-column half-chunk
+(lane t's k-steps j take columns 16t + 4j .. + 3, and the codes follow; the MMA's sum does not
+care about the order), so a lane's eight activation words of a half are 32 contiguous bytes of
+x's row, and all its codes of the half fall in one NVFP4 block: one scale word a lane a chunk,
+bytes (s[g, t], s[g+8, t], s[g, 4+t], s[g+8, 4+t]). The decode's fp16 pattern moves to bf16 (2^-126
+times the code, 0.5 a bf16 subnormal), times the scale in bf16 carrying 2^118: the product is
+2^-8 times the weight, exact (at most 6 significant bits, at least 2^-18), undone in the
+epilogue. One launch fewer a call; a few more integer instructions a k-step. Not yet timed.
+
 Program: a grid of (tile groups, K splits); each program keeps `tiles` tiles (a multiple of
 num_warps, so a warp owns whole tiles) as 1-D [tiles * 128] arrays, whose Triton layout gives
 lane l the elements 4l..4l+3 of each 128 (what the PTX, four elements a call, relies on), and
@@ -79,7 +91,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.quant.fragments import CHUNK, LANES, TILE, WORDS, FragmentWeight
+from glmjax.quant.fragments import CHUNK, LANES, OPERANDS, TILE, WORDS, FragmentWeight
 from pallas_kernels import loop_stages
 from pallas_kernels.checks import check_at_least, check_launch, is_pow2, resolve_interpret
 from pallas_kernels.nvfp4_hfma2 import decode_ptx, decode_word, f16_pairs
@@ -88,48 +100,82 @@ from pallas_kernels.nvfp4_matmul import DECODE_SCALE, f16_rows, row_inverse_scal
 loop_stages.install()
 
 TOKENS = 8         # mma m16n8k16's N: the most activation rows
-MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+MMA = {"float16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+       "bfloat16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}
+# bfloat16 operands: fp16 bit patterns (normal or zero) -> bf16 ones, 2^-112 times the value (sign
+# kept, exponent and mantissa moved down 3 bits; fp16's low 3 mantissa bits are zero here).
+_NEG_ZERO, _TWO_127, _TWO_103 = 0x80008000, 0x7F007F00, 0x73007300  # bf16x2 -0, 2^127, 2^103
+BF16_SCALE = 2.0 ** 8  # undoes the 2^-126 of the decode times the scales' 2^118
 
 
-def _step_ptx(i: int, half: int) -> list[str]:
+def _to_bf16_ptx(r: str) -> str:
+  return f"shr.b32 t, {r}, 3; and.b32 t, t, 0x0FFF0FFF; and.b32 {r}, {r}, {_NEG_ZERO:#x}; or.b32 {r}, {r}, t;"
+
+
+def _scale_ptx(q: int, operands: str) -> list[str]:
+  """Byte pair q of s0/s1 (rows g, g + 8's e4m3 scales) into sg, sh, each broadcast: fp16, or
+  bf16 times 2^118 (2^-112 from the move, times 2^127 and 2^103: exact powers of two)."""
+  to_bf16 = [_to_bf16_ptx("p"), f"fma.rn.bf16x2 p, p, {_TWO_127:#x}, {_NEG_ZERO:#x}; "
+             f"fma.rn.bf16x2 p, p, {_TWO_103:#x}, {_NEG_ZERO:#x};"] if operands == "bfloat16" else []
+  return [f"cvt.rn.f16x2.e4m3x2 p, s{q};", *to_bf16, "mov.b32 {fg, fh}, p; mov.b32 sg, {fg, fg}; mov.b32 sh, {fh, fh};"]
+
+
+def _step_ptx(i: int, half: int, operands: str) -> list[str]:
   """k-step i (of the chunk's 8) in call `half`: decode its word into the A fragment, scale rows
-  g and g + 8 by their e4m3 scales (one cvt of the step's byte pair to fp16, each half broadcast
-  as an operand), multiply into the accumulators a0..a3."""
-  word, q = f"${8 + i % 4}", i % 2
-  b = 16 + 4 * (i // 2 - 2 * half) + 2 * q
-  c = "$4, $5, $6, $7" if i % 4 == 0 else "a0, a1, a2, a3"
-  scale = [f"mov.b32 {{s0, s1}}, ${12 + i // 2};"] if q == 0 else []
-  return [*decode_ptx(word, ["d0", "d1", "d2", "d3"]), *scale,
-          f"cvt.rn.f16x2.e4m3x2 p, s{q}; mov.b32 {{fg, fh}}, p; mov.b32 sg, {{fg, fg}}; mov.b32 sh, {{fh, fh}};",
-          "mul.rn.f16x2 d0, d0, sg; mul.rn.f16x2 d1, d1, sh; mul.rn.f16x2 d2, d2, sg; mul.rn.f16x2 d3, d3, sh;",
-          f"{MMA} {{a0, a1, a2, a3}}, {{d0, d1, d2, d3}}, {{${b}, ${b + 1}}}, {{{c}}};"]
+  g and g + 8 by their e4m3 scales, multiply into the accumulators a0..a3. float16: the decode's
+  fp16 (2^-14 times the code) times the step's scale pair (its byte pair of the chunk's words)
+  in fp16. bfloat16 (the K-permuted order: one scale pair a half, byte pair `half` of the lane's
+  word): the decode moved to bf16 (2^-126 times the code; 0.5 a subnormal) times the scale's
+  bf16 (2^118 times it): the product is 2^-8 times the exact weight, at most 6 significant bits."""
+  word, j, regs = f"${8 + i % 4}", i % 4, ["d0", "d1", "d2", "d3"]
+  b = 16 + 4 * (j // 2) + 2 * (j % 2)
+  c = "$4, $5, $6, $7" if j == 0 else "a0, a1, a2, a3"
+  if operands == "float16":
+    scale = [f"mov.b32 {{s0, s1}}, ${12 + i // 2};"] * (i % 2 == 0) + _scale_ptx(i % 2, operands)
+    product = "mul.rn.f16x2 {d}, {d}, {s};"
+  else:
+    scale = ["mov.b32 {s0, s1}, $12;", *_scale_ptx(half, operands)] if j == 0 else []
+    product = f"fma.rn.bf16x2 {{d}}, {{d}}, {{s}}, {_NEG_ZERO:#x};"
+    scale = [*(_to_bf16_ptx(d) for d in regs), *scale]
+  return [*decode_ptx(word, regs), *scale, *(product.format(d=d, s=s) for d, s in zip(regs, ("sg", "sh") * 2)),
+          f"{MMA[operands]} {{a0, a1, a2, a3}}, {{d0, d1, d2, d3}}, {{${b}, ${b + 1}}}, {{{c}}};"]
 
 
-def fragment_ptx(half: int) -> str:
+def fragment_ptx(half: int, operands: str = "float16") -> str:
   """The PTX of one call: k-steps 4 half .. 4 half + 3 of a chunk. Operands (four of each
   array, a lane's): $0-3 the accumulators out (f32), $4-7 in; $8-11 the words of this half;
-  $12-15 the chunk's scale words; $16-19, $20-23 the activation words of steps 4 half, +1 and
-  4 half + 2, +3. The results go to $0-3 last, so no input register is overwritten early."""
+  $12-15 the chunk's scale words (bfloat16: the lane's one word, four times); $16-19, $20-23 the
+  activation words of steps 4 half, +1 and 4 half + 2, +3. The results go to $0-3 last, so no
+  input register is overwritten early."""
   return "\n".join([
       "{", ".reg .b32 t, u, v, p, d0, d1, d2, d3, sg, sh;", ".reg .b16 s0, s1, fg, fh;", ".reg .f32 a0, a1, a2, a3;",
-      *(line for i in range(4 * half, 4 * half + 4) for line in _step_ptx(i, half)),
+      *(line for i in range(4 * half, 4 * half + 4) for line in _step_ptx(i, half, operands)),
       "mov.f32 $0, a0; mov.f32 $1, a1; mov.f32 $2, a2; mov.f32 $3, a3;", "}"])
 
 
-FRAGMENT_PTX = tuple(fragment_ptx(half) for half in range(2))
+FRAGMENT_PTX = {operands: tuple(fragment_ptx(half, operands) for half in range(2)) for operands in OPERANDS}
 FRAGMENT_CONSTRAINTS = ",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 16)
 
 
-def mma_m16n8k16(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array]) -> list[jax.Array]:
-  """mma.sync m16n8k16 (f16 x f16 + f32) on register arrays [..., 32] (a warp's lanes last): A's
-  four fp16x2 registers, B's two, C's four f32 -> D's four f32, in the PTX ISA's fragment layouts
+def bf16_pairs(words: jax.Array) -> jax.Array:
+  """u32 [...] -> f32 [..., 2]: the bf16 pair in each word (low half first)."""
+  return lax.bitcast_convert_type(words, jnp.bfloat16).astype(jnp.float32)
+
+
+PAIRS = {"float16": f16_pairs, "bfloat16": bf16_pairs}
+
+
+def mma_m16n8k16(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array], operands: str = "float16"
+                 ) -> list[jax.Array]:
+  """mma.sync m16n8k16 (f16 x f16 + f32, or bf16 operands) on register arrays [..., 32] (a warp's
+  lanes last): A's four fp16x2 registers, B's two, C's four f32 -> D's four f32, in the PTX ISA's fragment layouts
   (lane = 4 g + t; a_r: row g + 8 (r % 2), columns 2t + 8 (r // 2) + (0, 1); b_r: k 2t + 8r +
   (0, 1) of column g; c_r: row g + 8 (r // 2), column 2t + r % 2). Products exact, sums in fp32."""
   lead = a[0].shape[:-1]
   # A [..., ch, rh, g, t, p] -> [..., 16, 16]; B [..., kh, g, t, p] -> [..., 16, 8]; C [..., rh, cb, g, t].
-  a_mat = jnp.stack([f16_pairs(r) for r in a], -3).reshape(*lead, 2, 2, 8, 4, 2)
+  a_mat = jnp.stack([PAIRS[operands](r) for r in a], -3).reshape(*lead, 2, 2, 8, 4, 2)
   a_mat = jnp.moveaxis(a_mat, -5, -3).reshape(*lead, 16, 16)
-  b_mat = jnp.stack([f16_pairs(r) for r in b], -3).reshape(*lead, 2, 8, 4, 2)
+  b_mat = jnp.stack([PAIRS[operands](r) for r in b], -3).reshape(*lead, 2, 8, 4, 2)
   b_mat = jnp.moveaxis(b_mat, -3, -1).reshape(*lead, 16, 8)
   c_mat = jnp.stack(c, -2).reshape(*lead, 2, 2, 8, 4)
   c_mat = jnp.moveaxis(c_mat, -3, -1).reshape(*lead, 16, 8)
@@ -145,28 +191,31 @@ def _scale_pair(word: jax.Array, q: int) -> tuple[jax.Array, jax.Array]:
   return scale(2 * q), scale(2 * q + 1)
 
 
-def fragment_mma_twin(acc, words, scales, xa, xb, *, half: int) -> jax.Array:
-  """FRAGMENT_PTX[half] in jnp, on the kernel's 1-D [tiles * 128] arrays (lane l: elements 4l ..
-  4l + 3 of each 128): the interpreter's stand-in. Scaled weights are exact in fp32 as in fp16."""
+def fragment_mma_twin(acc, words, scales, xa, xb, *, half: int, operands: str = "float16") -> jax.Array:
+  """FRAGMENT_PTX[operands][half] in jnp, on the kernel's 1-D [tiles * 128] arrays (lane l:
+  elements 4l .. 4l + 3 of each 128): the interpreter's stand-in. Scaled weights are exact in
+  fp32 as in fp16 or bf16 (bfloat16: 2^-8 times the weight, as the PTX's)."""
   lanes = lambda x: x.reshape(-1, LANES, 4)
   acc, words, scales, x = lanes(acc), lanes(words), lanes(scales), (lanes(xa), lanes(xb))
+  dtype, factor = (jnp.float16, 1.0) if operands == "float16" else (jnp.bfloat16, 2.0 ** 6)  # 2^-14 -> 2^-8
   c = [acc[..., r] for r in range(4)]
   for i in range(4 * half, 4 * half + 4):
-    s_g, s_g8 = _scale_pair(scales[..., i // 2], i % 2)
+    word, q = (i // 2, i % 2) if operands == "float16" else (0, half)
+    s_g, s_g8 = _scale_pair(scales[..., word], q)
     regs = decode_word(words[..., i % 4])
-    a = [lax.bitcast_convert_type((f16_pairs(d) * s[..., None]).astype(jnp.float16), jnp.uint32)
+    a = [lax.bitcast_convert_type((f16_pairs(d) * (s[..., None] * factor)).astype(dtype), jnp.uint32)
          for d, s in zip(regs, (s_g, s_g8, s_g, s_g8))]
     xs = x[i // 2 - 2 * half]
-    c = mma_m16n8k16(a, [xs[..., 2 * (i % 2)], xs[..., 2 * (i % 2) + 1]], c)
+    c = mma_m16n8k16(a, [xs[..., 2 * (i % 2)], xs[..., 2 * (i % 2) + 1]], c, operands)
   return jnp.stack(c, -1).reshape(-1)
 
 
-def fragment_mma(acc, words, scales, xa, xb, *, half: int, ptx: bool) -> jax.Array:
+def fragment_mma(acc, words, scales, xa, xb, *, half: int, ptx: bool, operands: str = "float16") -> jax.Array:
   """acc after the four k-steps of call `half` (fragment_ptx), elementwise over lanes' words."""
   if not ptx:
-    return fragment_mma_twin(acc, words, scales, xa, xb, half=half)
+    return fragment_mma_twin(acc, words, scales, xa, xb, half=half, operands=operands)
   [out] = pltriton.elementwise_inline_asm(
-      FRAGMENT_PTX[half], args=[acc, words, scales, xa, xb], constraints=FRAGMENT_CONSTRAINTS, pack=4,
+      FRAGMENT_PTX[operands][half], args=[acc, words, scales, xa, xb], constraints=FRAGMENT_CONSTRAINTS, pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.float32)])
   return out
 
@@ -275,9 +324,10 @@ def default_fragment_config(n: int, k: int) -> FragmentConfig:
                         unroll=2 if chunks // split >= 4 else 1, tile_groups=2, rows_out=True)
 
 
-def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: int, config: FragmentConfig,
-            interpret: bool):
-  # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128]; words_ref u32 [Kc * 2 * Nt * 128];
+def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, k: int, tiles: int, chunks: int, config: FragmentConfig,
+            operands: str, interpret: bool):
+  # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128] (bfloat16: x's rows as they are, [M * K / 2]
+  # bf16 pairs); words_ref u32 [Kc * 2 * Nt * 128];
   # scales_ref u32 [Kc * Nt * 32]; o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows), or with
   # rows_out [split_k * 8 * Nt * 16].
   # The program's tiles in config.tile_groups contiguous groups; element e of a group's arrays is
@@ -291,9 +341,20 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: 
   # Triton that these offsets run in aligned groups of 4, and it then loads 4 bytes at a time.
   div, rem = (functools.partial(lambda op, a, b: op(a, jnp.int32(b)), op) for op in (lax.div, lax.rem))
   tile, word = div(e, WORDS), rem(e, WORDS)
+  lane, r = div(word, 4), rem(e, 4)
+  g, t = div(lane, 4), rem(lane, 4)
   oks = [None if tiles % config.tiles == 0 else start + tile < tiles for start in starts]
-  scale_index = tile * LANES + div(word, 16) * 4 + rem(e, 4)  # lane 4g + t reads word 4g + j
+  # float16: lane 4g + t reads words 4g .. 4g + 3; bfloat16: its own word, four times.
+  scale_index = tile * LANES + (g * 4 + r if operands == "float16" else lane)
   load = lambda ref, index, ok: pltriton.load(ref.at[index], mask=ok, other=None if ok is None else jnp.uint32(0))
+
+  def activations(c, a):
+    """Activation array a (steps 2a, 2a + 1) of chunk c: prepared words, or (bfloat16) lane 4g +
+    t's pairs 8t + 4(a % 2) .. + 3 of token g's half-chunk a // 2 in x's row (zero past M, K)."""
+    if operands == "float16":
+      return pltriton.load(x_ref.at[(4 * c + a) * WORDS + word])
+    column = c * (CHUNK // 2) + 32 * (a // 2) + 8 * t + 4 * (a % 2) + r
+    return pltriton.load(x_ref.at[g * (k // 2) + column], mask=(g < m) & (2 * column < k), other=jnp.uint32(0))
 
   def chunk(c) -> tuple:
     """Chunk c's loads: per group the two halves' words and the scale words; the four
@@ -301,14 +362,15 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: 
     words = [[load(words_ref, pl.ds((2 * c + h) * tiles * WORDS + start * WORDS, size), ok) for h in range(2)]
              for start, ok in zip(starts, oks)]
     scales = [load(scales_ref, c * tiles * LANES + start * LANES + scale_index, ok) for start, ok in zip(starts, oks)]
-    return words, scales, [pltriton.load(x_ref.at[(4 * c + a) * WORDS + word]) for a in range(4)]
+    return words, scales, [activations(c, a) for a in range(4)]
 
   def multiply(accs, loads) -> tuple:
     words, scales, xs = loads
     accs = list(accs)
     for g in range(config.tile_groups):
       for h in range(2):
-        accs[g] = fragment_mma(accs[g], words[g][h], scales[g], xs[2 * h], xs[2 * h + 1], half=h, ptx=not interpret)
+        accs[g] = fragment_mma(accs[g], words[g][h], scales[g], xs[2 * h], xs[2 * h + 1], half=h, ptx=not interpret,
+                               operands=operands)
     return tuple(accs)
 
   def step(s, accs):  # config.unroll chunks' loads, then their MMAs
@@ -327,8 +389,6 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: 
   # Lane 4g + t's sum r (c_r: row 16 T + g + 8 (r // 2), token 2t + r % 2). rows_out: at
   # [split, token, row]; else slab t of this split at 32 T + 4g + r. Padding tokens' sums (token
   # >= m; whole slabs: 2t >= m) are not written.
-  lane, r = div(word, 4), rem(e, 4)
-  g, t = div(lane, 4), rem(lane, 4)
   if config.rows_out:
     token = 2 * t + rem(r, 2)
     keep = token < m
@@ -344,7 +404,9 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, tiles: int, chunks: 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig | None = None,
                     interpret: bool | None = None) -> jax.Array:
-  """x bf16 [M, K] (M <= 8) @ dequant(w).T -> bf16 [M, N], w from to_fragments."""
+  """x bf16 [M, K] (M <= 8) @ dequant(w).T -> bf16 [M, N], w from to_fragments. Its operands
+  decide the program: float16 scales x's rows into fp16 (activations_kernel, or XLA's f16_rows
+  with config.fused_activations off); bfloat16 reads x's rows itself (no launch before it)."""
   n, k = w.shape
   if x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] != k or not 1 <= x.shape[0] <= TOKENS:
     raise ValueError(f"fragment_matmul: x must be bf16 [M, {k}] with 1 <= M <= {TOKENS}, got "
@@ -352,16 +414,20 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
   config = config or default_fragment_config(n, k)
   tiles, chunks = w.tiles, w.scales.shape[0]
   interpret = resolve_interpret(interpret)
-  if config.fused_activations:
+  m = x.shape[0]
+  if w.operands == "bfloat16":
+    activations, scale = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.uint32).reshape(-1), BF16_SCALE
+  elif config.fused_activations:
     activations, amax = activations_kernel(x, chunks, interpret)
-    amax = amax[:x.shape[0]]
+    scale = DECODE_SCALE * row_inverse_scale(amax[:m])[:, None]
   else:
     x16, amax = f16_rows(x)
-    activations = fragment_activations(x16, chunks)
+    activations, scale = fragment_activations(x16, chunks), DECODE_SCALE * row_inverse_scale(amax)[:, None]
   inputs = [activations, w.words.reshape(-1), w.scales.reshape(-1)]
   whole = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0,))
   out = pl.pallas_call(
-      functools.partial(_kernel, m=x.shape[0], tiles=tiles, chunks=chunks, config=config, interpret=interpret),
+      functools.partial(_kernel, m=m, k=k, tiles=tiles, chunks=chunks, config=config, operands=w.operands,
+                        interpret=interpret),
       grid=(pl.cdiv(tiles, config.tiles), config.split_k),
       in_specs=[whole(a) for a in inputs],
       out_specs=pl.BlockSpec((config.split_k * tiles * WORDS,), lambda j, s: (0,)),
@@ -370,9 +436,8 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
       interpret=interpret,
       name=loop_stages.staged_name("nvfp4_fragments", config.num_stages if config.num_stages > 1 else None),
   )(*inputs)
-  m = x.shape[0]
   if config.rows_out:
     y = out.reshape(config.split_k, TOKENS, tiles * TILE)[:, :m, :n].sum(0)
   else:
     y = fragment_rows(out, m, n, config.split_k)
-  return (y * (w.global_scale * DECODE_SCALE) * row_inverse_scale(amax)[:, None]).astype(x.dtype)
+  return (y * w.global_scale * scale).astype(x.dtype)

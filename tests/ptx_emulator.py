@@ -20,6 +20,14 @@ def f16_bits(values: np.ndarray) -> np.ndarray:
   return values.astype(np.float16).view(np.uint16).astype(np.uint32)
 
 
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+  return bits.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+  return values.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+
+
 def f32_value(bits: np.ndarray) -> np.ndarray:
   return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
@@ -28,11 +36,12 @@ def f32_bits(values: np.ndarray) -> np.ndarray:
   return values.astype(np.float32).view(np.uint32)
 
 
-def _halves(op, *regs: np.ndarray) -> np.ndarray:
-  """An fp16x2 instruction: op on both halves in float64, each rounded once to fp16."""
-  lo = op(*(f16_value(r & 0xFFFF) for r in regs))
-  hi = op(*(f16_value(r >> 16) for r in regs))
-  return f16_bits(lo) | (f16_bits(hi) << 16)
+def _halves(op, *regs: np.ndarray, value=f16_value, bits=f16_bits) -> np.ndarray:
+  """An fp16x2 (or, with bf16's value and bits, bf16x2) instruction: op on both halves in
+  float64, each rounded once (subnormals kept)."""
+  lo = op(*(value(r & 0xFFFF) for r in regs))
+  hi = op(*(value(r >> 16) for r in regs))
+  return bits(lo) | (bits(hi) << 16)
 
 
 def _e4m3x2_to_f16x2(a: np.ndarray) -> np.ndarray:
@@ -48,6 +57,7 @@ OPS = {
     "or.b32": lambda a, b: a | b,
     "mul.rn.f16x2": lambda a, b: _halves(lambda x, y: x * y, a, b),
     "fma.rn.f16x2": lambda a, b, c: _halves(lambda x, y, z: x * y + z, a, b, c),
+    "fma.rn.bf16x2": lambda a, b, c: _halves(lambda x, y, z: x * y + z, a, b, c, value=bf16_value, bits=bf16_bits),
     "cvt.f32.f16": lambda a: f32_bits(f16_value(a)),
     "cvt.rn.f16x2.e4m3x2": _e4m3x2_to_f16x2,
     "add.f32": lambda a, b: f32_bits(f32_value(a) + f32_value(b)),
@@ -56,12 +66,13 @@ OPS = {
 }
 
 
-def _mma(a: list, b: list, c: list) -> list:
-  """mma.sync m16n8k16 f32.f16.f16.f32 over a warp's 32 lanes (pallas_kernels.nvfp4_fragments'
-  jnp form of the PTX ISA's fragment layouts, checked there against plain matrices)."""
+def _mma(a: list, b: list, c: list, operands: str) -> list:
+  """mma.sync m16n8k16 f32.f16.f16.f32 (or .bf16.bf16) over a warp's 32 lanes
+  (pallas_kernels.nvfp4_fragments' jnp form of the PTX ISA's fragment layouts, checked there
+  against plain matrices)."""
   lanes = lambda r: jnp.asarray(r.reshape(-1, 32))
   d = mma_m16n8k16([lanes(r) for r in a], [lanes(r) for r in b],
-                   [lanes(f32_value(r).astype(np.float32)) for r in c])
+                   [lanes(f32_value(r).astype(np.float32)) for r in c], operands)
   return [f32_bits(np.asarray(r).reshape(-1)) for r in d]
 
 
@@ -77,7 +88,8 @@ def run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     op, args = line.split(None, 1)
     if op.startswith("mma.sync"):  # {d0..d3}, {a0..a3}, {b0, b1}, {c0..c3}
       d, a, b, c = ([t.strip() for t in group.split(",")] for group in re.findall(r"\{([^}]*)\}", args))
-      for name, out in zip(d, _mma([value(t) for t in a], [value(t) for t in b], [value(t) for t in c])):
+      operands = "bfloat16" if ".bf16." in op else "float16"
+      for name, out in zip(d, _mma([value(t) for t in a], [value(t) for t in b], [value(t) for t in c], operands)):
         regs[name] = out
       continue
     if op == "mov.b32" and args.lstrip().startswith("{"):  # mov.b32 {lo, hi}, h: unpack the halves

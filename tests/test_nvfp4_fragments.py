@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from glmjax.quant import FragmentWeight, NVFP4Weight, arrange_params, from_fragments, quantize_fp8_block, to_fragments
+from glmjax.quant.fragments import OPERANDS
 from glmjax.quant.nvfp4 import quantize_nvfp4, unpack_e2m1
 from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, activations_kernel, default_fragment_config,
                                             fragment_activations, fragment_matmul, fragment_mma_twin, mma_m16n8k16)
@@ -22,25 +23,27 @@ from tests.ptx_emulator import f32_value, run_ptx
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 
 
-def _pairs(values: np.ndarray) -> np.ndarray:
-  """fp16 values [..., 2] -> their u32 registers (element 0 in the low half)."""
-  return values.astype(np.float16).view(np.uint32)[..., 0]
+def _pairs(values: np.ndarray, operands: str = "float16") -> np.ndarray:
+  """fp16 (bf16) values [..., 2] -> their u32 registers (element 0 in the low half)."""
+  return values.astype(np.float16 if operands == "float16" else ml_dtypes.bfloat16).view(np.uint32)[..., 0]
 
 
-def test_mma_fragments_match_plain_matrices():
+@pytest.mark.parametrize("operands", OPERANDS)
+def test_mma_fragments_match_plain_matrices(operands):
   """mma_m16n8k16's reading of the registers, lane by lane from the PTX ISA's tables (lane =
   4 g + t): D = A B + C for random matrices."""
   rng = np.random.default_rng(0)
   warps = 3
-  a = rng.standard_normal((warps, 16, 16)).astype(np.float16)
-  b = rng.standard_normal((warps, 16, 8)).astype(np.float16)
+  dtype = np.float16 if operands == "float16" else ml_dtypes.bfloat16
+  a = rng.standard_normal((warps, 16, 16)).astype(dtype)
+  b = rng.standard_normal((warps, 16, 8)).astype(dtype)
   c = rng.standard_normal((warps, 16, 8)).astype(np.float32)
   g, t = np.arange(32) // 4, np.arange(32) % 4
-  a_regs = [_pairs(np.stack([a[:, g + 8 * (r % 2), 2 * t + 8 * (r // 2) + p] for p in (0, 1)], -1))
+  a_regs = [_pairs(np.stack([a[:, g + 8 * (r % 2), 2 * t + 8 * (r // 2) + p] for p in (0, 1)], -1), operands)
             for r in range(4)]
-  b_regs = [_pairs(np.stack([b[:, 2 * t + 8 * r + p, g] for p in (0, 1)], -1)) for r in range(2)]
+  b_regs = [_pairs(np.stack([b[:, 2 * t + 8 * r + p, g] for p in (0, 1)], -1), operands) for r in range(2)]
   c_regs = [c[:, g + 8 * (r // 2), 2 * t + r % 2] for r in range(4)]
-  d = mma_m16n8k16(*([jnp.asarray(x) for x in regs] for regs in (a_regs, b_regs, c_regs)))
+  d = mma_m16n8k16(*([jnp.asarray(x) for x in regs] for regs in (a_regs, b_regs, c_regs)), operands)
   want = a.astype(np.float64) @ b.astype(np.float64) + c
   for r in range(4):
     np.testing.assert_allclose(np.asarray(d[r]), want[:, g + 8 * (r // 2), 2 * t + r % 2], rtol=1e-6, atol=1e-6)
@@ -67,6 +70,18 @@ def test_to_fragments_layout():
     assert (byte & 0xF, byte >> 4) == (codes[row, col], codes[row, col + 8])
   for c, tile, g, j, q, rh in np.ndindex(3, 3, 8, 4, 2, 2):
     assert scale_words[c, 4 * (32 * tile + 4 * g + j) + 2 * q + rh] == scales[16 * tile + g + 8 * rh, 8 * c + 2 * j + q]
+  # bfloat16: K permuted inside each half-chunk. Lane 4g + t's word j of half h holds columns
+  # 128 c + 64 h + 16 t + 4 j + cb (low nibble) and + 2 (high), all of block 8 c + 4 h + t,
+  # whose scales (rows g, g + 8) are bytes 2h, 2h + 1 of the lane's own word 32 T + 4 g + t.
+  f = to_fragments(w, "bfloat16")
+  words, scale_words = np.asarray(f.words).view(np.uint8), np.asarray(f.scales).view(np.uint8)
+  for c, h, tile, lane, j, rh, cb in np.ndindex(3, 2, 3, 32, 4, 2, 2):
+    g, t = lane // 4, lane % 4
+    row, col = 16 * tile + g + 8 * rh, 128 * c + 64 * h + 16 * t + 4 * j + cb
+    byte = words[c, h, 4 * (128 * tile + 4 * lane + j) + 2 * rh + cb]
+    assert (byte & 0xF, byte >> 4) == (codes[row, col], codes[row, col + 2])
+  for c, tile, g, t, h, rh in np.ndindex(3, 3, 8, 4, 2, 2):
+    assert scale_words[c, 4 * (32 * tile + 4 * g + t) + 2 * h + rh] == scales[16 * tile + g + 8 * rh, 8 * c + 4 * h + t]
 
 
 def _bytes(a) -> bytes:
@@ -78,8 +93,9 @@ def _nvfp4_bytes(w: NVFP4Weight) -> list[bytes]:
   return [_bytes(getattr(w, field)) for field in ("packed", "block_scale", "global_scale", "input_scale")]
 
 
+@pytest.mark.parametrize("operands", OPERANDS)
 @pytest.mark.parametrize("n, k", [(40, 272), (16, 128), (33, 16), (130, 400)])
-def test_from_fragments_inverts_to_fragments(n, k):
+def test_from_fragments_inverts_to_fragments(n, k, operands):
   """ModelOpt's arrays back bit for bit (the padding dropped), from random weights with zero
   rows, zero blocks, both signs and a calibrated input scale; the same dequantized values."""
   rng = np.random.default_rng(n + k)
@@ -87,9 +103,9 @@ def test_from_fragments_inverts_to_fragments(n, k):
   w[n // 2] = 0
   w[:, :16] = 0
   q = quantize_nvfp4(jnp.asarray(w, jnp.float32), jnp.float32(0.37))
-  f = to_fragments(q)
+  f = to_fragments(q, operands)
   rows, cols = -(-n // 16) * 16, -(-k // 128) * 128  # padded to whole tiles and chunks, still 4.5 bits a weight
-  assert f.shape == (n, k) and f.nbytes == rows * cols * 9 // 16 + 8
+  assert f.shape == (n, k) and f.operands == operands and f.nbytes == rows * cols * 9 // 16 + 8
   assert _nvfp4_bytes(from_fragments(f)) == _nvfp4_bytes(q)
   np.testing.assert_array_equal(np.asarray(f.dequantize(jnp.float32)), np.asarray(q.dequantize(jnp.float32)))
 
@@ -110,6 +126,11 @@ def test_arrange_params_moves_only_2d_nvfp4_weights():
   assert arrange_params(arranged, fragments=True) is arranged  # already so: nothing to do
   back = arrange_params(arranged, fragments=False)
   assert _nvfp4_bytes(back["attn"]["weight"]) == _nvfp4_bytes(params["attn"]["weight"])
+  # The other operands' order: the fragment weights re-arranged, the same codes underneath.
+  bf16 = arrange_params(arranged, fragments=True, operands="bfloat16")
+  assert bf16["attn"]["weight"].operands == "bfloat16" and bf16["fp8"]["weight"] is arranged["fp8"]["weight"]
+  assert _nvfp4_bytes(from_fragments(bf16["attn"]["weight"])) == _nvfp4_bytes(params["attn"]["weight"])
+  assert arrange_params(bf16, fragments=True)["attn"]["weight"].operands == "float16"
 
 
 def _e4m3_bytes(rng, shape) -> np.ndarray:
@@ -118,24 +139,28 @@ def _e4m3_bytes(rng, shape) -> np.ndarray:
   return np.where((b & 0x7F) == 0x7F, b ^ 1, b)
 
 
+@pytest.mark.parametrize("operands", OPERANDS)
 @pytest.mark.parametrize("half", [0, 1])
-def test_fragment_ptx_equals_its_twin(half):
-  """FRAGMENT_PTX[half], emulated over 3 warps' lanes, against fragment_mma_twin on the same
-  registers (every code, every scale but NaN, activations up to 2^14): the decode, the scale
-  pairing and the operand wiring agree (fp32 sums in either order)."""
+def test_fragment_ptx_equals_its_twin(half, operands):
+  """FRAGMENT_PTX[operands][half], emulated over 3 warps' lanes, against fragment_mma_twin on the
+  same registers (every code, every scale but NaN, activations up to 2^14; bf16 ones down to
+  2^-20): the decode, the scale pairing and the operand wiring agree (fp32 sums in either
+  order)."""
   rng = np.random.default_rng(2 + half)
   size = 3 * 128
   words = rng.integers(0, 2 ** 32, size, dtype=np.uint32)
   scales = sum(_e4m3_bytes(rng, size) << (8 * i) for i in range(4)).astype(np.uint32)
-  x = (rng.standard_normal((2, size, 2)) * 2.0 ** rng.integers(0, 14, (2, size, 1))).astype(np.float16)
-  xa, xb = (_pairs(v) for v in x)
+  low = 0 if operands == "float16" else -20
+  x = rng.standard_normal((2, size, 2)) * 2.0 ** rng.integers(low, 14, (2, size, 1))
+  xa, xb = (_pairs(v, operands) for v in x)
   acc = rng.standard_normal(size).astype(np.float32)
   lanes = lambda v, j: v.reshape(-1, 4)[:, j]
   registers = {f"${4 + 4 * a + j}": lanes(v, j) for a, v in enumerate([acc.view(np.uint32), words, scales, xa, xb])
                for j in range(4)}
-  regs = run_ptx(FRAGMENT_PTX[half], registers)
+  regs = run_ptx(FRAGMENT_PTX[operands][half], registers)
   got = np.stack([f32_value(regs[f"${r}"]) for r in range(4)], -1).reshape(-1)
-  twin = np.asarray(fragment_mma_twin(*(jnp.asarray(v) for v in (acc, words, scales, xa, xb)), half=half))
+  twin = np.asarray(fragment_mma_twin(*(jnp.asarray(v) for v in (acc, words, scales, xa, xb)), half=half,
+                                      operands=operands))
   scale = np.abs(twin).max()
   assert scale > 1.0
   np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * scale)
@@ -153,12 +178,13 @@ def test_fragment_ptx_equals_its_twin(half):
     (8, 136, 640, FragmentConfig(tiles=2, split_k=3, num_warps=1, unroll=2, rows_out=True)),
     (5, 48, 256, FragmentConfig(tiles=4, split_k=3, num_warps=1, tile_groups=2, rows_out=True)),
 ])
-def test_fragment_matmul_matches_reference(m, n, k, config):
+@pytest.mark.parametrize("operands", OPERANDS)
+def test_fragment_matmul_matches_reference(m, n, k, config, operands):
   """Fresh random x and weights against nvfp4_matmul_reference: within bf16 output rounding."""
   rng = np.random.default_rng(m * 1000 + n)
   x = jnp.asarray(rng.standard_normal((m, k)) + 0.1, jnp.bfloat16)
   w = quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.5, 2, (n, 1)), jnp.float32))
-  got = np.asarray(fragment_matmul(x, to_fragments(w), config=config), np.float64)
+  got = np.asarray(fragment_matmul(x, to_fragments(w, operands), config=config), np.float64)
   want = np.asarray(nvfp4_matmul_reference(x, w), np.float64)
   assert got.shape == (m, n)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 4e-3
@@ -205,7 +231,9 @@ def test_fragment_matmul_lowers_for_h200():
   w = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a)), jax.ShapeDtypeStruct((200, 272), jnp.float32))
   staged = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, num_stages=2, fused_activations=False)
   grouped = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, tile_groups=2, rows_out=True)
-  for config in (None, staged, grouped):
+  w_bf16 = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), "bfloat16"),
+                          jax.ShapeDtypeStruct((200, 272), jnp.float32))
+  for config, weight in ((None, w), (staged, w), (grouped, w), (grouped, w_bf16)):
     text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
-                     jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), w)
+                     jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), weight)
     assert TRITON_CALL in text

@@ -151,18 +151,24 @@ def test_fragment_matmul_in_the_model(params_bf16):
   order itself (not kv_b, read whole, nor the shared expert: fragments.RAW); each other 2-D
   NVFP4 linear is the fragment kernel's two launches where pallas_hfma2 runs one nvfp4_matmul;
   the MoE is the same; the logits equal pallas_hfma2's (exact fp16 products, fp32 sums, one bf16
-  rounding a linear)."""
+  rounding a linear). With fragment_operands="bfloat16" the activations launches are gone and
+  the logits the same."""
   q = quantized(params_bf16, "nvfp4")
   ids = tokens(7, 1, 5)
-  names = lambda impl: collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(
-      lambda p: glmjax.forward(CONFIG, p, ids, runtime=Runtime(matmul=impl)))(q).jaxpr))
-  hfma2, fragments = names("pallas_hfma2"), names("pallas_fragments")
+  names = lambda runtime: collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(
+      lambda p: glmjax.forward(CONFIG, p, ids, runtime=runtime))(q).jaxpr))
+  hfma2, fragments = names(Runtime(matmul="pallas_hfma2")), names(Runtime(matmul="pallas_fragments"))
   linears, shared = hfma2.pop("nvfp4_matmul"), 3 * len(MOE_LAYERS)  # the shared experts' stay (RAW)
   assert linears >= 13
   assert fragments == hfma2 + collections.Counter(nvfp4_matmul=shared, nvfp4_fragments=linears - shared,
                                                   nvfp4_fragment_activations=linears - shared)
   out = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_fragments"))
-  assert rel_err(out, glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_hfma2"))) <= 2e-3
+  want = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_hfma2"))
+  assert rel_err(out, want) <= 2e-3
+  # bf16 operands: the kernels read x's rows themselves, no activations launch; the same logits.
+  bf16 = Runtime(matmul="pallas_fragments", fragment_operands="bfloat16")
+  assert names(bf16) == fragments - collections.Counter(nvfp4_fragment_activations=linears - shared)
+  assert rel_err(glmjax.forward(CONFIG, q, ids, runtime=bf16), want) <= 2e-3
   # The engine arranges its params once, the same weights.
   engine = Engine(CONFIG, q, runtime=Runtime(matmul="pallas_fragments"), num_pages=4, page_size=16)
   attention = engine.params["layers_1"]["self_attn"]
@@ -172,6 +178,8 @@ def test_fragment_matmul_in_the_model(params_bf16):
   assert isinstance(o_proj, FragmentWeight)
   np.testing.assert_array_equal(np.asarray(o_proj.dequantize(jnp.float32)),
                                 np.asarray(q["layers_1"]["self_attn"]["o_proj"]["weight"].dequantize(jnp.float32)))
+  engine = Engine(CONFIG, q, runtime=bf16, num_pages=4, page_size=16)
+  assert engine.params["layers_1"]["self_attn"]["o_proj"]["weight"].operands == "bfloat16"
 
 
 def test_fragment_linear_takes_rows_in_eights():

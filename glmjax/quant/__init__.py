@@ -29,10 +29,12 @@ in mma.sync's fragment order (FragmentWeight, glmjax.quant.fragments; `arrange_p
 them once, as the Engine does when it is given this impl; MLA's kv_b stays, read whole) on
 pallas_kernels/nvfp4_fragments.py, eight rows a launch: [5, 8192] x [8192, 28672] takes 50 us
 against the tensor cores' 86 (BENCHMARKS.md run 28), 47.7 with run 31's default tiles (XLA's
-bf16: 114); `tep8_shard`'s step with every linear NVFP4, 17.91 ms against 18.21 (run 29). Plain arrays always take the plain einsum, unless
-dense="pallas": then decode-sized bf16 x against a bf16 weight runs the split-K GEMV of
-pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy speed only for wide outputs:
-0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md runs 5 and 10);
+bf16: 114); `tep8_shard`'s step with every linear NVFP4, 17.91 ms against 18.21 (run 29); with
+fragment_operands="bfloat16" (Runtime) the weights' K order lets the kernel read x itself. Plain
+arrays always take the plain einsum, unless dense="pallas": then decode-sized bf16 x against a
+bf16 weight runs the split-K GEMV of pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy
+speed only for wide outputs: 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md
+runs 5 and 10);
 dense="pallas_grouped" is "pallas" with the projections that share their input in one launch
 each (linear_group).
 """
@@ -44,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.quant.fp8_block import FP8BlockWeight, quantize_fp8_block
+from glmjax.quant.fragments import OPERANDS as FRAGMENT_OPERANDS
 from glmjax.quant.fragments import FragmentWeight, arrange_params, from_fragments, to_fragments
 from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
 from glmjax.quant.policy import POLICIES, quantize_leaf, quantize_params, quantizes
@@ -59,10 +62,10 @@ DENSE_IMPLS = ("xla", "pallas", "pallas_grouped")
 PAIR_ROUTINGS = ("pairs", "pairs_fused")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight | FragmentWeight
 
-__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FragmentWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES",
-           "QuantizedWeight", "arrange_params", "decode_sized", "from_fragments", "linear", "linear_group",
-           "linear_group_partials", "linear_partials", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf",
-           "quantize_nvfp4", "quantize_params", "quantizes", "to_fragments"]
+__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FRAGMENT_OPERANDS", "FragmentWeight", "IMPLS", "NVFP4Weight",
+           "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight", "arrange_params", "decode_sized", "from_fragments", "linear",
+           "linear_group", "linear_group_partials", "linear_partials", "moe_experts", "param", "quantize_fp8_block",
+           "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes", "to_fragments"]
 
 
 def _check_impl(impl: str, dense: str = "xla") -> None:

@@ -11,6 +11,7 @@ N and K are zero-padded to whole tiles and chunks (zero codes and scales add not
 """
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -25,11 +26,18 @@ STEPS = 8          # k-steps of 16 a chunk
 CHUNK = STEPS * BLOCK
 LANES = 32
 WORDS = 4 * LANES  # u32 a tile holds per array: four per lane
-# codes [T, rh, g, c, h, j, t, cb] (row 16 T + g + 8 rh, column 128 c + 16 (4h + j) + 2t + cb, and
-# + 8 in the high nibble) <-> words [c, h, T, g, t, j, rh, cb]; scale bytes [T, rh, g, c, j, q]
-# (block 8 c + 2 j + q) <-> [c, T, g, j, q, rh].
-_WORD_AXES = (3, 4, 0, 2, 6, 5, 1, 7)
-_SCALE_AXES = (3, 0, 2, 4, 5, 1)
+# Per operand dtype of the kernel's MMA (FragmentWeight.operands): the codes' dims past [T, rh, g,
+# c], the nibble's axis among them, the axes that take the packed bytes to the words' order [c, h,
+# T, g, t, j, rh, cb], the scale bytes' dims past [T, rh, g, c] and the axes to the scale words'.
+# float16: codes [T, rh, g, c, h, j, ch, t, cb] (row 16 T + g + 8 rh, column 128 c + 16 (4h + j) +
+#   8 ch + 2t + cb, ch the nibble); scale bytes [T, rh, g, c, j, q] (block 8 c + 2 j + q) ->
+#   [c, T, g, j, q, rh].
+# bfloat16 (K permuted inside each half-chunk, so a lane's activations are contiguous in x's row):
+#   codes [T, rh, g, c, h, t, j, ch, cb] (column 128 c + 64 h + 16 t + 4 j + 2 ch + cb); scale
+#   bytes [T, rh, g, c, h, t] (block 8 c + 4 h + t) -> [c, T, g, t, h, rh].
+OPERANDS = ("float16", "bfloat16")
+_ORDERS = {"float16": ((2, 4, 2, 4, 2), 6, (3, 4, 0, 2, 6, 5, 1, 7), (4, 2), (3, 0, 2, 4, 5, 1)),
+           "bfloat16": ((2, 4, 4, 2, 2), 7, (3, 4, 0, 2, 5, 6, 1, 7), (2, 4), (3, 0, 2, 5, 4, 1))}
 # Weights kept in ModelOpt's order: MLA's kv_b, which the model reads whole (absorbed into the
 # decode query and the values, glmjax/attention.py: in fragment order each step would first move
 # it back), and the shared expert, which the expert-parallel shard_map slices array by array
@@ -49,12 +57,14 @@ def _cdiv(a: int, b: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FragmentWeight(QuantizedWeight):
-  """An NVFP4 weight of logical shape [N, K] in fragment order (module docstring)."""
+  """An NVFP4 weight of logical shape [N, K] in fragment order (module docstring) for an MMA on
+  `operands` (OPERANDS: the orders differ in which columns a word's codes hold)."""
   words: jax.Array         # u32 [Kc, 2, Nt * 128]
   scales: jax.Array        # u32 [Kc, Nt * 32]
   global_scale: jax.Array  # f32 []
   input_scale: jax.Array   # f32 [] (ModelOpt's, kept for the checkpoint)
   shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+  operands: str = dataclasses.field(default="float16", metadata=dict(static=True))
   format: ClassVar[str] = NVFP4Weight.format
   bits_per_weight: ClassVar[float] = NVFP4Weight.bits_per_weight
 
@@ -77,29 +87,33 @@ def _bytes(w: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape, 2, 2)
 
 
-def to_fragments(w: NVFP4Weight) -> FragmentWeight:
-  """A 2-D NVFP4Weight rearranged into fragment order (a copy of its 4.5 bits a weight)."""
+def to_fragments(w: NVFP4Weight, operands: str = "float16") -> FragmentWeight:
+  """A 2-D NVFP4Weight rearranged into fragment order for an MMA on `operands` (a copy of its
+  4.5 bits a weight)."""
   if w.ndim != 2:
     raise ValueError(f"to_fragments: one [N, K] weight, got shape {w.shape}")
+  if operands not in OPERANDS:
+    raise ValueError(f"to_fragments: operands must be one of {OPERANDS}, got {operands!r}")
+  code_dims, nibble, word_axes, scale_dims, scale_axes = _ORDERS[operands]
   n, k = w.shape
   nt, kc = _cdiv(n, TILE), _cdiv(k, CHUNK)
   codes = jnp.pad(unpack_e2m1(w.packed), ((0, nt * TILE - n), (0, kc * CHUNK - k)))
-  # [T, rh, g, c, h, j, ch, t, cb]: ch picks the nibble (columns + 0 / + 8)
-  codes = codes.reshape(nt, 2, 8, kc, 2, 4, 2, 4, 2)
-  packed = codes[..., 0, :, :] | (codes[..., 1, :, :] << 4)
-  words = _words(packed.transpose(_WORD_AXES)).reshape(kc, 2, nt * WORDS)
+  codes = codes.reshape(nt, 2, 8, kc, *code_dims)
+  packed = jnp.take(codes, 0, nibble) | (jnp.take(codes, 1, nibble) << 4)
+  words = _words(packed.transpose(word_axes)).reshape(kc, 2, nt * WORDS)
   bits = lax.bitcast_convert_type(w.block_scale, jnp.uint8)
   bits = jnp.pad(bits, ((0, nt * TILE - n), (0, kc * STEPS - k // BLOCK)))
-  scales = _words(bits.reshape(nt, 2, 8, kc, 4, 2).transpose(_SCALE_AXES)).reshape(kc, nt * LANES)
-  return FragmentWeight(words, scales, w.global_scale.astype(jnp.float32), w.input_scale, (n, k))
+  scales = _words(bits.reshape(nt, 2, 8, kc, *scale_dims).transpose(scale_axes)).reshape(kc, nt * LANES)
+  return FragmentWeight(words, scales, w.global_scale.astype(jnp.float32), w.input_scale, (n, k), operands)
 
 
 def from_fragments(f: FragmentWeight) -> NVFP4Weight:
   """Inverse of `to_fragments`, bit for bit: the padding dropped, ModelOpt's arrays back."""
   (n, k), kc, nt = f.shape, f.scales.shape[0], f.tiles
-  packed = _bytes(f.words.reshape(kc, 2, nt, 8, 4, 4)).transpose(_inverse(_WORD_AXES))
-  codes = jnp.stack([packed & 0xF, packed >> 4], axis=6).reshape(nt * TILE, kc * CHUNK)
-  bits = _bytes(f.scales.reshape(kc, nt, 8, 4)).transpose(_inverse(_SCALE_AXES)).reshape(nt * TILE, kc * STEPS)
+  _, nibble, word_axes, _, scale_axes = _ORDERS[f.operands]
+  packed = _bytes(f.words.reshape(kc, 2, nt, 8, 4, 4)).transpose(_inverse(word_axes))
+  codes = jnp.stack([packed & 0xF, packed >> 4], axis=nibble).reshape(nt * TILE, kc * CHUNK)
+  bits = _bytes(f.scales.reshape(kc, nt, 8, 4)).transpose(_inverse(scale_axes)).reshape(nt * TILE, kc * STEPS)
   block_scale = lax.bitcast_convert_type(bits[:n, :k // BLOCK], jnp.float8_e4m3fn)
   return NVFP4Weight(pack_e2m1(codes[:n, :k]), block_scale, f.global_scale, f.input_scale)
 
@@ -115,20 +129,25 @@ def _split(leaf: QuantizedWeight) -> bool:
   return any(concrete(a) and not a.sharding.is_fully_replicated for a in jax.tree.leaves(leaf))
 
 
-def arrange_params(params: Any, fragments: bool) -> Any:
+def arrange_params(params: Any, fragments: bool, operands: str = "float16") -> Any:
   """Params with every 2-D NVFP4 weight that the model multiplies through `linear` in fragment
-  order (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False);
-  other leaves, NVFP4 experts (3-D), the RAW weights and weights split over devices as they are.
-  Each moved weight is one jitted call on its device; params with nothing to move come back as
-  they are (the same object)."""
+  order for an MMA on `operands` (fragments=True: what the fragment kernel reads), or all in
+  ModelOpt's order (False); other leaves, NVFP4 experts (3-D), the RAW weights and weights split
+  over devices as they are. Each moved weight is one jitted call on its device; params with
+  nothing to move come back as they are (the same object)."""
   def moves(path, leaf) -> bool:
-    if fragments:
-      names = {getattr(key, "key", None) for key in path}
-      return isinstance(leaf, NVFP4Weight) and leaf.ndim == 2 and not names & set(RAW) and not _split(leaf)
-    return isinstance(leaf, FragmentWeight)
+    if isinstance(leaf, FragmentWeight):
+      return not fragments or leaf.operands != operands
+    names = {getattr(key, "key", None) for key in path}
+    return (fragments and isinstance(leaf, NVFP4Weight) and leaf.ndim == 2 and not names & set(RAW)
+            and not _split(leaf))
   found = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)[0]
   if not any(moves(path, leaf) for path, leaf in found):
     return params
-  move = jax.jit(to_fragments if fragments else from_fragments)
+  to, back = jax.jit(functools.partial(to_fragments, operands=operands)), jax.jit(from_fragments)
+
+  def move(leaf):
+    raw = back(leaf) if isinstance(leaf, FragmentWeight) else leaf
+    return to(raw) if fragments else raw
   return jax.tree_util.tree_map_with_path(lambda path, leaf: move(leaf) if moves(path, leaf) else leaf, params,
                                           is_leaf=_is_leaf)
