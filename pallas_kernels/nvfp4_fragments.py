@@ -105,6 +105,9 @@ MMA = {"float16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
 # bfloat16 operands: fp16 bit patterns (normal or zero) -> bf16 ones, 2^-112 times the value (sign
 # kept, exponent and mantissa moved down 3 bits; fp16's low 3 mantissa bits are zero here).
 _NEG_ZERO, _TWO_127, _TWO_103 = 0x80008000, 0x7F007F00, 0x73007300  # bf16x2 -0, 2^127, 2^103
+# Packed-half instructions take registers, not immediates: the bf16 program first moves these in.
+_BF16_CONSTANTS = [".reg .b32 z, k127, k103;", f"mov.b32 z, {_NEG_ZERO:#x}; mov.b32 k127, {_TWO_127:#x}; "
+                   f"mov.b32 k103, {_TWO_103:#x};"]
 BF16_SCALE = 2.0 ** 8  # undoes the 2^-126 of the decode times the scales' 2^118
 
 
@@ -115,8 +118,8 @@ def _to_bf16_ptx(r: str) -> str:
 def _scale_ptx(q: int, operands: str) -> list[str]:
   """Byte pair q of s0/s1 (rows g, g + 8's e4m3 scales) into sg, sh, each broadcast: fp16, or
   bf16 times 2^118 (2^-112 from the move, times 2^127 and 2^103: exact powers of two)."""
-  to_bf16 = [_to_bf16_ptx("p"), f"fma.rn.bf16x2 p, p, {_TWO_127:#x}, {_NEG_ZERO:#x}; "
-             f"fma.rn.bf16x2 p, p, {_TWO_103:#x}, {_NEG_ZERO:#x};"] if operands == "bfloat16" else []
+  to_bf16 = [_to_bf16_ptx("p"), "fma.rn.bf16x2 p, p, k127, z; fma.rn.bf16x2 p, p, k103, z;"
+             ] if operands == "bfloat16" else []
   return [f"cvt.rn.f16x2.e4m3x2 p, s{q};", *to_bf16, "mov.b32 {fg, fh}, p; mov.b32 sg, {fg, fg}; mov.b32 sh, {fh, fh};"]
 
 
@@ -135,7 +138,7 @@ def _step_ptx(i: int, half: int, operands: str) -> list[str]:
     product = "mul.rn.f16x2 {d}, {d}, {s};"
   else:
     scale = ["mov.b32 {s0, s1}, $12;", *_scale_ptx(half, operands)] if j == 0 else []
-    product = f"fma.rn.bf16x2 {{d}}, {{d}}, {{s}}, {_NEG_ZERO:#x};"
+    product = "fma.rn.bf16x2 {d}, {d}, {s}, z;"
     scale = [*(_to_bf16_ptx(d) for d in regs), *scale]
   return [*decode_ptx(word, regs), *scale, *(product.format(d=d, s=s) for d, s in zip(regs, ("sg", "sh") * 2)),
           f"{MMA[operands]} {{a0, a1, a2, a3}}, {{d0, d1, d2, d3}}, {{${b}, ${b + 1}}}, {{{c}}};"]
@@ -149,6 +152,7 @@ def fragment_ptx(half: int, operands: str = "float16") -> str:
   input register is overwritten early."""
   return "\n".join([
       "{", ".reg .b32 t, u, v, p, d0, d1, d2, d3, sg, sh;", ".reg .b16 s0, s1, fg, fh;", ".reg .f32 a0, a1, a2, a3;",
+      *(_BF16_CONSTANTS if operands == "bfloat16" else []),
       *(line for i in range(4 * half, 4 * half + 4) for line in _step_ptx(i, half, operands)),
       "mov.f32 $0, a0; mov.f32 $1, a1; mov.f32 $2, a2; mov.f32 $3, a3;", "}"])
 

@@ -97,6 +97,10 @@ def run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
       lo, hi = (t.strip() for t in halves.strip(" {}").split(","))
       regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
       continue
+    if op == "mov.b32" and "{" not in args:  # mov.b32 d, a
+      dst, src = (t.strip() for t in args.split(","))
+      regs[dst] = np.broadcast_to(value(src), next(iter(regs.values())).shape).astype(np.uint32)
+      continue
     if op == "mov.b32":  # mov.b32 d, {lo, hi}: pack two halves
       dst, halves = args.split(",", 1)
       lo, hi = (value(t.strip()) for t in halves.strip(" {}").split(","))
