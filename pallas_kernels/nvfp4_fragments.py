@@ -45,10 +45,11 @@ scaling and the program reads its rows itself: K is permuted inside each 64-colu
 (lane t's k-steps j take columns 16t + 4j .. + 3, and the codes follow; the MMA's sum does not
 care about the order), so a lane's eight activation words of a half are 32 contiguous bytes of
 x's row, and all its codes of the half fall in one NVFP4 block: one scale word a lane a chunk,
-bytes (s[g, t], s[g+8, t], s[g, 4+t], s[g+8, 4+t]). The decode's fp16 pattern moves to bf16 (2^-126
-times the code, 0.5 a bf16 subnormal), times the scale in bf16 carrying 2^118: the product is
-2^-8 times the weight, exact (at most 6 significant bits, at least 2^-18), undone in the
-epilogue. One launch fewer a call; a few more integer instructions a k-step. Not yet timed.
+bytes (s[g, t], s[g+8, t], s[g, 4+t], s[g+8, 4+t]). The decode builds bf16 halves (2^-126 times
+the code, 0.5 a bf16 subnormal), times the scale in bf16 carrying 2^118: the product is 2^-8
+times the weight, exact (at most 6 significant bits, at least 2^-18), undone in the epilogue.
+One launch fewer a call; 113 SASS instructions a call's four k-steps against fp16's 96 (ptxas
+12.4, sm_90). Not yet timed.
 
 Program: a grid of (tile groups, K splits); each program keeps `tiles` tiles (a multiple of
 num_warps, so a warp owns whole tiles) as 1-D [tiles * 128] arrays, whose Triton layout gives
@@ -115,6 +116,18 @@ def _to_bf16_ptx(r: str) -> str:
   return f"shr.b32 t, {r}, 3; and.b32 t, t, 0x0FFF0FFF; and.b32 {r}, {r}, {_NEG_ZERO:#x}; or.b32 {r}, {r}, t;"
 
 
+def _bf16_decode_ptx(word: str, regs: list[str]) -> list[str]:
+  """PTX decoding code word `word` into four bf16x2 registers, decode_word's order, 2^-126 times
+  the codes: a code s e1 e0 m's half is s<<15 | e1 e0 m<<6 (exponent e1 e0, mantissa m; e = 0 a
+  subnormal), built as a high byte s<<7 | e1 (u) and a low byte e0<<7 | m<<6 (v) for four codes
+  at once, then paired by prmt: the low nibbles (bits 3..0: s e1 e0 m), then the high ones."""
+  nibbles = [(f"shl.b32 t, {word}, 4; and.b32 t, t, 0x80808080; shr.b32 u, {word}, 2;", f"shl.b32 v, {word}, 6;"),
+             (f"and.b32 t, {word}, 0x80808080; shr.b32 u, {word}, 6;", f"shl.b32 v, {word}, 2;")]
+  return [line for (high, low), (d_lo, d_hi) in zip(nibbles, (regs[:2], regs[2:])) for line in (
+      f"{high} and.b32 u, u, 0x01010101; or.b32 u, u, t;", f"{low} and.b32 v, v, 0xC0C0C0C0;",
+      f"prmt.b32 {d_lo}, v, u, 0x5140; prmt.b32 {d_hi}, v, u, 0x7362;")]
+
+
 def _scale_ptx(q: int, operands: str) -> list[str]:
   """Byte pair q of s0/s1 (rows g, g + 8's e4m3 scales) into sg, sh, each broadcast: fp16, or
   bf16 times 2^118 (2^-112 from the move, times 2^127 and 2^103: exact powers of two)."""
@@ -128,19 +141,18 @@ def _step_ptx(i: int, half: int, operands: str) -> list[str]:
   g and g + 8 by their e4m3 scales, multiply into the accumulators a0..a3. float16: the decode's
   fp16 (2^-14 times the code) times the step's scale pair (its byte pair of the chunk's words)
   in fp16. bfloat16 (the K-permuted order: one scale pair a half, byte pair `half` of the lane's
-  word): the decode moved to bf16 (2^-126 times the code; 0.5 a subnormal) times the scale's
-  bf16 (2^118 times it): the product is 2^-8 times the exact weight, at most 6 significant bits."""
+  word): the decode's bf16 (2^-126 times the code; 0.5 a subnormal) times the scale's bf16
+  (2^118 times it): the product is 2^-8 times the exact weight, at most 6 significant bits."""
   word, j, regs = f"${8 + i % 4}", i % 4, ["d0", "d1", "d2", "d3"]
   b = 16 + 4 * (j // 2) + 2 * (j % 2)
   c = "$4, $5, $6, $7" if j == 0 else "a0, a1, a2, a3"
   if operands == "float16":
     scale = [f"mov.b32 {{s0, s1}}, ${12 + i // 2};"] * (i % 2 == 0) + _scale_ptx(i % 2, operands)
-    product = "mul.rn.f16x2 {d}, {d}, {s};"
+    decode, product = decode_ptx(word, regs), "mul.rn.f16x2 {d}, {d}, {s};"
   else:
     scale = ["mov.b32 {s0, s1}, $12;", *_scale_ptx(half, operands)] if j == 0 else []
-    product = "fma.rn.bf16x2 {d}, {d}, {s}, z;"
-    scale = [*(_to_bf16_ptx(d) for d in regs), *scale]
-  return [*decode_ptx(word, regs), *scale, *(product.format(d=d, s=s) for d, s in zip(regs, ("sg", "sh") * 2)),
+    decode, product = _bf16_decode_ptx(word, regs), "fma.rn.bf16x2 {d}, {d}, {s}, z;"
+  return [*decode, *scale, *(product.format(d=d, s=s) for d, s in zip(regs, ("sg", "sh") * 2)),
           f"{MMA[operands]} {{a0, a1, a2, a3}}, {{d0, d1, d2, d3}}, {{${b}, ${b + 1}}}, {{{c}}};"]
 
 
