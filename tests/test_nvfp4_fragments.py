@@ -1,9 +1,13 @@
 """The NVFP4 fragment-order kernel (pallas_kernels/nvfp4_fragments.py): the MMA's fragment layouts
 against plain matrices, the weight layout against its description, the PTX program (emulated)
 against the jnp twin the interpreter runs, the kernel against the fp32 reference, its errors, and
-its lowering for an H200."""
+its lowering for an H200; the PTX assembled by ptxas where one is installed."""
 
 import functools
+import os
+import re
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +241,26 @@ def test_fragment_matmul_lowers_for_h200():
     text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
                      jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), weight)
     assert TRITON_CALL in text
+
+
+PTXAS = os.environ.get("GLMJAX_PTXAS") or shutil.which("ptxas")
+
+
+@pytest.mark.skipif(not PTXAS, reason="no ptxas on PATH (or GLMJAX_PTXAS)")
+@pytest.mark.parametrize("operands", OPERANDS)
+def test_fragment_ptx_assembles_for_sm90(operands, tmp_path):
+  """Each FRAGMENT_PTX program inside a kernel that loads its operands and stores its results,
+  assembled by ptxas for sm_90: what the emulator cannot see (an operand kind an instruction
+  does not take, as fma.bf16x2 with immediates was)."""
+  for half, body in enumerate(FRAGMENT_PTX[operands]):
+    body = re.sub(r"\$(\d+)", lambda m: f"%f{m[1]}" if int(m[1]) < 8 else f"%r{m[1]}", body)
+    loads = [f"ld.global.f32 %f{i}, [%rd0+{4 * i}];" for i in range(4, 8)]
+    loads += [f"ld.global.u32 %r{i}, [%rd0+{4 * i}];" for i in range(8, 24)]
+    stores = [f"st.global.f32 [%rd0+{4 * i}], %f{i};" for i in range(4)]
+    ptx = "\n".join([".version 8.4", ".target sm_90", ".address_size 64", ".visible .entry k(.param .u64 p) {",
+                     ".reg .f32 %f<8>;", ".reg .b32 %r<24>;", ".reg .b64 %rd<1>;", "ld.param.u64 %rd0, [p];",
+                     *loads, body, *stores, "ret;", "}"])
+    (tmp_path / f"{half}.ptx").write_text(ptx)
+    done = subprocess.run([PTXAS, "--gpu-name", "sm_90", str(tmp_path / f"{half}.ptx"), "-o",
+                           str(tmp_path / f"{half}.cubin")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
