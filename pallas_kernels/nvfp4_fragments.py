@@ -103,8 +103,6 @@ loop_stages.install()
 TOKENS = 8         # mma m16n8k16's N: the most activation rows
 MMA = {"float16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
        "bfloat16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}
-# bfloat16 operands: fp16 bit patterns (normal or zero) -> bf16 ones, 2^-112 times the value (sign
-# kept, exponent and mantissa moved down 3 bits; fp16's low 3 mantissa bits are zero here).
 _NEG_ZERO, _TWO_127, _TWO_103 = 0x80008000, 0x7F007F00, 0x73007300  # bf16x2 -0, 2^127, 2^103
 # Packed-half instructions take registers, not immediates: the bf16 program first moves these in.
 _BF16_CONSTANTS = [".reg .b32 z, k127, k103;", f"mov.b32 z, {_NEG_ZERO:#x}; mov.b32 k127, {_TWO_127:#x}; "
@@ -113,6 +111,9 @@ BF16_SCALE = 2.0 ** 8  # undoes the 2^-126 of the decode times the scales' 2^118
 
 
 def _to_bf16_ptx(r: str) -> str:
+  """PTX moving register r's fp16 pair (normal or zero: the scales') to bf16, 2^-112 times the
+  values: sign kept, exponent and mantissa moved down 3 bits (e4m3's low 7 mantissa bits in fp16
+  are zero)."""
   return f"shr.b32 t, {r}, 3; and.b32 t, t, 0x0FFF0FFF; and.b32 {r}, {r}, {_NEG_ZERO:#x}; or.b32 {r}, {r}, t;"
 
 
@@ -184,9 +185,10 @@ PAIRS = {"float16": f16_pairs, "bfloat16": bf16_pairs}
 def mma_m16n8k16(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array], operands: str = "float16"
                  ) -> list[jax.Array]:
   """mma.sync m16n8k16 (f16 x f16 + f32, or bf16 operands) on register arrays [..., 32] (a warp's
-  lanes last): A's four fp16x2 registers, B's two, C's four f32 -> D's four f32, in the PTX ISA's fragment layouts
-  (lane = 4 g + t; a_r: row g + 8 (r % 2), columns 2t + 8 (r // 2) + (0, 1); b_r: k 2t + 8r +
-  (0, 1) of column g; c_r: row g + 8 (r // 2), column 2t + r % 2). Products exact, sums in fp32."""
+  lanes last): A's four fp16x2 (bf16x2) registers, B's two, C's four f32 -> D's four f32, in the
+  PTX ISA's fragment layouts (lane = 4 g + t; a_r: row g + 8 (r % 2), columns 2t + 8 (r // 2) +
+  (0, 1); b_r: k 2t + 8r + (0, 1) of column g; c_r: row g + 8 (r // 2), column 2t + r % 2).
+  Products exact, sums in fp32."""
   lead = a[0].shape[:-1]
   # A [..., ch, rh, g, t, p] -> [..., 16, 16]; B [..., kh, g, t, p] -> [..., 16, 8]; C [..., rh, cb, g, t].
   a_mat = jnp.stack([PAIRS[operands](r) for r in a], -3).reshape(*lead, 2, 2, 8, 4, 2)
@@ -351,7 +353,7 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, k: int, tiles: int, 
   # every group.
   group = config.tiles // config.tile_groups
   size, first = group * WORDS, pl.program_id(0) * config.tiles
-  starts = [first + g * group for g in range(config.tile_groups)]
+  starts = [first + i * group for i in range(config.tile_groups)]
   e = jnp.arange(size)
   # Truncating integer division (e >= 0): jnp's floor // and % add sign fix-ups that hide from
   # Triton that these offsets run in aligned groups of 4, and it then loads 4 bytes at a time.
@@ -383,9 +385,9 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, k: int, tiles: int, 
   def multiply(accs, loads) -> tuple:
     words, scales, xs = loads
     accs = list(accs)
-    for g in range(config.tile_groups):
+    for i in range(config.tile_groups):
       for h in range(2):
-        accs[g] = fragment_mma(accs[g], words[g][h], scales[g], xs[2 * h], xs[2 * h + 1], half=h, ptx=not interpret,
+        accs[i] = fragment_mma(accs[i], words[i][h], scales[i], xs[2 * h], xs[2 * h + 1], half=h, ptx=not interpret,
                                operands=operands)
     return tuple(accs)
 
@@ -433,12 +435,14 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
   m = x.shape[0]
   if w.operands == "bfloat16":
     activations, scale = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.uint32).reshape(-1), BF16_SCALE
-  elif config.fused_activations:
-    activations, amax = activations_kernel(x, chunks, interpret)
-    scale = DECODE_SCALE * row_inverse_scale(amax[:m])[:, None]
   else:
-    x16, amax = f16_rows(x)
-    activations, scale = fragment_activations(x16, chunks), DECODE_SCALE * row_inverse_scale(amax)[:, None]
+    if config.fused_activations:
+      activations, amax = activations_kernel(x, chunks, interpret)
+      amax = amax[:m]
+    else:
+      x16, amax = f16_rows(x)
+      activations = fragment_activations(x16, chunks)
+    scale = DECODE_SCALE * row_inverse_scale(amax)[:, None]
   inputs = [activations, w.words.reshape(-1), w.scales.reshape(-1)]
   whole = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0,))
   out = pl.pallas_call(
