@@ -69,9 +69,9 @@ class Runtime:
   the rope columns rotated, cast to indexer_queries): XLA's kernel, or "pallas", in the
   absorbed-query launch (pallas_kernels/mla_query.py; equal to fp32 rounding).
   residual_norm: a decoder layer's residual add after attention and its post_attention_layernorm,
-  XLA's two kernels or one Pallas launch from o_proj's partials at decode, on one device or one
-  rank's program (under a TEP mesh, XLA's) (pallas_kernels/residual_norm.py; equal up to the
-  fp32 statistics' order).
+  XLA's two kernels or one Pallas launch from o_proj's partials at decode (under a TEP mesh, from
+  the all-reduced output, in the activations' dtype as without it) (pallas_kernels/residual_norm.py;
+  equal up to the fp32 statistics' order).
   swiglu: a SwiGLU MLP's silu(gate) * up (the dense layers' and the shared expert's), XLA's
   kernel (with the gate/up split-K sums) between the two GEMVs, or "pallas": in the down GEMV's
   launch from the gate/up partials at decode, where all three weights take the bf16 GEMV

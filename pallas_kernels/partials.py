@@ -47,13 +47,15 @@ def rotate_pairs(pairs: jax.Array, cos_ref, sin_ref, row, ok: jax.Array, dtype) 
 
 
 def check_partials(owner: str, name: str, partials: jax.Array, columns: str, *, lead: tuple[int, ...] = (),
-                   multiple: int = 1) -> None:
-  """ValueError unless partials is f32 [splits, tokens, columns]: its leading dims `lead` (if
-  given), its columns a multiple of `multiple`."""
-  if (partials.ndim != 3 or partials.dtype != jnp.float32 or (lead and partials.shape[:2] != lead)
+                   multiple: int = 1, dtypes: tuple[str, ...] = ("float32",)) -> None:
+  """ValueError unless partials is [splits, tokens, columns] in one of `dtypes` (f32): its leading
+  dims `lead` (if given), its columns a multiple of `multiple`."""
+  if (partials.ndim != 3 or partials.dtype.name not in dtypes or (lead and partials.shape[:2] != lead)
       or partials.shape[-1] % multiple):
     dims = ", ".join(map(str, lead)) if lead else "splits, tokens"
-    raise ValueError(f"{owner}: {name} must be f32 [{dims}, {columns}], got {partials.dtype}{list(partials.shape)}")
+    kinds = " or ".join(d.replace("float", "f") for d in dtypes)
+    raise ValueError(f"{owner}: {name} must be {kinds} [{dims}, {columns}], got {partials.dtype}"
+                     f"{list(partials.shape)}")
 
 
 def check_angles(owner: str, cos: jax.Array, sin: jax.Array, tokens: int, half: int) -> None:

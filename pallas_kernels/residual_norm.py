@@ -32,8 +32,8 @@ from pallas_kernels.partials import check_partials, rms_normed, split_sum
 
 
 def _residual_norm_kernel(residual_ref, partials_ref, weight_ref, x_out_ref, h_out_ref, *, eps: float):
-  # residual_ref [n, D] ; partials_ref f32 [S, n, D] ; weight_ref [D] ; x_out_ref [n, D] (the
-  # residual's dtype) ; h_out_ref [n, D] (dtype): all whole, each program its row.
+  # residual_ref [n, D] ; partials_ref f32 [S, n, D] (or bf16 [1, n, D]) ; weight_ref [D] ;
+  # x_out_ref [n, D] (the residual's dtype) ; h_out_ref [n, D] (dtype): all whole, each program its row.
   row = pl.program_id(0)
   width = residual_ref.shape[-1]
   pad = pl.next_power_of_2(width)
@@ -51,10 +51,13 @@ def check_residual_norm_args(residual: jax.Array, partials: jax.Array, weight: j
   if residual.ndim != 2 or residual.dtype not in (jnp.bfloat16, jnp.float32):
     raise ValueError(f"residual_norm: residual must be bf16 or f32 [tokens, D], got {residual.dtype}"
                      f"{list(residual.shape)}")
-  check_partials("residual_norm", "partials", partials, str(residual.shape[1]))
+  check_partials("residual_norm", "partials", partials, str(residual.shape[1]), dtypes=("float32", "bfloat16"))
   if partials.shape[1:] != residual.shape:
-    raise ValueError(f"residual_norm: partials must be f32 [splits, {residual.shape[0]}, {residual.shape[1]}], "
+    raise ValueError(f"residual_norm: partials must be [splits, {residual.shape[0]}, {residual.shape[1]}], "
                      f"got {list(partials.shape)}")
+  if partials.dtype != jnp.float32 and partials.shape[0] != 1:
+    raise ValueError(f"residual_norm: bf16 partials must be one split (a sum already rounded), got "
+                     f"{partials.shape[0]}")
   if weight.shape != residual.shape[1:]:
     raise ValueError(f"residual_norm: weight must be [{residual.shape[1]}], got {list(weight.shape)}")
 
@@ -66,7 +69,8 @@ def residual_norm(residual: jax.Array, partials: jax.Array, weight: jax.Array, *
 
   Args:
     residual: [n, D], bf16 or f32: the residual stream's rows.
-    partials: f32 [S, n, D]: o_proj's split-K partial outputs (S = 1: the output).
+    partials: f32 [S, n, D]: o_proj's split-K partial outputs (S = 1: the output); or bf16
+      [1, n, D], the output already rounded (a TEP rank's after the all-reduce).
     weight: post_attention_layernorm's [D].
     eps: its epsilon.
     dtype: the activations' dtype (the model's; o_proj's output and the norm's).

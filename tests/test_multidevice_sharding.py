@@ -188,9 +188,9 @@ def test_swiglu_fold_in_the_shared_experts_shard_map(model, monkeypatch):
   assert config.shared_intermediate // 2 in {shape[-1] for shape in calls}
 
 
-def _collectives(hlo: str) -> list[tuple[str, str, int]]:
-  """(scope, kind, elements of the result) of every collective of a compiled module; scope is the
-  decoder layer ("layers_3") or the op name."""
+def _collectives(hlo: str) -> list[tuple[str, str, int, str]]:
+  """(scope, kind, elements of the result, its element types) of every collective of a compiled
+  module; scope is the decoder layer ("layers_3") or the op name."""
   found = []
   for line in hlo.splitlines():
     if match := COLLECTIVE.search(line):
@@ -199,7 +199,8 @@ def _collectives(hlo: str) -> list[tuple[str, str, int]]:
       op_name = re.search(r'op_name="([^"]*)"', line)
       op_name = op_name.group(1) if op_name else line.strip()
       layer = re.search(r"/(layers_\d+)/", op_name)
-      found.append((layer.group(1) if layer else op_name, match.group(2), elements))
+      types = ",".join(sorted(set(re.findall(r"(\w+)\[", match.group(1)))))
+      found.append((layer.group(1) if layer else op_name, match.group(2), elements, types))
   return found
 
 
@@ -253,19 +254,19 @@ def test_sharded_steps_collectives_and_donated_caches(model, reference_steps, te
   found = _collectives(compiled.as_text())
   message = 2 * config.hidden_size  # [batch 2, hidden]: no weight ever moves
   per_layer = collections.defaultdict(list)
-  for scope, kind, elements in found:
+  for scope, kind, elements, _ in found:
     if scope.startswith("layers_"):
       per_layer[scope].append((kind, elements))
   layers = range(config.num_hidden_layers)
   assert per_layer == {f"layers_{i}": [("all-reduce", message)] * 2 for i in layers}, per_layer
-  assert [e for scope, _, e in found if "embed_tokens" in scope] == [message], found
+  assert [e for scope, _, e, _ in found if "embed_tokens" in scope] == [message], found
   # fp32 here: 4 bytes per element.
   listed = comm_model.pass_collectives(config, tokens=2, layers=config.num_hidden_layers, tep=tep,
                                        act_bytes=4, label="decode")
   expected = collections.Counter()
   for c in listed:
     expected[(c.kind, c.nbytes // 4)] += c.count
-  assert collections.Counter((kind, e) for _, kind, e in found) == expected, found
+  assert collections.Counter((kind, e) for _, kind, e, _ in found) == expected, found
 
 
 # Every Pallas switch the bf16 model can take at decode: the DSA kernels, the grouped split-K GEMVs
@@ -278,7 +279,8 @@ PALLAS_STACK = dict(attention="pallas", dense_matmul="pallas_grouped", cache_wri
 
 def test_pallas_stack_under_the_mesh_gathers_no_weight(model):
   """The Pallas stack in bf16 at TEP=2: the compiled decode step's collectives are the XLA path's
-  (two all-reduces of [tokens, hidden] a layer), and its greedy tokens are one device's. With
+  (two bf16 all-reduces of [tokens, hidden] a layer, the residual norm's too), and its greedy
+  tokens are one device's. With
   tensor_parallel="gspmd" the same tokens, but every layer gathers weights (GSPMD cannot split a
   Pallas call: q_b, kv_b, o_proj, the dense MLP)."""
   config, params = model
@@ -293,27 +295,33 @@ def test_pallas_stack_under_the_mesh_gathers_no_weight(model):
     logits, _, cache = steps.prefill_chunk(params, cache, prompt, positions, spec=spec)
     step_args = (jnp.argmax(logits, -1).astype(jnp.int32), jnp.ones(1, bool), jax.random.key(0),
                  jnp.asarray([], jnp.int32), jnp.full((1,), 4, jnp.int32))
-    compiled = steps.decode_loop.lower(params, cache, *step_args, **static).compile()
+    lowered = steps.decode_loop.lower(params, cache, *step_args, **static)
+    compiled = lowered.compile()
     layers = collections.defaultdict(list)
-    for scope, kind, elements in _collectives(compiled.as_text()):
+    for scope, kind, elements, _ in _collectives(compiled.as_text()):
       if scope.startswith("layers_"):
         layers[scope].append((kind, elements))
-    return np.asarray(compiled(params, cache, *step_args)[0]), compiled.as_text(), layers
+    # The [token, hidden] all-reduces' element types before compiling (which promotes a bf16
+    # all-reduce to f32 on the CPU; that HLO keeps no op names).
+    types = [types for _, kind, elements, types in _collectives(lowered.as_text("hlo"))
+             if (kind, elements) == ("all-reduce", config.hidden_size)]
+    return np.asarray(compiled(params, cache, *step_args)[0]), compiled.as_text(), layers, types
 
   cache = lambda: init_cache(config, num_pages=5, page_size=8, batch=1, max_pages=4, kv_dtype="fp8").replace(
     page_table=1 + jnp.arange(4, dtype=jnp.int32)[None])
-  want, one_device, _ = run(params, cache(), "shard_map")
+  want, one_device, *_ = run(params, cache(), "shard_map")
   assert "bf16_matmul" in one_device and "sparse_mla" in one_device  # the kernels do run
   mesh = parallel.make_mesh(2)
   with parallel.use_mesh(mesh):
     sharded = parallel.shard_params(config, params, mesh)
-    got, _, layers = run(sharded, parallel.shard_cache(cache(), mesh), "shard_map")
-    gspmd, _, gspmd_layers = run(sharded, parallel.shard_cache(cache(), mesh), "gspmd")
+    got, _, layers, types = run(sharded, parallel.shard_cache(cache(), mesh), "shard_map")
+    gspmd, _, gspmd_layers, _ = run(sharded, parallel.shard_cache(cache(), mesh), "gspmd")
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(gspmd, want)
   message = config.hidden_size  # [1 token, hidden]
   assert layers == {f"layers_{i}": [("all-reduce", message)] * 2 for i in range(config.num_hidden_layers)}, layers
-  assert all(("all-gather" in {kind for kind, _ in found}) for found in gspmd_layers.values()), gspmd_layers
+  assert set(types) == {"bf16"} and len(types) >= 2 * config.num_hidden_layers  # the residual norm's too
+  assert all(("all-gather" in {kind for kind, *_ in found}) for found in gspmd_layers.values()), gspmd_layers
   assert len(gspmd_layers) == config.num_hidden_layers
 
 

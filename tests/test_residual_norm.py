@@ -39,13 +39,26 @@ def test_residual_norm_matches_the_xla_path(shape, residual_dtype):
   assert np.abs(np.asarray(h, np.float32)).max() > 0.5  # normalised rows, not zeros
 
 
+@pytest.mark.parametrize("tokens, width", [(5, 6144), (7, 40)])
+def test_rounded_output_matches_the_xla_path(tokens, width):
+  """A TEP rank's case: o_proj's output already rounded to bf16 and all-reduced, one split."""
+  residual, partials, weight = draw((1, tokens, width), jnp.bfloat16, seed=tokens)
+  args = (residual, partials.astype(jnp.bfloat16), weight)
+  (x, h), (want_x, want_h) = residual_norm(*args, eps=1e-5), residual_norm_reference(*args, eps=1e-5)
+  np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want_x, np.float32))
+  np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32), rtol=2.0 ** -7, atol=0)
+  assert np.abs(np.asarray(h, np.float32)).max() > 0.5
+
+
 def test_bad_inputs_are_named():
   residual, partials, weight = draw(SHAPES[2], jnp.float32, seed=1)
   with pytest.raises(ValueError, match=r"residual must be bf16 or f32 \[tokens, D\]"):
     residual_norm(residual[None], partials, weight, eps=1e-5)
-  with pytest.raises(ValueError, match=r"partials must be f32 \[splits, 7, 40\]"):
+  with pytest.raises(ValueError, match=r"partials must be \[splits, 7, 40\]"):
     residual_norm(residual, partials[:, :5], weight, eps=1e-5)
-  with pytest.raises(ValueError, match="partials must be f32"):
+  with pytest.raises(ValueError, match="partials must be f32 or bf16"):
+    residual_norm(residual, partials.astype(jnp.float16), weight, eps=1e-5)
+  with pytest.raises(ValueError, match="bf16 partials must be one split"):
     residual_norm(residual, partials.astype(jnp.bfloat16), weight, eps=1e-5)
   with pytest.raises(ValueError, match=r"weight must be \[40\]"):
     residual_norm(residual, partials, weight[:8], eps=1e-5)
@@ -53,6 +66,6 @@ def test_bad_inputs_are_named():
 
 def test_residual_norm_lowers_to_triton_for_h200():
   s = jax.ShapeDtypeStruct
-  for splits, tokens, width in SHAPES:
-    args = (s((tokens, width), jnp.float32), s((splits, tokens, width), jnp.float32), s((width,), jnp.bfloat16))
+  for (splits, tokens, width), partials in [*((shape, jnp.float32) for shape in SHAPES), ((1, 5, 6144), jnp.bfloat16)]:
+    args = (s((tokens, width), jnp.float32), s((splits, tokens, width), partials), s((width,), jnp.bfloat16))
     assert TRITON_CALL in h200_text(lambda *a: residual_norm(*a, eps=1e-5, interpret=False), *args)

@@ -68,8 +68,9 @@ def attention(params: dict, specs: dict, x, cos, sin, prev_topk, *, cache, confi
               dtype, param_dtype, o_partials: bool = False, **call):
   """MLAttention's call (glmjax.attention; `call`: its keyword arguments) with each device's
   heads of the active mesh, params split as `specs` (split_specs with HEAD_SPECS): (out
-  [B, T, D] replicated, topk, new LayerCache). o_partials: out as [1, B * T, D] fp32, o_proj's
-  split-K partials summed on each device before the psum (Runtime.residual_norm reads one split)."""
+  [B, T, D] replicated, topk, new LayerCache). o_partials: out as [1, B * T, D] in dtype, o_proj's
+  split-K partials summed on each device and rounded to dtype before the psum, as o_proj's output
+  is without it (Runtime.residual_norm reads it as one split): the all-reduce moves dtype's bytes."""
   from glmjax.attention import MLAttention  # attention imports the layers this module does
   mesh = active_mesh()
   check_config(config, mesh)
@@ -82,7 +83,7 @@ def attention(params: dict, specs: dict, x, cos, sin, prev_topk, *, cache, confi
     out, topk, layer = mla.apply({"params": params}, x, cos, sin, prev_topk, cache=cache, o_partials=o_partials,
                                  **call)
     if o_partials:
-      out = out.sum(0, keepdims=True)
+      out = out.sum(0, keepdims=True).astype(dtype)
     return jax.lax.psum(out, TEP), topk, layer
 
   # check_vma=False: the Pallas kernels inside state no varying-axes type for their outputs; the
