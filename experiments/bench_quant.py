@@ -16,7 +16,8 @@ the Mosaic GPU GEMV (`pallas_mgpu`, pallas_kernels/nvfp4_matmul_mgpu.py, where i
 allow: N a multiple of 8, K of 256; not at the quick shapes), the fragment-order GEMV
 (`pallas_fragments`, pallas_kernels/nvfp4_fragments.py, M <= 8, default tiles; its weight
 rearranged once, outside the timing, bytes counted as it stores them; `pallas_fragments_bf16`:
-that on bf16 operands, reading x itself), and for the MoE
+that on bf16 operands, reading x itself; `pallas_fragments_bf16_final`: that at one K split,
+storing the finished result, one launch a call), and for the MoE
 `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing), and
 `pallas_hfma2_pairs`, each (token, local expert) pair a one-row product on the CUDA cores
 (pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model), and `pallas_hfma2_pairs_fused`,
@@ -40,6 +41,7 @@ rank sees them, among all 256 (about 5 local ones chosen); 5 tokens, top-8, D = 
 `quick=True`: tiny shapes for a CPU (interpret) smoke test.
 """
 
+import dataclasses
 import functools
 from typing import Any, Callable, Iterator
 
@@ -63,14 +65,16 @@ from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
 from pallas_kernels.nvfp4_fragments import TOKENS as FRAGMENT_TOKENS
-from pallas_kernels.nvfp4_fragments import FragmentConfig, fragment_matmul
+from pallas_kernels.nvfp4_fragments import FragmentConfig, default_fragment_config, fragment_matmul
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
 SWEPT = FORMATS | {"bf16": (lambda w: w, bf16_matmul),  # config_sweep_rows' kernels
-                   "nvfp4_fragments": (lambda w: to_fragments(quantize_nvfp4(w)), fragment_matmul)}
+                   **{"nvfp4_fragments" + suffix: (functools.partial(lambda operands, w: to_fragments(
+                       quantize_nvfp4(w), operands), operands), fragment_matmul)
+                      for suffix, operands in (("", "float16"), ("_bf16", "bfloat16"))}}
 
 
 def _nbytes(tree) -> int:
@@ -96,6 +100,9 @@ def _kernel_entry(fmt: str, kernel: Callable, reference: Callable, args: tuple, 
                   timer: Callable[..., float], impl: str = "pallas") -> tuple:
   """A Pallas entry for _rows: its time and its output's agreement with the XLA path's."""
   return (fmt, impl, timer(kernel, *args), nbytes, agreement(kernel(*args), reference(*args)))
+
+
+FRAGMENT_IMPLS = {"float16": "pallas_fragments", "bfloat16": "pallas_fragments_bf16"}  # by operands
 
 
 def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float], seed: int = 0):
@@ -129,9 +136,14 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
         timed.append(_kernel_entry(fmt, nvfp4_matmul_mgpu, xla_dequant, (x, q), nbytes, timer, impl="pallas_mgpu"))
       for operands in FRAGMENT_OPERANDS if m <= FRAGMENT_TOKENS else ():
         fragments = to_fragments(q, operands)
-        timed.append(_kernel_entry(fmt, fragment_matmul, lambda x, _: xla_dequant(x, q), (x, fragments),
-                                   _nbytes(fragments) + act_bytes, timer,
-                                   impl="pallas_fragments" + ("_bf16" if operands == "bfloat16" else "")))
+        configs = {FRAGMENT_IMPLS[operands]: None}
+        if operands == "bfloat16":  # also at one K split storing the finished result: one launch a call
+          configs[FRAGMENT_IMPLS[operands] + "_final"] = dataclasses.replace(default_fragment_config(n, k), split_k=1,
+                                                                             final_out=True)
+        for impl, config in configs.items():
+          timed.append(_kernel_entry(fmt, jax.jit(functools.partial(fragment_matmul, config=config)),
+                                     lambda x, _: xla_dequant(x, q), (x, fragments), _nbytes(fragments) + act_bytes,
+                                     timer, impl=impl))
   return _rows(dict(name=name, m=m, n=n, k=k), timed)
 
 
@@ -340,12 +352,21 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                       for t, w in ((4, 2), (2, 1), (8, 4)) for s in (2, 4, 8, 16) for u in (1, 2)]
   fragment_configs += [FragmentConfig(tiles=4, num_warps=2, split_k=8, unroll=2, tile_groups=g, rows_out=r)
                        for g, r in ((1, False), (1, True), (2, False))]
+  # bf16 operands (no activations launch): the default's K splits, then one split storing the
+  # finished result (final_out: the call one launch) over tiles and chunks a loop step.
+  bf16_fragment_configs = [FragmentConfig(tiles=4, num_warps=2, split_k=s, unroll=2, tile_groups=2, rows_out=True)
+                           for s in (2, 4)]
+  bf16_fragment_configs += [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)
+                            for t, w in ((2, 1), (4, 2), (8, 4)) for u in (1, 2, 4)]
   if quick:
     gemv_configs, fp8_configs, bf16_configs = gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1], bf16_configs[:1]
     pairs_configs, fragment_configs = pairs_configs[:1], fragment_configs[:1]
+    bf16_fragment_configs = bf16_fragment_configs[-1:]
   for fmt, shape, configs in (("nvfp4", gemv, gemv_configs), ("fp8", gemv, fp8_configs), ("bf16", dense, bf16_configs),
                               ("nvfp4_fragments", gemv, fragment_configs),
-                              ("nvfp4_fragments", (8, *gemv[1:]), fragment_configs)):
+                              ("nvfp4_fragments", (8, *gemv[1:]), fragment_configs),
+                              ("nvfp4_fragments_bf16", gemv, bf16_fragment_configs),
+                              ("nvfp4_fragments_bf16", (8, *gemv[1:]), bf16_fragment_configs)):
     for row in config_sweep_rows(fmt, *shape, configs, timer=timer):
       yield dict(row, config=str(row["config"]))
   # One TEP rank's step: ids over all routed experts, so only about 5 of the 32 local ones are

@@ -75,7 +75,9 @@ weight bytes and re-read by every tile group, cost 5.5-6.3 us more. Run 31 share
 a warp's two tiles (FragmentConfig.tile_groups) and stored the sums by row (.rows_out), now the
 default: 46.3-48.4 us own (the launch alone 41.7-42.5), 2.34-2.40x XLA's bf16 in the same call
 (run 28's default there: 53.2-56.2). What is left is one launch for the call (the activations
-launch and the split sum, 4.6-5.9 us) and a faster program.
+launch and the split sum, 4.6-5.9 us) and a faster program. bf16 operands remove the first; at
+one K split, FragmentConfig.final_out the second (the program scales its sums and stores the
+bf16 result): one launch a call, if one split keeps enough loads in flight. Not yet timed.
 
 Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
 store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).
@@ -189,12 +191,20 @@ def mma_m16n8k16(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array], ope
   PTX ISA's fragment layouts (lane = 4 g + t; a_r: row g + 8 (r % 2), columns 2t + 8 (r // 2) +
   (0, 1); b_r: k 2t + 8r + (0, 1) of column g; c_r: row g + 8 (r // 2), column 2t + r % 2).
   Products exact, sums in fp32."""
-  lead = a[0].shape[:-1]
-  # A [..., ch, rh, g, t, p] -> [..., 16, 16]; B [..., kh, g, t, p] -> [..., 16, 8]; C [..., rh, cb, g, t].
-  a_mat = jnp.stack([PAIRS[operands](r) for r in a], -3).reshape(*lead, 2, 2, 8, 4, 2)
-  a_mat = jnp.moveaxis(a_mat, -5, -3).reshape(*lead, 16, 16)
-  b_mat = jnp.stack([PAIRS[operands](r) for r in b], -3).reshape(*lead, 2, 8, 4, 2)
-  b_mat = jnp.moveaxis(b_mat, -3, -1).reshape(*lead, 16, 8)
+  return mma_chain([r[..., None, :] for r in a], [r[..., None, :] for r in b], c, operands)
+
+
+def mma_chain(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array], operands: str = "float16"
+              ) -> list[jax.Array]:
+  """S mma_m16n8k16 in a row on one accumulator, as one product over K = 16 S: a and b's
+  registers [..., S, 32] (k-step s's at s), c's [..., 32]. Products exact; the fp32 sums in
+  another order than S MMAs in a row (the order inside an MMA is the hardware's anyway)."""
+  lead, steps = c[0].shape[:-1], a[0].shape[-2]
+  # A [..., s, ch, rh, g, t, p] -> [..., 16, 16 S]; B [..., s, kh, g, t, p] -> [..., 16 S, 8]; C [..., rh, cb, g, t].
+  a_mat = jnp.stack([PAIRS[operands](r) for r in a], -3).reshape(*lead, steps, 2, 2, 8, 4, 2)
+  a_mat = jnp.moveaxis(a_mat, (-6, -5), (-4, -3)).reshape(*lead, 16, 16 * steps)
+  b_mat = jnp.stack([PAIRS[operands](r) for r in b], -3).reshape(*lead, steps, 2, 8, 4, 2)
+  b_mat = jnp.moveaxis(b_mat, -3, -1).reshape(*lead, 16 * steps, 8)
   c_mat = jnp.stack(c, -2).reshape(*lead, 2, 2, 8, 4)
   c_mat = jnp.moveaxis(c_mat, -3, -1).reshape(*lead, 16, 8)
   d = jnp.matmul(a_mat, b_mat, precision=lax.Precision.HIGHEST) + c_mat
@@ -202,30 +212,27 @@ def mma_m16n8k16(a: list[jax.Array], b: list[jax.Array], c: list[jax.Array], ope
   return [d[..., r, :] for r in range(4)]
 
 
-def _scale_pair(word: jax.Array, q: int) -> tuple[jax.Array, jax.Array]:
-  """The e4m3 scales of rows g and g + 8 in a scale word's byte pair q, as fp32."""
-  byte = lambda i: ((word >> (8 * i)) & 0xFF).astype(jnp.uint8)
-  scale = lambda i: lax.bitcast_convert_type(byte(i), jnp.float8_e4m3fn).astype(jnp.float32)
-  return scale(2 * q), scale(2 * q + 1)
-
-
 def fragment_mma_twin(acc, words, scales, xa, xb, *, half: int, operands: str = "float16") -> jax.Array:
   """FRAGMENT_PTX[operands][half] in jnp, on the kernel's 1-D [tiles * 128] arrays (lane l:
-  elements 4l .. 4l + 3 of each 128): the interpreter's stand-in. Scaled weights are exact in
-  fp32 as in fp16 or bf16 (bfloat16: 2^-8 times the weight, as the PTX's)."""
-  lanes = lambda x: x.reshape(-1, LANES, 4)
-  acc, words, scales, x = lanes(acc), lanes(words), lanes(scales), (lanes(xa), lanes(xb))
+  elements 4l .. 4l + 3 of each 128), its four k-steps at once (mma_chain): the interpreter's
+  stand-in. Scaled weights are exact in fp32 as in fp16 or bf16 (bfloat16: 2^-8 times the
+  weight, as the PTX's)."""
+  lanes = lambda x: jnp.swapaxes(x.reshape(-1, LANES, 4), -1, -2)  # [..., step j, lane]
+  acc, words, scales, xa, xb = map(lanes, (acc, words, scales, xa, xb))
   dtype, factor = (jnp.float16, 1.0) if operands == "float16" else (jnp.bfloat16, 2.0 ** 6)  # 2^-14 -> 2^-8
-  c = [acc[..., r] for r in range(4)]
-  for i in range(4 * half, 4 * half + 4):
-    word, q = (i // 2, i % 2) if operands == "float16" else (0, half)
-    s_g, s_g8 = _scale_pair(scales[..., word], q)
-    regs = decode_word(words[..., i % 4])
-    a = [lax.bitcast_convert_type((f16_pairs(d) * (s[..., None] * factor)).astype(dtype), jnp.uint32)
-         for d, s in zip(regs, (s_g, s_g8, s_g, s_g8))]
-    xs = x[i // 2 - 2 * half]
-    c = mma_m16n8k16(a, [xs[..., 2 * (i % 2)], xs[..., 2 * (i % 2) + 1]], c, operands)
-  return jnp.stack(c, -1).reshape(-1)
+  # Step j's scale pair: float16, byte pair j % 2 of word 2 half + j // 2; bfloat16, pair `half` of word 0.
+  word, pair = ((jnp.repeat(scales[..., 2 * half:2 * half + 2, :], 2, axis=-2),
+                 lax.broadcasted_iota(jnp.uint32, (4, 1), 0) % 2) if operands == "float16"
+                else (scales[..., :1, :], jnp.uint32(half)))
+  byte = lambda i: lax.bitcast_convert_type(((word >> (8 * i)) & 0xFF).astype(jnp.uint8),
+                                             jnp.float8_e4m3fn).astype(jnp.float32) * factor
+  s_g, s_g8 = byte(2 * pair), byte(2 * pair + 1)
+  a = [lax.bitcast_convert_type((f16_pairs(d) * s[..., None]).astype(dtype), jnp.uint32)
+       for d, s in zip(decode_word(words), (s_g, s_g8, s_g, s_g8))]
+  # Step j's B registers: activation array j // 2 (xa, xb), its words 2 (j % 2) and 2 (j % 2) + 1.
+  b = [jnp.concatenate([x[..., r::2, :] for x in (xa, xb)], -2) for r in range(2)]
+  c = [acc[..., r, :] for r in range(4)]
+  return jnp.swapaxes(jnp.stack(mma_chain(a, b, c, operands), -2), -1, -2).reshape(-1)
 
 
 def fragment_mma(acc, words, scales, xa, xb, *, half: int, ptx: bool, operands: str = "float16") -> jax.Array:
@@ -304,7 +311,9 @@ class FragmentConfig:
   slower). tiles / tile_groups must be a multiple of num_warps. rows_out: the program stores its
   sums as [split, token, row] (32-byte runs a warp), so XLA's epilogue is a plain sum over the
   splits (run 31: 1.8-2.8 us less a GEMV); else in C fragment order, 16-byte stores, and the
-  epilogue also transposes (`fragment_rows`)."""
+  epilogue also transposes (`fragment_rows`). final_out: the program scales its sums and stores
+  the bf16 [M, N] result itself, so the call is one launch with no epilogue after it (bfloat16
+  operands, which need no row scale, and split_k = 1 only: a split's sum is not final)."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
@@ -313,6 +322,7 @@ class FragmentConfig:
   fused_activations: bool = True
   tile_groups: int = 1
   rows_out: bool = False
+  final_out: bool = False
 
   def __post_init__(self):
     check_at_least("FragmentConfig", "split_k", self.split_k)
@@ -325,6 +335,8 @@ class FragmentConfig:
     if self.tiles % (self.tile_groups * self.num_warps):
       raise ValueError(f"FragmentConfig.tile_groups ({self.tile_groups}) must leave each group a multiple of "
                        f"num_warps ({self.num_warps}) of the {self.tiles} tiles")
+    if self.final_out and self.split_k != 1:
+      raise ValueError(f"FragmentConfig.final_out stores finished sums: it needs split_k=1, got {self.split_k}")
 
 
 def default_fragment_config(n: int, k: int) -> FragmentConfig:
@@ -342,12 +354,12 @@ def default_fragment_config(n: int, k: int) -> FragmentConfig:
                         unroll=2 if chunks // split >= 4 else 1, tile_groups=2, rows_out=True)
 
 
-def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, k: int, tiles: int, chunks: int, config: FragmentConfig,
-            operands: str, interpret: bool):
+def _kernel(x_ref, words_ref, scales_ref, *refs, m: int, n: int, k: int, tiles: int, chunks: int,
+            config: FragmentConfig, operands: str, interpret: bool):
   # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128] (bfloat16: x's rows as they are, [M * K / 2]
-  # bf16 pairs); words_ref u32 [Kc * 2 * Nt * 128];
-  # scales_ref u32 [Kc * Nt * 32]; o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows), or with
-  # rows_out [split_k * 8 * Nt * 16].
+  # bf16 pairs); words_ref u32 [Kc * 2 * Nt * 128]; scales_ref u32 [Kc * Nt * 32]; then
+  # o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows), or with rows_out [split_k * 8 * Nt * 16];
+  # or with final_out factor_ref f32 [1] (the epilogue's scale) and o_ref bf16 [M * N].
   # The program's tiles in config.tile_groups contiguous groups; element e of a group's arrays is
   # tile e // 128 of the group, lane word e % 128, so one load of the activation words serves
   # every group.
@@ -404,10 +416,17 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, k: int, tiles: int, 
   accs = (jnp.zeros((size,), jnp.float32),) * config.tile_groups
   accs = lax.fori_loop(0, steps, step, accs)
   accs = lax.fori_loop(begin + steps * config.unroll, end, lambda c, accs: multiply(accs, chunk(c)), accs)
-  # Lane 4g + t's sum r (c_r: row 16 T + g + 8 (r // 2), token 2t + r % 2). rows_out: at
-  # [split, token, row]; else slab t of this split at 32 T + 4g + r. Padding tokens' sums (token
-  # >= m; whole slabs: 2t >= m) are not written.
-  if config.rows_out:
+  # Lane 4g + t's sum r (c_r: row 16 T + g + 8 (r // 2), token 2t + r % 2). final_out: scaled, at
+  # [token, row], rows < N; rows_out: at [split, token, row]; else slab t of this split at 32 T +
+  # 4g + r. Padding tokens' sums (token >= m; whole slabs: 2t >= m) are not written.
+  factor = None
+  if config.final_out:
+    factor_ref, o_ref = refs
+    factor = factor_ref[0]
+    token, row = 2 * t + rem(r, 2), tile * TILE + g + 8 * div(r, 2)
+    index = lambda start: token * n + start * TILE + row
+    keeps = [(token < m) & (start * TILE + row < n) for start in starts]
+  elif config.rows_out:
     token = 2 * t + rem(r, 2)
     keep = token < m
     row = tile * TILE + g + 8 * div(r, 2)
@@ -415,8 +434,14 @@ def _kernel(x_ref, words_ref, scales_ref, o_ref, *, m: int, k: int, tiles: int, 
   else:
     keep = t < pl.cdiv(m, 2)
     index = lambda start: (pl.program_id(1) * 4 + t) * tiles * LANES + (start + tile) * LANES + g * 4 + r
-  for start, ok, acc in zip(starts, oks, accs):
-    pltriton.store(o_ref.at[index(start)], acc, mask=keep if ok is None else keep & ok)
+  if not config.final_out:
+    [o_ref] = refs
+    keeps = [keep if ok is None else keep & ok for ok in oks]
+  for start, keep, acc in zip(starts, keeps, accs):
+    value = acc if factor is None else (acc * factor).astype(o_ref.dtype)
+    # Masked lanes point past the end: their in-range index could be a stored lane's (a row past
+    # N is the next token's), and the interpreter's masked store writes back what it read there.
+    pltriton.store(o_ref.at[jnp.where(keep, index(start), o_ref.shape[0])], value, mask=keep)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -435,6 +460,9 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
   m = x.shape[0]
   if w.operands == "bfloat16":
     activations, scale = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.uint32).reshape(-1), BF16_SCALE
+  elif config.final_out:
+    raise ValueError("FragmentConfig.final_out needs bfloat16 operands (to_fragments(w, 'bfloat16')): fp16 "
+                     "operands scale each row by its maximum, in the epilogue")
   else:
     if config.fused_activations:
       activations, amax = activations_kernel(x, chunks, interpret)
@@ -444,18 +472,24 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
       activations = fragment_activations(x16, chunks)
     scale = DECODE_SCALE * row_inverse_scale(amax)[:, None]
   inputs = [activations, w.words.reshape(-1), w.scales.reshape(-1)]
-  whole = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0,))
+  out_shape = jax.ShapeDtypeStruct((config.split_k * tiles * WORDS,), jnp.float32)  # 4 slabs of 32 a tile
+  if config.final_out:
+    inputs.append(jnp.reshape(w.global_scale * scale, (1,)).astype(jnp.float32))
+    out_shape = jax.ShapeDtypeStruct((m * n,), x.dtype)
+  whole = lambda shape: pl.BlockSpec(shape, lambda j, s: (0,))
   out = pl.pallas_call(
-      functools.partial(_kernel, m=m, k=k, tiles=tiles, chunks=chunks, config=config, operands=w.operands,
+      functools.partial(_kernel, m=m, n=n, k=k, tiles=tiles, chunks=chunks, config=config, operands=w.operands,
                         interpret=interpret),
       grid=(pl.cdiv(tiles, config.tiles), config.split_k),
-      in_specs=[whole(a) for a in inputs],
-      out_specs=pl.BlockSpec((config.split_k * tiles * WORDS,), lambda j, s: (0,)),
-      out_shape=jax.ShapeDtypeStruct((config.split_k * tiles * WORDS,), jnp.float32),  # 4 slabs of 32 a tile
+      in_specs=[whole(a.shape) for a in inputs],
+      out_specs=whole(out_shape.shape),
+      out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name=loop_stages.staged_name("nvfp4_fragments", config.num_stages if config.num_stages > 1 else None),
   )(*inputs)
+  if config.final_out:
+    return out.reshape(m, n)
   if config.rows_out:
     y = out.reshape(config.split_k, TOKENS, tiles * TILE)[:, :m, :n].sum(0)
   else:

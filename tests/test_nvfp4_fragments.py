@@ -3,6 +3,7 @@ against plain matrices, the weight layout against its description, the PTX progr
 against the jnp twin the interpreter runs, the kernel against the fp32 reference, its errors, and
 its lowering for an H200; the PTX assembled by ptxas where one is installed."""
 
+import dataclasses
 import functools
 import os
 import re
@@ -195,6 +196,27 @@ def test_fragment_matmul_matches_reference(m, n, k, config, operands):
   assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("m, n, k, config", [
+    (1, 64, 128, FragmentConfig(tiles=2, num_warps=1, final_out=True)),
+    (3, 200, 272, FragmentConfig(tiles=4, num_warps=2, tile_groups=2, final_out=True)),  # a group past N
+    (8, 136, 640, FragmentConfig(tiles=2, num_warps=1, unroll=2, final_out=True)),  # rows past N in a tile
+    (5, 40, 256, FragmentConfig(tiles=8, num_warps=2, tile_groups=2, unroll=2, final_out=True)),
+])
+def test_final_out_stores_the_epilogues_result(m, n, k, config):
+  """final_out: the program's own scaled bf16 stores equal the one-split epilogue's result bit for
+  bit (the same sums, scaled by the same powers of two), and the reference within bf16 rounding."""
+  rng = np.random.default_rng(m * 1000 + n + 7)
+  x = jnp.asarray(rng.standard_normal((m, k)) + 0.1, jnp.bfloat16)
+  w = quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.5, 2, (n, 1)), jnp.float32))
+  w = to_fragments(w, "bfloat16")
+  got = fragment_matmul(x, w, config=config)
+  epilogue = fragment_matmul(x, w, config=dataclasses.replace(config, final_out=False, rows_out=True))
+  assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(epilogue, np.float32))
+  want = np.asarray(nvfp4_matmul_reference(x, from_fragments(w)), np.float64)
+  assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
+
+
 @pytest.mark.parametrize("m, k", [(1, 128), (3, 272), (8, 6144 + 32)])
 def test_activations_kernel_equals_xla(m, k):
   """The one-launch activations: the same words as f16_rows then fragment_activations (rows
@@ -221,6 +243,10 @@ def test_fragment_matmul_rejects_bad_inputs():
     FragmentConfig(tiles=3, num_warps=1)
   with pytest.raises(ValueError, match="tile_groups \\(4\\) must leave each group a multiple of num_warps"):
     FragmentConfig(tiles=4, num_warps=2, tile_groups=4)
+  with pytest.raises(ValueError, match="final_out stores finished sums: it needs split_k=1, got 2"):
+    FragmentConfig(tiles=2, num_warps=1, split_k=2, final_out=True)
+  with pytest.raises(ValueError, match="final_out needs bfloat16 operands"):
+    fragment_matmul(jnp.ones((2, 128), jnp.bfloat16), w, config=FragmentConfig(tiles=2, num_warps=1, final_out=True))
 
 
 def test_default_fragment_config():
@@ -237,7 +263,8 @@ def test_fragment_matmul_lowers_for_h200():
   grouped = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, tile_groups=2, rows_out=True)
   w_bf16 = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), "bfloat16"),
                           jax.ShapeDtypeStruct((200, 272), jnp.float32))
-  for config, weight in ((None, w), (staged, w), (grouped, w), (grouped, w_bf16)):
+  final = FragmentConfig(tiles=4, num_warps=2, unroll=2, tile_groups=2, final_out=True)
+  for config, weight in ((None, w), (staged, w), (grouped, w), (grouped, w_bf16), (final, w_bf16)):
     text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
                      jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), weight)
     assert TRITON_CALL in text
