@@ -355,11 +355,12 @@ def default_fragment_config(n: int, k: int) -> FragmentConfig:
 
 
 def _kernel(x_ref, words_ref, scales_ref, *refs, m: int, n: int, k: int, tiles: int, chunks: int,
-            config: FragmentConfig, operands: str, interpret: bool):
+            config: FragmentConfig, operands: str, scaled: bool, interpret: bool):
   # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128] (bfloat16: x's rows as they are, [M * K / 2]
   # bf16 pairs); words_ref u32 [Kc * 2 * Nt * 128]; scales_ref u32 [Kc * Nt * 32]; then
   # o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows), or with rows_out [split_k * 8 * Nt * 16];
-  # or with final_out factor_ref f32 [1] (the epilogue's scale) and o_ref bf16 [M * N].
+  # or scaled: global_ref f32 [1], (float16) amax_ref f32 [>= M] and o_ref [split_k * M * N] (f32,
+  # or bf16 with final_out).
   # The program's tiles in config.tile_groups contiguous groups; element e of a group's arrays is
   # tile e // 128 of the group, lane word e % 128, so one load of the activation words serves
   # every group.
@@ -416,15 +417,20 @@ def _kernel(x_ref, words_ref, scales_ref, *refs, m: int, n: int, k: int, tiles: 
   accs = (jnp.zeros((size,), jnp.float32),) * config.tile_groups
   accs = lax.fori_loop(0, steps, step, accs)
   accs = lax.fori_loop(begin + steps * config.unroll, end, lambda c, accs: multiply(accs, chunk(c)), accs)
-  # Lane 4g + t's sum r (c_r: row 16 T + g + 8 (r // 2), token 2t + r % 2). final_out: scaled, at
-  # [token, row], rows < N; rows_out: at [split, token, row]; else slab t of this split at 32 T +
-  # 4g + r. Padding tokens' sums (token >= m; whole slabs: 2t >= m) are not written.
+  # Lane 4g + t's sum r (c_r: row 16 T + g + 8 (r // 2), token 2t + r % 2). scaled: times the
+  # epilogue's scale, at [split, token, row], rows < N; rows_out: at [split, token, row] of the
+  # padded rows; else slab t of this split at 32 T + 4g + r. Padding tokens' sums (token >= m;
+  # whole slabs: 2t >= m) are not written.
   factor = None
-  if config.final_out:
-    factor_ref, o_ref = refs
-    factor = factor_ref[0]
+  if scaled:
     token, row = 2 * t + rem(r, 2), tile * TILE + g + 8 * div(r, 2)
-    index = lambda start: token * n + start * TILE + row
+    global_ref, *refs, o_ref = refs
+    if operands == "float16":  # f16_rows' scale of the lane's token, undone
+      amax = pltriton.load(refs[0].at[jnp.minimum(token, m - 1)])
+      factor = global_ref[0] * (DECODE_SCALE * row_inverse_scale(amax))
+    else:
+      factor = global_ref[0] * BF16_SCALE
+    index = lambda start: (pl.program_id(1) * m + token) * n + start * TILE + row
     keeps = [(token < m) & (start * TILE + row < n) for start in starts]
   elif config.rows_out:
     token = 2 * t + rem(r, 2)
@@ -434,7 +440,7 @@ def _kernel(x_ref, words_ref, scales_ref, *refs, m: int, n: int, k: int, tiles: 
   else:
     keep = t < pl.cdiv(m, 2)
     index = lambda start: (pl.program_id(1) * 4 + t) * tiles * LANES + (start + tile) * LANES + g * 4 + r
-  if not config.final_out:
+  if not scaled:
     [o_ref] = refs
     keeps = [keep if ok is None else keep & ok for ok in oks]
   for start, keep, acc in zip(starts, keeps, accs):
@@ -444,42 +450,37 @@ def _kernel(x_ref, words_ref, scales_ref, *refs, m: int, n: int, k: int, tiles: 
     pltriton.store(o_ref.at[jnp.where(keep, index(start), o_ref.shape[0])], value, mask=keep)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig | None = None,
-                    interpret: bool | None = None) -> jax.Array:
-  """x bf16 [M, K] (M <= 8) @ dequant(w).T -> bf16 [M, N], w from to_fragments. Its operands
-  decide the program: float16 scales x's rows into fp16 (activations_kernel, or XLA's f16_rows
-  with config.fused_activations off); bfloat16 reads x's rows itself (no launch before it)."""
+def _check_x(x: jax.Array, w: FragmentWeight, name: str) -> None:
   n, k = w.shape
   if x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] != k or not 1 <= x.shape[0] <= TOKENS:
-    raise ValueError(f"fragment_matmul: x must be bf16 [M, {k}] with 1 <= M <= {TOKENS}, got "
-                     f"{x.dtype}{list(x.shape)}")
-  config = config or default_fragment_config(n, k)
+    raise ValueError(f"{name}: x must be bf16 [M, {k}] with 1 <= M <= {TOKENS}, got {x.dtype}{list(x.shape)}")
+
+
+def _launch(x: jax.Array, w: FragmentWeight, config: FragmentConfig, interpret: bool, scaled: bool):
+  """The GEMV's launch (and the activations' before it, for fp16 operands). scaled: the program
+  applies the epilogue's scale and stores [split_k * M * N] (bf16 with final_out, else f32):
+  returns that; else (the kernel's fp32 sums, the epilogue's scale [M, 1])."""
+  (n, k), m = w.shape, x.shape[0]
   tiles, chunks = w.tiles, w.scales.shape[0]
-  interpret = resolve_interpret(interpret)
-  m = x.shape[0]
   if w.operands == "bfloat16":
     activations, scale = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.uint32).reshape(-1), BF16_SCALE
-  elif config.final_out:
-    raise ValueError("FragmentConfig.final_out needs bfloat16 operands (to_fragments(w, 'bfloat16')): fp16 "
-                     "operands scale each row by its maximum, in the epilogue")
+    row_maxima = []
   else:
     if config.fused_activations:
       activations, amax = activations_kernel(x, chunks, interpret)
-      amax = amax[:m]
     else:
       x16, amax = f16_rows(x)
       activations = fragment_activations(x16, chunks)
-    scale = DECODE_SCALE * row_inverse_scale(amax)[:, None]
+    scale, row_maxima = DECODE_SCALE * row_inverse_scale(amax[:m])[:, None], [amax]
   inputs = [activations, w.words.reshape(-1), w.scales.reshape(-1)]
   out_shape = jax.ShapeDtypeStruct((config.split_k * tiles * WORDS,), jnp.float32)  # 4 slabs of 32 a tile
-  if config.final_out:
-    inputs.append(jnp.reshape(w.global_scale * scale, (1,)).astype(jnp.float32))
-    out_shape = jax.ShapeDtypeStruct((m * n,), x.dtype)
+  if scaled:  # the scalar reshaped, no XLA op: the program computes its factor itself
+    inputs += [w.global_scale.reshape(1), *row_maxima]
+    out_shape = jax.ShapeDtypeStruct((config.split_k * m * n,), x.dtype if config.final_out else jnp.float32)
   whole = lambda shape: pl.BlockSpec(shape, lambda j, s: (0,))
   out = pl.pallas_call(
       functools.partial(_kernel, m=m, n=n, k=k, tiles=tiles, chunks=chunks, config=config, operands=w.operands,
-                        interpret=interpret),
+                        scaled=scaled, interpret=interpret),
       grid=(pl.cdiv(tiles, config.tiles), config.split_k),
       in_specs=[whole(a.shape) for a in inputs],
       out_specs=whole(out_shape.shape),
@@ -488,10 +489,42 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
       interpret=interpret,
       name=loop_stages.staged_name("nvfp4_fragments", config.num_stages if config.num_stages > 1 else None),
   )(*inputs)
+  return out if scaled else (out, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig | None = None,
+                    interpret: bool | None = None) -> jax.Array:
+  """x bf16 [M, K] (M <= 8) @ dequant(w).T -> bf16 [M, N], w from to_fragments. Its operands
+  decide the program: float16 scales x's rows into fp16 (activations_kernel, or XLA's f16_rows
+  with config.fused_activations off); bfloat16 reads x's rows itself (no launch before it)."""
+  _check_x(x, w, "fragment_matmul")
+  (n, k), m = w.shape, x.shape[0]
+  config = config or default_fragment_config(n, k)
+  if config.final_out and w.operands != "bfloat16":
+    raise ValueError("FragmentConfig.final_out needs bfloat16 operands (to_fragments(w, 'bfloat16')): fp16 "
+                     "operands scale each row by its maximum, which the activations' launch finds")
+  interpret = resolve_interpret(interpret)
   if config.final_out:
-    return out.reshape(m, n)
+    return _launch(x, w, config, interpret, scaled=True).reshape(m, n)
+  out, scale = _launch(x, w, config, interpret, scaled=False)
   if config.rows_out:
-    y = out.reshape(config.split_k, TOKENS, tiles * TILE)[:, :m, :n].sum(0)
+    y = out.reshape(config.split_k, TOKENS, w.tiles * TILE)[:, :m, :n].sum(0)
   else:
     y = fragment_rows(out, m, n, config.split_k)
   return (y * w.global_scale * scale).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("split_k", "config", "interpret"))
+def fragment_matmul_partials(x: jax.Array, w: FragmentWeight, *, split_k: int | None = None,
+                             config: FragmentConfig | None = None, interpret: bool | None = None) -> jax.Array:
+  """fragment_matmul's K splits, each scaled by the program, unsummed: fp32 [S, M, N] whose sum
+  is x @ dequant(w).T (up to fp32 rounding), for a kernel that sums them in its own launch
+  (pallas_kernels/residual_norm.py, mla_epilogue.py, mla_query.py), so no XLA epilogue runs.
+  split_k: S (default: the config's; `default_fragment_config`'s tiles)."""
+  _check_x(x, w, "fragment_matmul_partials")
+  (n, k), m = w.shape, x.shape[0]
+  config = config or default_fragment_config(n, k)
+  config = dataclasses.replace(config, split_k=split_k or config.split_k, rows_out=False, final_out=False)
+  out = _launch(x, w, config, resolve_interpret(interpret), scaled=True)
+  return out.reshape(config.split_k, m, n)

@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
 from configs import get_model_config
 from glmjax import quant
+from pallas_kernels.nvfp4_fragments import default_fragment_config
 from pallas_kernels.moe_route import route_select, route_select_reference
 from tests.h200_lowering import TRITON_CALL, h200_text
 
@@ -120,3 +122,40 @@ def test_linear_group_partials_share_one_split_count():
   np.testing.assert_array_equal(np.asarray(nvfp4[0]), np.asarray(kernel, np.float32))
   want = quant.linear(x, ws[1], dense="pallas_grouped", dtype=jnp.float32).reshape(5, 32)
   np.testing.assert_allclose(bf16[0], want, rtol=1e-5, atol=1e-5)
+
+
+def _outside_kernels(jaxpr) -> list[str]:
+  """The primitives of a jaxpr through nested jaxprs, a pallas_call by its kernel's name and
+  not looked into."""
+  found = []
+  for eqn in jaxpr.eqns:
+    found.append(eqn.params["name"] if eqn.primitive.name == "pallas_call" else eqn.primitive.name)
+    for value in () if eqn.primitive.name == "pallas_call" else eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+          found += _outside_kernels(getattr(sub, "jaxpr", sub))
+  return found
+
+
+@pytest.mark.parametrize("with_bf16", [True, False])
+def test_fragment_partials_take_the_groups_split_count(with_bf16):
+  """FragmentWeights under pallas_fragments: their partials come from the fragment kernel, K
+  splits scaled in the program (no XLA epilogue), with the split-K bf16 weight's split count
+  beside one (the indexer's wk and weights_proj under --weights=nvfp4), else the first
+  fragment launch's; each summing to its product."""
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.normal(size=(1, 5, 1536)), jnp.bfloat16)
+  nvfp4 = [quant.quantize_nvfp4(jnp.asarray(rng.normal(size=(n, 1536)), jnp.float32)) for n in (72, 40)]
+  ws = [quant.to_fragments(w, "bfloat16") for w in nvfp4]
+  ws += [jnp.asarray(0.05 * rng.normal(size=(32, 1536)), jnp.bfloat16)] if with_bf16 else []
+  group = lambda x: quant.linear_group_partials(x, ws, impl="pallas_fragments", dense="pallas")
+  ops = _outside_kernels(jax.make_jaxpr(group)(x).jaxpr)
+  assert ops.count("nvfp4_fragments") == 2 and "reduce_sum" not in ops  # no XLA epilogue
+  parts = group(x)
+  splits = (quant.linear_partials(x, ws[2], dense="pallas").shape[0] if with_bf16
+            else default_fragment_config(72, 1536).split_k)
+  assert splits > 1 and [p.shape for p in parts] == [(splits, 5, w.shape[0]) for w in ws]
+  for p, w in zip(parts, nvfp4):
+    want = jnp.einsum("tk,nk->tn", x[0].astype(jnp.float32), w.dequantize(jnp.float32))
+    np.testing.assert_allclose(p.sum(0), want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+

@@ -20,7 +20,8 @@ from glmjax.quant import FragmentWeight, NVFP4Weight, arrange_params, from_fragm
 from glmjax.quant.fragments import OPERANDS
 from glmjax.quant.nvfp4 import quantize_nvfp4, unpack_e2m1
 from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, activations_kernel, default_fragment_config,
-                                            fragment_activations, fragment_matmul, fragment_mma_twin, mma_m16n8k16)
+                                            fragment_activations, fragment_matmul, fragment_matmul_partials,
+                                            fragment_mma_twin, mma_m16n8k16)
 from pallas_kernels.nvfp4_matmul import f16_rows, nvfp4_matmul_reference
 from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.ptx_emulator import f32_value, run_ptx
@@ -217,6 +218,33 @@ def test_final_out_stores_the_epilogues_result(m, n, k, config):
   assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
 
 
+@pytest.mark.parametrize("m, n, k, config, split_k", [
+    (1, 64, 128, None, 1),
+    (3, 200, 272, FragmentConfig(tiles=4, num_warps=2, tile_groups=2), 2),  # a group past N
+    (5, 48, 256, FragmentConfig(tiles=2, num_warps=2), 3),  # a split with no chunk
+    (8, 136, 640, FragmentConfig(tiles=8, num_warps=4, unroll=2, fused_activations=False), 2),
+])
+@pytest.mark.parametrize("operands", OPERANDS)
+def test_partials_sum_to_the_product(m, n, k, config, split_k, operands):
+  """fragment_matmul_partials: fp32 [S, M, N], each split scaled by the program, summing to the
+  reference within fp32 and bf16 input rounding; at one split, rounded to bf16, fragment_matmul's
+  result bit for bit (the same sum times the same powers of two)."""
+  rng = np.random.default_rng(m * 1000 + n + split_k)
+  x = jnp.asarray(rng.standard_normal((m, k)) * 10.0 ** rng.integers(-3, 3, (m, 1)), jnp.bfloat16)
+  w = quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)) * rng.uniform(0.5, 2, (n, 1)), jnp.float32))
+  fragments = to_fragments(w, operands)
+  partials = fragment_matmul_partials(x, fragments, split_k=split_k, config=config)
+  assert partials.shape == (split_k, m, n) and partials.dtype == jnp.float32
+  want = np.asarray(nvfp4_matmul_reference(x, w), np.float64)
+  got = np.asarray(partials, np.float64).sum(0)
+  scale = np.abs(want).max(axis=1, keepdims=True)  # rows of very different scales
+  assert np.abs(got - want).max() <= 2 ** -7 * scale.max() and np.all(np.abs(got - want) <= 2 ** -7 * scale)
+  if split_k == 1:
+    one = dataclasses.replace(config or default_fragment_config(n, k), split_k=1, rows_out=True)
+    np.testing.assert_array_equal(np.asarray(partials[0].astype(jnp.bfloat16), np.float32),
+                                  np.asarray(fragment_matmul(x, fragments, config=one), np.float32))
+
+
 @pytest.mark.parametrize("m, k", [(1, 128), (3, 272), (8, 6144 + 32)])
 def test_activations_kernel_equals_xla(m, k):
   """The one-launch activations: the same words as f16_rows then fragment_activations (rows
@@ -264,10 +292,11 @@ def test_fragment_matmul_lowers_for_h200():
   w_bf16 = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), "bfloat16"),
                           jax.ShapeDtypeStruct((200, 272), jnp.float32))
   final = FragmentConfig(tiles=4, num_warps=2, unroll=2, tile_groups=2, final_out=True)
+  x = jax.ShapeDtypeStruct((3, 272), jnp.bfloat16)
   for config, weight in ((None, w), (staged, w), (grouped, w), (grouped, w_bf16), (final, w_bf16)):
-    text = h200_text(functools.partial(fragment_matmul, config=config, interpret=False),
-                     jax.ShapeDtypeStruct((3, 272), jnp.bfloat16), weight)
-    assert TRITON_CALL in text
+    assert TRITON_CALL in h200_text(functools.partial(fragment_matmul, config=config, interpret=False), x, weight)
+  for weight in (w, w_bf16):  # the programs that scale their partials
+    assert TRITON_CALL in h200_text(functools.partial(fragment_matmul_partials, split_k=2, interpret=False), x, weight)
 
 
 PTXAS = os.environ.get("GLMJAX_PTXAS") or shutil.which("ptxas")

@@ -30,7 +30,9 @@ them once, as the Engine does when it is given this impl; MLA's kv_b stays, read
 pallas_kernels/nvfp4_fragments.py, eight rows a launch: [5, 8192] x [8192, 28672] takes 50 us
 against the tensor cores' 86 (BENCHMARKS.md run 28), 47.7 with run 31's default tiles (XLA's
 bf16: 114); `tep8_shard`'s step with every linear NVFP4, 17.91 ms against 18.21 (run 29); with
-fragment_operands="bfloat16" (Runtime) the weights' K order lets the kernel read x itself. Plain
+fragment_operands="bfloat16" (Runtime) the weights' K order lets the kernel read x itself; for the
+epilogue folds (linear_partials, linear_group_partials) the kernel scales its K splits itself, so
+they read them with no XLA epilogue between. Plain
 arrays always take the plain einsum, unless dense="pallas": then decode-sized bf16 x against a
 bf16 weight runs the split-K GEMV of pallas_kernels/bf16_matmul.py (XLA's bf16 GEMV reaches copy
 speed only for wide outputs: 0.9-1.4 TB/s at a GLM-5 rank's 25 MB projections, BENCHMARKS.md
@@ -164,14 +166,27 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
                     preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=jnp.float32) -> jax.Array:
+def _fragment_launch(x: jax.Array, w, impl: str) -> bool:
+  """Whether x @ w.T is one launch of the fragment kernel: a FragmentWeight under a Pallas impl,
+  decode-sized x of at most its eight rows."""
+  from pallas_kernels.nvfp4_fragments import TOKENS  # the kernels import the formats
+  return isinstance(w, FragmentWeight) and impl != "xla" and decode_sized(x) and math.prod(x.shape[:-1]) <= TOKENS
+
+
+def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=jnp.float32,
+                    splits: int | None = None) -> jax.Array:
   """x [..., in] @ w.T as fp32 terms [S, rows, out] that sum to it: the split-K GEMV's partials,
   unsummed, where `linear` in `dtype` would run that kernel (its output: their sum rounded to
-  dtype), else [1, rows, out] (`linear` in dtype, as fp32). A quantized weight: `linear` in x's
-  dtype, as fp32: its kernel at decode, rounded as the unfused path rounds it (in fp32, x would
-  miss the kernels and dequantize the whole weight every step). For a consumer that sums them in
-  its own launch (pallas_kernels/moe_route.py, mla_query.py, residual_norm.py)."""
+  dtype), and the fragment kernel's (FragmentWeight: its K splits scaled in the program, `splits`
+  of them, default its config's; nvfp4_fragments.fragment_matmul_partials), else [1, rows, out]
+  (`linear` in dtype, as fp32). Another quantized weight: `linear` in x's dtype, as fp32: its
+  kernel at decode, rounded as the unfused path rounds it (in fp32, x would miss the kernels and
+  dequantize the whole weight every step). For a consumer that sums them in its own launch
+  (pallas_kernels/moe_route.py, mla_query.py, residual_norm.py)."""
   rows = math.prod(x.shape[:-1])
+  if _fragment_launch(x, w, impl):
+    from pallas_kernels.nvfp4_fragments import fragment_matmul_partials
+    return fragment_matmul_partials(x.reshape(rows, x.shape[-1]), w, split_k=splits)
   if not takes_bf16_gemv(x, w, dense, jnp.dtype(dtype)):
     out = linear(x, w, impl=impl, dense=dense, dtype=x.dtype if isinstance(w, QuantizedWeight) else dtype)
     return out.astype(jnp.float32).reshape(1, rows, w.shape[0])
@@ -201,11 +216,19 @@ def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla"
 def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla") -> list[jax.Array]:
   """[linear_partials(x, w, ...) for w in weights], in linear_group's one launch where it would
   group them: for a consumer that sums them in its own launch (pallas_kernels/indexer_keys.py).
-  All with one split count: where the weights' differ (a quantized weight beside a split-K bf16
-  one), each summed to [1, rows, out]."""
+  All with one split count: the fragment kernel's launches take the split-K kernels' (else the
+  first fragment launch's default); where they still differ (another quantized weight or an XLA
+  product beside split-K ones), each summed to [1, rows, out]."""
   _check_impl(impl, dense)
   if not _grouped(x, weights, dense, jnp.float32):
-    partials = [linear_partials(x, w, impl=impl, dense=dense) for w in weights]
+    partials = [None if _fragment_launch(x, w, impl) else linear_partials(x, w, impl=impl, dense=dense)
+                for w in weights]
+    splits = max((p.shape[0] for p in partials if p is not None), default=1)
+    if splits == 1 and None in partials:  # no split-K kernel's count to follow: the first fragment launch's
+      from pallas_kernels.nvfp4_fragments import default_fragment_config  # the kernels import the formats
+      splits = default_fragment_config(*weights[partials.index(None)].shape).split_k
+    partials = [linear_partials(x, w, impl=impl, dense=dense, splits=splits) if p is None else p
+                for p, w in zip(partials, weights)]
     if len({p.shape[0] for p in partials}) > 1:
       partials = [p.sum(0, keepdims=True) for p in partials]
     return partials
