@@ -78,6 +78,8 @@ default: 46.3-48.4 us own (the launch alone 41.7-42.5), 2.34-2.40x XLA's bf16 in
 launch and the split sum, 4.6-5.9 us) and a faster program. bf16 operands remove the first; at
 one K split, FragmentConfig.final_out the second (the program scales its sums and stores the
 bf16 result): one launch a call, if one split keeps enough loads in flight. Not yet timed.
+Where an epilogue kernel sums the splits itself (the model's folds), `fragment_matmul_partials`
+hands it the splits, each scaled by its program, so no XLA epilogue runs between the two.
 
 Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
 store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).
