@@ -356,18 +356,39 @@ def default_fragment_config(n: int, k: int) -> FragmentConfig:
                         unroll=2 if chunks // split >= 4 else 1, tile_groups=2, rows_out=True)
 
 
-def _kernel(x_ref, words_ref, scales_ref, *refs, m: int, n: int, k: int, tiles: int, chunks: int,
-            config: FragmentConfig, operands: str, scaled: bool, interpret: bool):
+def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], scaled: bool, **static):
   # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128] (bfloat16: x's rows as they are, [M * K / 2]
-  # bf16 pairs); words_ref u32 [Kc * 2 * Nt * 128]; scales_ref u32 [Kc * Nt * 32]; then
-  # o_ref f32 [split_k * 4 * Nt * 32] (fragment_rows), or with rows_out [split_k * 8 * Nt * 16];
-  # or scaled: global_ref f32 [1], (float16) amax_ref f32 [>= M] and o_ref [split_k * M * N] (f32,
-  # or bf16 with final_out).
-  # The program's tiles in config.tile_groups contiguous groups; element e of a group's arrays is
-  # tile e // 128 of the group, lane word e % 128, so one load of the activation words serves
-  # every group.
+  # bf16 pairs); per weight (shapes: its N and row tiles Nt) words_ref u32 [Kc * 2 * Nt * 128];
+  # per weight scales_ref u32 [Kc * Nt * 32]; then o_ref f32 [split_k * 4 * Nt * 32]
+  # (fragment_rows), or with rows_out [split_k * 8 * Nt * 16]; or scaled: per weight global_ref
+  # f32 [1], (float16) amax_ref f32 [>= M], and per weight o_ref [split_k * M * N] (f32, or bf16
+  # with final_out). Several weights (scaled only): grid row block j belongs to one of them.
+  w = len(shapes)
+  words_refs, scales_refs, refs = refs[:w], refs[w:2 * w], refs[2 * w:]
+  global_refs, amax_refs, o_refs = ((refs[:w], refs[w:-w], refs[-w:]) if scaled else ([None], [], refs))
+  amax_ref = amax_refs[0] if amax_refs else None
+  config = static["config"]
+  first, row_block, split = 0, pl.program_id(0), pl.program_id(1)  # (the interpreter reads them here only)
+  for (n, tiles), words_ref, scales_ref, global_ref, o_ref in zip(shapes, words_refs, scales_refs, global_refs,
+                                                                  o_refs):
+    count, block = pl.cdiv(tiles, config.tiles), row_block - first
+    program = functools.partial(_program, x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, split,
+                                n=n, tiles=tiles, scaled=scaled, **static)
+    if w == 1:
+      program()
+    else:
+      pl.when((block >= 0) & (block < count))(program)
+    first += count
+
+
+def _program(x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, split, *, m: int, n: int, k: int,
+             tiles: int, chunks: int, config: FragmentConfig, operands: str, scaled: bool, interpret: bool):
+  """Row block `block` and K split `split` of one weight (_kernel's refs, one of each; global_ref and amax_ref only
+  when scaled, amax_ref only for float16). The program's tiles in config.tile_groups contiguous
+  groups; element e of a group's arrays is tile e // 128 of the group, lane word e % 128, so one
+  load of the activation words serves every group."""
   group = config.tiles // config.tile_groups
-  size, first = group * WORDS, pl.program_id(0) * config.tiles
+  size, first = group * WORDS, block * config.tiles
   starts = [first + i * group for i in range(config.tile_groups)]
   e = jnp.arange(size)
   # Truncating integer division (e >= 0): jnp's floor // and % add sign fix-ups that hide from
@@ -413,7 +434,7 @@ def _kernel(x_ref, words_ref, scales_ref, *refs, m: int, n: int, k: int, tiles: 
     return accs
 
   per_split = pl.cdiv(chunks, config.split_k)
-  begin = pl.program_id(1) * per_split
+  begin = split * per_split
   end = jnp.minimum(begin + per_split, chunks)
   steps = jnp.maximum(end - begin, 0) // config.unroll
   accs = (jnp.zeros((size,), jnp.float32),) * config.tile_groups
@@ -426,24 +447,22 @@ def _kernel(x_ref, words_ref, scales_ref, *refs, m: int, n: int, k: int, tiles: 
   factor = None
   if scaled:
     token, row = 2 * t + rem(r, 2), tile * TILE + g + 8 * div(r, 2)
-    global_ref, *refs, o_ref = refs
     if operands == "float16":  # f16_rows' scale of the lane's token, undone
-      amax = pltriton.load(refs[0].at[jnp.minimum(token, m - 1)])
+      amax = pltriton.load(amax_ref.at[jnp.minimum(token, m - 1)])
       factor = global_ref[0] * (DECODE_SCALE * row_inverse_scale(amax))
     else:
       factor = global_ref[0] * BF16_SCALE
-    index = lambda start: (pl.program_id(1) * m + token) * n + start * TILE + row
+    index = lambda start: (split * m + token) * n + start * TILE + row
     keeps = [(token < m) & (start * TILE + row < n) for start in starts]
   elif config.rows_out:
     token = 2 * t + rem(r, 2)
     keep = token < m
     row = tile * TILE + g + 8 * div(r, 2)
-    index = lambda start: (pl.program_id(1) * TOKENS + token) * (tiles * TILE) + start * TILE + row
+    index = lambda start: (split * TOKENS + token) * (tiles * TILE) + start * TILE + row
   else:
     keep = t < pl.cdiv(m, 2)
-    index = lambda start: (pl.program_id(1) * 4 + t) * tiles * LANES + (start + tile) * LANES + g * 4 + r
+    index = lambda start: (split * 4 + t) * tiles * LANES + (start + tile) * LANES + g * 4 + r
   if not scaled:
-    [o_ref] = refs
     keeps = [keep if ok is None else keep & ok for ok in oks]
   for start, keep, acc in zip(starts, keeps, accs):
     value = acc if factor is None else (acc * factor).astype(o_ref.dtype)
@@ -458,13 +477,14 @@ def _check_x(x: jax.Array, w: FragmentWeight, name: str) -> None:
     raise ValueError(f"{name}: x must be bf16 [M, {k}] with 1 <= M <= {TOKENS}, got {x.dtype}{list(x.shape)}")
 
 
-def _launch(x: jax.Array, w: FragmentWeight, config: FragmentConfig, interpret: bool, scaled: bool):
-  """The GEMV's launch (and the activations' before it, for fp16 operands). scaled: the program
-  applies the epilogue's scale and stores [split_k * M * N] (bf16 with final_out, else f32):
-  returns that; else (the kernel's fp32 sums, the epilogue's scale [M, 1])."""
-  (n, k), m = w.shape, x.shape[0]
-  tiles, chunks = w.tiles, w.scales.shape[0]
-  if w.operands == "bfloat16":
+def _launch(x: jax.Array, ws: tuple[FragmentWeight, ...], config: FragmentConfig, interpret: bool, scaled: bool):
+  """The GEMV's launch (and the activations' before it, for fp16 operands) for weights sharing x
+  (several: scaled only). scaled: the programs apply the epilogue's scale and store [split_k * M
+  * N] per weight (bf16 with final_out, else f32): returns those; else (one weight) the kernel's
+  fp32 sums and the epilogue's scale [M, 1]."""
+  (_, k), m = ws[0].shape, x.shape[0]
+  chunks, operands = ws[0].scales.shape[0], ws[0].operands
+  if operands == "bfloat16":
     activations, scale = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.uint32).reshape(-1), BF16_SCALE
     row_maxima = []
   else:
@@ -474,24 +494,25 @@ def _launch(x: jax.Array, w: FragmentWeight, config: FragmentConfig, interpret: 
       x16, amax = f16_rows(x)
       activations = fragment_activations(x16, chunks)
     scale, row_maxima = DECODE_SCALE * row_inverse_scale(amax[:m])[:, None], [amax]
-  inputs = [activations, w.words.reshape(-1), w.scales.reshape(-1)]
-  out_shape = jax.ShapeDtypeStruct((config.split_k * tiles * WORDS,), jnp.float32)  # 4 slabs of 32 a tile
-  if scaled:  # the scalar reshaped, no XLA op: the program computes its factor itself
-    inputs += [w.global_scale.reshape(1), *row_maxima]
-    out_shape = jax.ShapeDtypeStruct((config.split_k * m * n,), x.dtype if config.final_out else jnp.float32)
+  inputs = [activations, *(w.words.reshape(-1) for w in ws), *(w.scales.reshape(-1) for w in ws)]
+  out_shapes = [jax.ShapeDtypeStruct((config.split_k * ws[0].tiles * WORDS,), jnp.float32)]  # 4 slabs of 32 a tile
+  if scaled:  # the scalars reshaped, no XLA op: the programs compute their factors themselves
+    inputs += [*(w.global_scale.reshape(1) for w in ws), *row_maxima]
+    out_shapes = [jax.ShapeDtypeStruct((config.split_k * m * w.shape[0],), x.dtype if config.final_out else jnp.float32)
+                  for w in ws]
   whole = lambda shape: pl.BlockSpec(shape, lambda j, s: (0,))
-  out = pl.pallas_call(
-      functools.partial(_kernel, m=m, n=n, k=k, tiles=tiles, chunks=chunks, config=config, operands=w.operands,
-                        scaled=scaled, interpret=interpret),
-      grid=(pl.cdiv(tiles, config.tiles), config.split_k),
+  outs = pl.pallas_call(
+      functools.partial(_kernel, shapes=tuple((w.shape[0], w.tiles) for w in ws), m=m, k=k, chunks=chunks,
+                        config=config, operands=operands, scaled=scaled, interpret=interpret),
+      grid=(sum(pl.cdiv(w.tiles, config.tiles) for w in ws), config.split_k),
       in_specs=[whole(a.shape) for a in inputs],
-      out_specs=whole(out_shape.shape),
-      out_shape=out_shape,
+      out_specs=[whole(o.shape) for o in out_shapes],
+      out_shape=out_shapes,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name=loop_stages.staged_name("nvfp4_fragments", config.num_stages if config.num_stages > 1 else None),
   )(*inputs)
-  return out if scaled else (out, scale)
+  return outs if scaled else (outs[0], scale)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -508,8 +529,8 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
                      "operands scale each row by its maximum, which the activations' launch finds")
   interpret = resolve_interpret(interpret)
   if config.final_out:
-    return _launch(x, w, config, interpret, scaled=True).reshape(m, n)
-  out, scale = _launch(x, w, config, interpret, scaled=False)
+    return _launch(x, (w,), config, interpret, scaled=True)[0].reshape(m, n)
+  out, scale = _launch(x, (w,), config, interpret, scaled=False)
   if config.rows_out:
     y = out.reshape(config.split_k, TOKENS, w.tiles * TILE)[:, :m, :n].sum(0)
   else:
@@ -518,15 +539,24 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
 
 
 @functools.partial(jax.jit, static_argnames=("split_k", "config", "interpret"))
-def fragment_matmul_partials(x: jax.Array, w: FragmentWeight, *, split_k: int | None = None,
-                             config: FragmentConfig | None = None, interpret: bool | None = None) -> jax.Array:
+def fragment_matmul_partials(x: jax.Array, w: FragmentWeight | tuple[FragmentWeight, ...], *, split_k: int | None = None,
+                             config: FragmentConfig | None = None,
+                             interpret: bool | None = None) -> jax.Array | tuple[jax.Array, ...]:
   """fragment_matmul's K splits, each scaled by the program, unsummed: fp32 [S, M, N] whose sum
   is x @ dequant(w).T (up to fp32 rounding), for a kernel that sums them in its own launch
-  (pallas_kernels/residual_norm.py, mla_epilogue.py, mla_query.py), so no XLA epilogue runs.
-  split_k: S (default: the config's; `default_fragment_config`'s tiles)."""
-  _check_x(x, w, "fragment_matmul_partials")
-  (n, k), m = w.shape, x.shape[0]
-  config = config or default_fragment_config(n, k)
+  (pallas_kernels/residual_norm.py, mla_epilogue.py, mla_query.py), so no XLA epilogue runs. A
+  tuple of weights that share x (one K, one operand dtype): one launch whose row blocks run over
+  all of them, a tuple of partials, each as its own launch's.
+  split_k: S (default: the config's); config: default `default_fragment_config` of the weights'
+  rows together."""
+  ws = w if isinstance(w, tuple) else (w,)
+  for weight in ws:
+    _check_x(x, weight, "fragment_matmul_partials")
+  if len({weight.operands for weight in ws}) > 1:
+    raise ValueError(f"fragment_matmul_partials: one launch takes one operand dtype, got "
+                     f"{[weight.operands for weight in ws]}")
+  config = config or default_fragment_config(sum(weight.shape[0] for weight in ws), x.shape[1])
   config = dataclasses.replace(config, split_k=split_k or config.split_k, rows_out=False, final_out=False)
-  out = _launch(x, w, config, resolve_interpret(interpret), scaled=True)
-  return out.reshape(config.split_k, m, n)
+  outs = _launch(x, ws, config, resolve_interpret(interpret), scaled=True)
+  outs = tuple(out.reshape(config.split_k, x.shape[0], weight.shape[0]) for out, weight in zip(outs, ws))
+  return outs if isinstance(w, tuple) else outs[0]

@@ -137,25 +137,27 @@ def _outside_kernels(jaxpr) -> list[str]:
   return found
 
 
+@pytest.mark.parametrize("dense", ["pallas", "pallas_grouped"])
 @pytest.mark.parametrize("with_bf16", [True, False])
-def test_fragment_partials_take_the_groups_split_count(with_bf16):
+def test_fragment_partials_take_the_groups_split_count(with_bf16, dense):
   """FragmentWeights under pallas_fragments: their partials come from the fragment kernel, K
-  splits scaled in the program (no XLA epilogue), with the split-K bf16 weight's split count
-  beside one (the indexer's wk and weights_proj under --weights=nvfp4), else the first
-  fragment launch's; each summing to its product."""
+  splits scaled in the program (no XLA epilogue), one launch for them all under
+  dense="pallas_grouped", with the split-K bf16 weight's split count beside one (the indexer's
+  wk and weights_proj under --weights=nvfp4), else the fragment launches' default; each summing
+  to its product."""
   rng = np.random.default_rng(7)
   x = jnp.asarray(rng.normal(size=(1, 5, 1536)), jnp.bfloat16)
   nvfp4 = [quant.quantize_nvfp4(jnp.asarray(rng.normal(size=(n, 1536)), jnp.float32)) for n in (72, 40)]
   ws = [quant.to_fragments(w, "bfloat16") for w in nvfp4]
   ws += [jnp.asarray(0.05 * rng.normal(size=(32, 1536)), jnp.bfloat16)] if with_bf16 else []
-  group = lambda x: quant.linear_group_partials(x, ws, impl="pallas_fragments", dense="pallas")
+  group = lambda x: quant.linear_group_partials(x, ws, impl="pallas_fragments", dense=dense)
   ops = _outside_kernels(jax.make_jaxpr(group)(x).jaxpr)
-  assert ops.count("nvfp4_fragments") == 2 and "reduce_sum" not in ops  # no XLA epilogue
+  grouped = dense == "pallas_grouped"
+  assert ops.count("nvfp4_fragments") == (1 if grouped else 2) and "reduce_sum" not in ops  # no XLA epilogue
   parts = group(x)
-  splits = (quant.linear_partials(x, ws[2], dense="pallas").shape[0] if with_bf16
-            else default_fragment_config(72, 1536).split_k)
+  splits = (quant.linear_partials(x, ws[2], dense=dense).shape[0] if with_bf16
+            else default_fragment_config(112 if grouped else 72, 1536).split_k)
   assert splits > 1 and [p.shape for p in parts] == [(splits, 5, w.shape[0]) for w in ws]
   for p, w in zip(parts, nvfp4):
     want = jnp.einsum("tk,nk->tn", x[0].astype(jnp.float32), w.dequantize(jnp.float32))
     np.testing.assert_allclose(p.sum(0), want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
-

@@ -245,6 +245,26 @@ def test_partials_sum_to_the_product(m, n, k, config, split_k, operands):
                                   np.asarray(fragment_matmul(x, fragments, config=one), np.float32))
 
 
+@pytest.mark.parametrize("operands", OPERANDS)
+def test_grouped_partials_equal_each_weights_own(operands):
+  """Weights sharing x in one launch (its row blocks over all of them: 200 rows, then 40, fewer
+  than a block's, then 72): each one's partials bit for bit its own launch's; one operand dtype a
+  launch."""
+  rng = np.random.default_rng(11)
+  m, k = 5, 272
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  ws = tuple(to_fragments(quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)) * s, jnp.float32)), operands)
+             for n, s in ((200, 1.0), (40, 30.0), (72, 0.01)))
+  config = FragmentConfig(tiles=4, num_warps=2, tile_groups=2)
+  group = fragment_matmul_partials(x, ws, split_k=2, config=config)
+  assert [p.shape for p in group] == [(2, m, w.shape[0]) for w in ws]
+  for got, w in zip(group, ws):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(fragment_matmul_partials(x, w, split_k=2, config=config)))
+  other = to_fragments(from_fragments(ws[0]), OPERANDS[1 - OPERANDS.index(operands)])
+  with pytest.raises(ValueError, match="one launch takes one operand dtype"):
+    fragment_matmul_partials(x, (ws[0], other))
+
+
 @pytest.mark.parametrize("m, k", [(1, 128), (3, 272), (8, 6144 + 32)])
 def test_activations_kernel_equals_xla(m, k):
   """The one-launch activations: the same words as f16_rows then fragment_activations (rows
@@ -295,7 +315,7 @@ def test_fragment_matmul_lowers_for_h200():
   x = jax.ShapeDtypeStruct((3, 272), jnp.bfloat16)
   for config, weight in ((None, w), (staged, w), (grouped, w), (grouped, w_bf16), (final, w_bf16)):
     assert TRITON_CALL in h200_text(functools.partial(fragment_matmul, config=config, interpret=False), x, weight)
-  for weight in (w, w_bf16):  # the programs that scale their partials
+  for weight in (w, w_bf16, (w_bf16, w_bf16)):  # the programs that scale their partials, one weight or two
     assert TRITON_CALL in h200_text(functools.partial(fragment_matmul_partials, split_k=2, interpret=False), x, weight)
 
 

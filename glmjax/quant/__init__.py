@@ -216,24 +216,32 @@ def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla"
 def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla") -> list[jax.Array]:
   """[linear_partials(x, w, ...) for w in weights], in linear_group's one launch where it would
   group them: for a consumer that sums them in its own launch (pallas_kernels/indexer_keys.py).
-  All with one split count: the fragment kernel's launches take the split-K kernels' (else the
-  first fragment launch's default); where they still differ (another quantized weight or an XLA
-  product beside split-K ones), each summed to [1, rows, out]."""
+  The fragment kernel's weights (FragmentWeights under pallas_fragments) share one launch too
+  under dense="pallas_grouped" (one operand dtype). All with one split count: the fragment
+  launches take the split-K kernels' (else their own default); where the counts still differ
+  (another quantized weight or an XLA product beside split-K ones), each summed to [1, rows, out]."""
   _check_impl(impl, dense)
-  if not _grouped(x, weights, dense, jnp.float32):
-    partials = [None if _fragment_launch(x, w, impl) else linear_partials(x, w, impl=impl, dense=dense)
-                for w in weights]
-    splits = max((p.shape[0] for p in partials if p is not None), default=1)
-    if splits == 1 and None in partials:  # no split-K kernel's count to follow: the first fragment launch's
-      from pallas_kernels.nvfp4_fragments import default_fragment_config  # the kernels import the formats
-      splits = default_fragment_config(*weights[partials.index(None)].shape).split_k
-    partials = [linear_partials(x, w, impl=impl, dense=dense, splits=splits) if p is None else p
-                for p, w in zip(partials, weights)]
-    if len({p.shape[0] for p in partials}) > 1:
-      partials = [p.sum(0, keepdims=True) for p in partials]
-    return partials
-  from pallas_kernels.bf16_matmul import bf16_matmul_partials
-  return list(bf16_matmul_partials(x.reshape(-1, x.shape[-1]), tuple(weights)))
+  if _grouped(x, weights, dense, jnp.float32):
+    from pallas_kernels.bf16_matmul import bf16_matmul_partials
+    return list(bf16_matmul_partials(x.reshape(-1, x.shape[-1]), tuple(weights)))
+  partials = [None if _fragment_launch(x, w, impl) else linear_partials(x, w, impl=impl, dense=dense)
+              for w in weights]
+  fragments = [w for p, w in zip(partials, weights) if p is None]
+  grouped = dense == "pallas_grouped" and len(fragments) > 1 and len({w.operands for w in fragments}) == 1
+  splits = max((p.shape[0] for p in partials if p is not None), default=1)
+  if splits == 1 and fragments:  # no split-K kernel's count to follow: the fragment launches' default
+    from pallas_kernels.nvfp4_fragments import default_fragment_config  # the kernels import the formats
+    rows = sum(w.shape[0] for w in fragments) if grouped else fragments[0].shape[0]
+    splits = default_fragment_config(rows, x.shape[-1]).split_k
+  if grouped:
+    from pallas_kernels.nvfp4_fragments import fragment_matmul_partials  # the kernels import the formats
+    found = iter(fragment_matmul_partials(x.reshape(-1, x.shape[-1]), tuple(fragments), split_k=splits))
+    partials = [next(found) if p is None else p for p in partials]
+  partials = [linear_partials(x, w, impl=impl, dense=dense, splits=splits) if p is None else p
+              for p, w in zip(partials, weights)]
+  if len({p.shape[0] for p in partials}) > 1:
+    partials = [p.sum(0, keepdims=True) for p in partials]
+  return partials
 
 
 def _check_pairs(impl: str, routing: str, *weights) -> None:
