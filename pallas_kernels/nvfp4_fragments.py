@@ -79,7 +79,8 @@ launch and the split sum, 4.6-5.9 us) and a faster program. bf16 operands remove
 one K split, FragmentConfig.final_out the second (the program scales its sums and stores the
 bf16 result): one launch a call, if one split keeps enough loads in flight. Not yet timed.
 Where an epilogue kernel sums the splits itself (the model's folds), `fragment_matmul_partials`
-hands it the splits, each scaled by its program, so no XLA epilogue runs between the two.
+hands it the splits, each scaled by its program, so no XLA epilogue runs between the two; given
+weights that share x, it runs them in one launch.
 
 Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
 store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).
