@@ -53,7 +53,8 @@ from configs import get_model_config
 from glmjax.bench import agreement, bandwidth_tbs, time_device, time_own_kernels
 from glmjax.config import ModelConfig
 from glmjax.moe import route
-from glmjax.quant import FRAGMENT_OPERANDS, linear, moe_experts, quantize_fp8_block, quantize_nvfp4, to_fragments
+from glmjax.quant import (FRAGMENT_OPERANDS, from_fragments, linear, moe_experts, quantize_fp8_block, quantize_nvfp4,
+                          to_fragments)
 from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
@@ -65,7 +66,8 @@ from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
                                          nvfp4_matmul)
 from pallas_kernels.nvfp4_fragments import TOKENS as FRAGMENT_TOKENS
-from pallas_kernels.nvfp4_fragments import FragmentConfig, default_fragment_config, fragment_matmul
+from pallas_kernels.nvfp4_fragments import (FragmentConfig, default_fragment_config, fragment_matmul,
+                                            fragment_matmul_partials)
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 
@@ -274,7 +276,8 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
 def group_rows(m: int, k: int, ns: tuple[int, ...], *, name: str, timer: Callable[..., float], seed: int = 0):
   """bf16 weights sharing x: XLA's einsums, the split-K GEMV once per weight, and all of them in
   one launch (bf16_matmul_group, `--dense_matmul=pallas_grouped`), checked against the lone
-  launches' outputs concatenated."""
+  launches' outputs concatenated; then in NVFP4 the fragment kernel's partials, a launch per
+  weight and one for all (timed without a sum: the folds sum them)."""
   keys = jax.random.split(jax.random.key(seed), len(ns) + 1)
   x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   ws = tuple(jax.random.normal(key, (n, k), jnp.bfloat16) * 0.02 for key, n in zip(keys[1:], ns))
@@ -285,6 +288,18 @@ def group_rows(m: int, k: int, ns: tuple[int, ...], *, name: str, timer: Callabl
   grouped = joined(lambda x, ws: list(bf16_matmul_group(x, ws)))
   timed = [("bf16", "xla", timer(xla, x, ws), nbytes), _kernel_entry("bf16", alone, xla, (x, ws), nbytes, timer),
            _kernel_entry("bf16", grouped, alone, (x, ws), nbytes, timer, impl="pallas_grouped")]
+  # The same weights in NVFP4, fragment order, bf16 operands, as the folds read them (K splits
+  # scaled by the programs, one split count): a launch per weight, then one for all; each checked
+  # by its splits' sum against XLA's dequantized products.
+  fragments = tuple(to_fragments(quantize_nvfp4(w), "bfloat16") for w in ws)
+  splits = default_fragment_config(sum(ns), k).split_k
+  reference = joined(lambda x, fs: [linear(x, from_fragments(f), impl="xla") for f in fs])
+  partials = {"pallas_fragments_bf16_partials": lambda x, fs: [fragment_matmul_partials(x, f, split_k=splits) for f in fs],
+              "pallas_fragments_bf16_grouped": lambda x, fs: list(fragment_matmul_partials(x, fs, split_k=splits))}
+  for impl, launches in partials.items():
+    summed = joined(lambda x, fs, launches=launches: [p.sum(0).astype(x.dtype) for p in launches(x, fs)])
+    timed.append(("nvfp4", impl, timer(jax.jit(launches), x, fragments), _nbytes(fragments) + (m * k + m * sum(ns)) * 2,
+                  agreement(summed(x, fragments), reference(x, fragments))))
   return _rows(dict(name=name, m=m, n="+".join(map(str, ns)), k=k), timed)
 
 

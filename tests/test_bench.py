@@ -160,8 +160,10 @@ def test_gemv_rows_time_every_impl_against_xla_bf16():
 def test_group_rows_check_the_grouped_launch_against_the_lone_ones():
   from experiments.bench_quant import group_rows
   rows = group_rows(3, 64, (48, 16), name="q_a+kv_a", timer=lambda fn, *args: 1e-6)
-  assert [r["impl"] for r in rows] == ["xla", "pallas", "pallas_grouped"]
+  assert [r["impl"] for r in rows] == ["xla", "pallas", "pallas_grouped", "pallas_fragments_bf16_partials",
+                                       "pallas_fragments_bf16_grouped"]
   assert all(r["max_rel_err"] <= 1e-2 for r in rows[1:]) and rows[0]["bytes"] == (48 + 16) * 64 * 2 + (3 * 64 + 3 * 64) * 2
+  assert rows[3]["bytes"] == rows[4]["bytes"] < rows[0]["bytes"]
 
 
 def test_router_rows_check_the_kernel_by_its_routing_matrix():
