@@ -369,7 +369,8 @@ def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], scaled: bool, **s
   global_refs, amax_refs, o_refs = ((refs[:w], refs[w:-w], refs[-w:]) if scaled else ([None], [], refs))
   amax_ref = amax_refs[0] if amax_refs else None
   config = static["config"]
-  first, row_block, split = 0, pl.program_id(0), pl.program_id(1)  # (the interpreter reads them here only)
+  # Program ids read here, outside pl.when: the interpreter cannot lower them inside one.
+  first, row_block, split = 0, pl.program_id(0), pl.program_id(1)
   for (n, tiles), words_ref, scales_ref, global_ref, o_ref in zip(shapes, words_refs, scales_refs, global_refs,
                                                                   o_refs):
     count, block = pl.cdiv(tiles, config.tiles), row_block - first
