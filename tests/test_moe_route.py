@@ -161,3 +161,20 @@ def test_fragment_partials_take_the_groups_split_count(with_bf16, dense):
   for p, w in zip(parts, nvfp4):
     want = jnp.einsum("tk,nk->tn", x[0].astype(jnp.float32), w.dequantize(jnp.float32))
     np.testing.assert_allclose(p.sum(0), want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+def test_fragment_group_is_one_launch_with_each_weights_product():
+  """linear_group on FragmentWeights under dense="pallas_grouped" (an MLP's gate and up under
+  --weights=nvfp4): one fragment launch, each output its own fragment_matmul's within bf16
+  rounding (the splits scaled before their sum, not after)."""
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.normal(size=(1, 5, 640)), jnp.bfloat16)
+  ws = [quant.to_fragments(quant.quantize_nvfp4(jnp.asarray(rng.normal(size=(n, 640)), jnp.float32)), "bfloat16")
+        for n in (96, 96)]
+  group = lambda x: quant.linear_group(x, ws, impl="pallas_fragments", dense="pallas_grouped")
+  assert _outside_kernels(jax.make_jaxpr(group)(x).jaxpr).count("nvfp4_fragments") == 1
+  for got, w in zip(group(x), ws):
+    want = np.asarray(quant.linear(x, w, impl="pallas_fragments"), np.float32)
+    assert got.shape == (1, 5, 96) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2.0 ** -7, atol=1e-6 * np.abs(want).max())
+

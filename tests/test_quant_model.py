@@ -170,11 +170,13 @@ def test_fragment_matmul_in_the_model(params_bf16):
   assert names(bf16) == fragments - collections.Counter(nvfp4_fragment_activations=linears - shared)
   assert rel_err(glmjax.forward(CONFIG, q, ids, runtime=bf16), want) <= 2e-3
   # With the epilogue folds, they read the fragment kernel's scaled K splits, q_a's and kv_a's
-  # from one launch a layer (dense_matmul="pallas_grouped"): the same logits.
+  # from one launch a layer, and the dense MLP's gate and up share one (dense_matmul=
+  # "pallas_grouped"): the same logits.
   folds = dataclasses.replace(bf16, mla_epilogue="pallas", residual_norm="pallas", dense_matmul="pallas_grouped")
   folded = names(folds)
   assert folded["mla_epilogue"] == folded["residual_norm"] == CONFIG.num_hidden_layers
-  assert folded["nvfp4_fragments"] == linears - shared - CONFIG.num_hidden_layers
+  dense_layers = CONFIG.mlp_layer_types.count("dense")
+  assert folded["nvfp4_fragments"] == linears - shared - CONFIG.num_hidden_layers - dense_layers
   assert rel_err(glmjax.forward(CONFIG, q, ids, runtime=folds), want) <= 2e-3
   # The engine arranges its params once, the same weights.
   engine = Engine(CONFIG, q, runtime=Runtime(matmul="pallas_fragments"), num_pages=4, page_size=16)

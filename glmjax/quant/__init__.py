@@ -199,13 +199,24 @@ def _grouped(x: jax.Array, weights, dense: str, dtype) -> bool:
   return dense == "pallas_grouped" and len(weights) > 1 and all(takes_bf16_gemv(x, w, dense, dtype) for w in weights)
 
 
+def _fragment_group(fragments: list, dense: str) -> bool:
+  """Whether these fragment launches (`_fragment_launch` weights sharing x) run as one: under
+  dense="pallas_grouped", two or more, one operand dtype."""
+  return dense == "pallas_grouped" and len(fragments) > 1 and len({w.operands for w in fragments}) == 1
+
+
 def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla", dtype=None) -> list[jax.Array]:
   """[linear(x, w, ...) for w in weights], with plain bf16 weights under dense="pallas_grouped"
   in one split-K launch (pallas_kernels/bf16_matmul.bf16_matmul_group) where x is decode-sized: the
   projections that share their input (q_a and kv_a, the indexer's wk and weights_proj, an MLP's
-  gate and up) cost one launch, not two."""
+  gate and up) cost one launch, not two. So do FragmentWeights (their partials' launch, each
+  summed by XLA as fragment_matmul's epilogue would)."""
   _check_impl(impl, dense)
   dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+  if dtype == x.dtype and all(_fragment_launch(x, w, impl) for w in weights) and _fragment_group(weights, dense):
+    from pallas_kernels.nvfp4_fragments import fragment_matmul_partials  # the kernels import the formats
+    partials = fragment_matmul_partials(x.reshape(-1, x.shape[-1]), tuple(weights))
+    return [p.sum(0).astype(dtype).reshape(*x.shape[:-1], w.shape[0]) for p, w in zip(partials, weights)]
   if not _grouped(x, weights, dense, dtype):
     return [linear(x, w, impl=impl, dense=dense, dtype=dtype) for w in weights]
   from pallas_kernels.bf16_matmul import bf16_matmul_group
@@ -227,7 +238,7 @@ def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: st
   partials = [None if _fragment_launch(x, w, impl) else linear_partials(x, w, impl=impl, dense=dense)
               for w in weights]
   fragments = [w for p, w in zip(partials, weights) if p is None]
-  grouped = dense == "pallas_grouped" and len(fragments) > 1 and len({w.operands for w in fragments}) == 1
+  grouped = _fragment_group(fragments, dense)
   splits = max((p.shape[0] for p in partials if p is not None), default=1)
   if splits == 1 and fragments:  # no split-K kernel's count to follow: the fragment launches' default
     from pallas_kernels.nvfp4_fragments import default_fragment_config  # the kernels import the formats
