@@ -43,11 +43,12 @@ class Indexer(nn.Module):
     self.weights_proj = Weight((c.index_n_heads, c.hidden_size), ("index_heads", "embed"), self.param_dtype)
     self.k_norm = LayerNorm(c.index_head_dim, eps=1e-6, dtype=jnp.float32, param_dtype=self.param_dtype)
 
-  def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, dense: str = "xla",
-               keys: str = "xla", q_partials: jax.Array | None = None, finished_q: jax.Array | None = None,
+  def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, matmul: str = "xla",
+               dense: str = "xla", keys: str = "xla", q_partials: jax.Array | None = None, finished_q: jax.Array | None = None,
                finished_keys: tuple[jax.Array, jax.Array] | None = None):
     """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped).
-    dense: the projections' plain-weight matmul (glmjax.quant.linear, linear_group). keys:
+    matmul, dense: the projections' quantized- and plain-weight matmuls (glmjax.quant.linear,
+    linear_group: Runtime.matmul, dense_matmul). keys:
     Runtime.indexer_keys ("pallas": k and the weights from their GEMV's partials in one launch
     at decode, pallas_kernels/indexer_keys.py). q_partials: wq_b's split-K partials where the
     caller ran it (grouped with q_b_proj), else wq_b runs here. finished_q, finished_keys: q, and
@@ -58,7 +59,7 @@ class Indexer(nn.Module):
     q = finished_q
     if q is None:
       q = (jnp.sum(q_partials, axis=0) if q_partials is not None
-           else quant.linear(q_resid, self.wq_b(), dense=dense, dtype=jnp.float32))
+           else quant.linear(q_resid, self.wq_b(), impl=matmul, dense=dense, dtype=jnp.float32))
       q = apply_rope_leading(q.reshape(b, t, c.index_n_heads, c.index_head_dim), cos, sin)
     if finished_keys is not None:
       k, weights = finished_keys
@@ -68,10 +69,11 @@ class Indexer(nn.Module):
     projections = [self.wk(), self.weights_proj()]
     if keys == "pallas" and quant.decode_sized(x):
       from pallas_kernels.indexer_keys import indexer_keys  # the kernels import the model
-      k, weights = indexer_keys(*quant.linear_group_partials(x, projections, dense=dense), self.k_norm.weight,
-                                self.k_norm.bias, *(a.reshape(b * t, -1) for a in (cos, sin)), eps=self.k_norm.eps)
+      k, weights = indexer_keys(*quant.linear_group_partials(x, projections, impl=matmul, dense=dense),
+                                self.k_norm.weight, self.k_norm.bias, *(a.reshape(b * t, -1) for a in (cos, sin)),
+                                eps=self.k_norm.eps)
       return q, weights.reshape(b, t, -1), k.reshape(b, t, -1)
-    k, weights = quant.linear_group(x, projections, dense=dense, dtype=jnp.float32)
+    k, weights = quant.linear_group(x, projections, impl=matmul, dense=dense, dtype=jnp.float32)
     return q, weights * c.index_n_heads ** -0.5, apply_rope_leading(self.k_norm(k), cos, sin)
 
 
@@ -132,7 +134,8 @@ class MLAttention(nn.Module):
     finished: the Indexer's q_partials, finished_q, finished_keys where fused launches made them."""
     if indexer is None:
       return None
-    q, weights, k = indexer(x, q_resid, cos, sin, dense=runtime.dense_matmul, keys=runtime.indexer_keys, **finished)
+    q, weights, k = indexer(x, q_resid, cos, sin, matmul=runtime.matmul, dense=runtime.dense_matmul,
+                            keys=runtime.indexer_keys, **finished)
     return q.astype(runtime.indexer_queries), weights, k
 
   def _projections(self, x, cos, sin, runtime, indexer):

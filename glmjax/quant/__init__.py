@@ -132,7 +132,8 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
   fp32 `dtype` (the indexer's projections, the router): the same products as casting first, a
   bf16 product being exact in fp32, and no fp32 copy of the weight. Quantized, impl="xla":
   dequantize to `dtype`, einsum with fp32 accumulation. impl="pallas": the NVFP4 / FP8 skinny
-  kernel for decode-sized bf16 x, else the XLA path (see the module docstring). A FragmentWeight
+  kernel for decode-sized bf16 x, its bf16 result cast to another `dtype` (the indexer's fp32
+  projections), else the XLA path (see the module docstring). A FragmentWeight
   under any Pallas impl: the fragment kernel, a launch per 8 rows (each reads the weight); an
   NVFP4Weight under "pallas_fragments" (not arranged, or RAW): "pallas_hfma2"'s kernels.
   """
@@ -145,6 +146,8 @@ def linear(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=None
     from pallas_kernels.bf16_matmul import bf16_matmul
     out = bf16_matmul(x.reshape(rows, x.shape[-1]), w, out_dtype=dtype)
     return out.reshape(*x.shape[:-1], w.shape[0])
+  if impl != "xla" and dtype != x.dtype and decode_sized(x):  # the kernel's result cast (an fp32 x would
+    return linear(x, w, impl=impl, dense=dense).astype(dtype)  # miss it: the weight dequantized every step)
   x = x.astype(dtype)
   if w.ndim != 2 or w.shape[1] != x.shape[-1]:
     raise ValueError(f"linear: weight must be [out, in={x.shape[-1]}], got logical shape {w.shape}")
