@@ -74,9 +74,8 @@ from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 COPY_TBS = 4.22
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
 SWEPT = FORMATS | {"bf16": (lambda w: w, bf16_matmul),  # config_sweep_rows' kernels
-                   **{"nvfp4_fragments" + suffix: (functools.partial(lambda operands, w: to_fragments(
-                       quantize_nvfp4(w), operands), operands), fragment_matmul)
-                      for suffix, operands in (("", "float16"), ("_bf16", "bfloat16"))}}
+                   "nvfp4_fragments": (lambda w: to_fragments(quantize_nvfp4(w)), fragment_matmul),
+                   "nvfp4_fragments_bf16": (lambda w: to_fragments(quantize_nvfp4(w), "bfloat16"), fragment_matmul)}
 
 
 def _nbytes(tree) -> int:
@@ -294,7 +293,8 @@ def group_rows(m: int, k: int, ns: tuple[int, ...], *, name: str, timer: Callabl
   fragments = tuple(to_fragments(quantize_nvfp4(w), "bfloat16") for w in ws)
   splits = default_fragment_config(sum(ns), k).split_k
   reference = joined(lambda x, fs: [linear(x, from_fragments(f), impl="xla") for f in fs])
-  partials = {"pallas_fragments_bf16_partials": lambda x, fs: [fragment_matmul_partials(x, f, split_k=splits) for f in fs],
+  partials = {"pallas_fragments_bf16_partials": lambda x, fs: [fragment_matmul_partials(x, f, split_k=splits)
+                                                               for f in fs],
               "pallas_fragments_bf16_grouped": lambda x, fs: list(fragment_matmul_partials(x, fs, split_k=splits))}
   for impl, launches in partials.items():
     summed = joined(lambda x, fs, launches=launches: [p.sum(0).astype(x.dtype) for p in launches(x, fs)])

@@ -44,8 +44,8 @@ class Indexer(nn.Module):
     self.k_norm = LayerNorm(c.index_head_dim, eps=1e-6, dtype=jnp.float32, param_dtype=self.param_dtype)
 
   def __call__(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, *, matmul: str = "xla",
-               dense: str = "xla", keys: str = "xla", q_partials: jax.Array | None = None, finished_q: jax.Array | None = None,
-               finished_keys: tuple[jax.Array, jax.Array] | None = None):
+               dense: str = "xla", keys: str = "xla", q_partials: jax.Array | None = None,
+               finished_q: jax.Array | None = None, finished_keys: tuple[jax.Array, jax.Array] | None = None):
     """-> q [B, T, H, D] (roped), weights [B, T, H] fp32 (H^-0.5 folded in), k [B, T, D] (roped).
     matmul, dense: the projections' quantized- and plain-weight matmuls (glmjax.quant.linear,
     linear_group: Runtime.matmul, dense_matmul). keys:

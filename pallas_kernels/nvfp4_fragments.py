@@ -357,7 +357,7 @@ def default_fragment_config(n: int, k: int) -> FragmentConfig:
                         unroll=2 if chunks // split >= 4 else 1, tile_groups=2, rows_out=True)
 
 
-def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], scaled: bool, **static):
+def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], config: FragmentConfig, scaled: bool, **static):
   # All refs 1-D and whole: x_ref u32 [Kc * 4 * 128] (bfloat16: x's rows as they are, [M * K / 2]
   # bf16 pairs); per weight (shapes: its N and row tiles Nt) words_ref u32 [Kc * 2 * Nt * 128];
   # per weight scales_ref u32 [Kc * Nt * 32]; then o_ref f32 [split_k * 4 * Nt * 32]
@@ -368,14 +368,13 @@ def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], scaled: bool, **s
   words_refs, scales_refs, refs = refs[:w], refs[w:2 * w], refs[2 * w:]
   global_refs, amax_refs, o_refs = ((refs[:w], refs[w:-w], refs[-w:]) if scaled else ([None], [], refs))
   amax_ref = amax_refs[0] if amax_refs else None
-  config = static["config"]
   # Program ids read here, outside pl.when: the interpreter cannot lower them inside one.
   first, row_block, split = 0, pl.program_id(0), pl.program_id(1)
   for (n, tiles), words_ref, scales_ref, global_ref, o_ref in zip(shapes, words_refs, scales_refs, global_refs,
                                                                   o_refs):
     count, block = pl.cdiv(tiles, config.tiles), row_block - first
     program = functools.partial(_program, x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, split,
-                                n=n, tiles=tiles, scaled=scaled, **static)
+                                n=n, tiles=tiles, config=config, scaled=scaled, **static)
     if w == 1:
       program()
     else:
@@ -385,10 +384,10 @@ def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], scaled: bool, **s
 
 def _program(x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, split, *, m: int, n: int, k: int,
              tiles: int, chunks: int, config: FragmentConfig, operands: str, scaled: bool, interpret: bool):
-  """Row block `block` and K split `split` of one weight (_kernel's refs, one of each; global_ref and amax_ref only
-  when scaled, amax_ref only for float16). The program's tiles in config.tile_groups contiguous
-  groups; element e of a group's arrays is tile e // 128 of the group, lane word e % 128, so one
-  load of the activation words serves every group."""
+  """Row block `block` and K split `split` of one weight (_kernel's refs, one of each; global_ref
+  and amax_ref only when scaled, amax_ref only for float16). The program's tiles in
+  config.tile_groups contiguous groups; element e of a group's arrays is tile e // 128 of the
+  group, lane word e % 128, so one load of the activation words serves every group."""
   group = config.tiles // config.tile_groups
   size, first = group * WORDS, block * config.tiles
   starts = [first + i * group for i in range(config.tile_groups)]
@@ -541,8 +540,8 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
 
 
 @functools.partial(jax.jit, static_argnames=("split_k", "config", "interpret"))
-def fragment_matmul_partials(x: jax.Array, w: FragmentWeight | tuple[FragmentWeight, ...], *, split_k: int | None = None,
-                             config: FragmentConfig | None = None,
+def fragment_matmul_partials(x: jax.Array, w: FragmentWeight | tuple[FragmentWeight, ...], *,
+                             split_k: int | None = None, config: FragmentConfig | None = None,
                              interpret: bool | None = None) -> jax.Array | tuple[jax.Array, ...]:
   """fragment_matmul's K splits, each scaled by the program, unsummed: fp32 [S, M, N] whose sum
   is x @ dequant(w).T (up to fp32 rounding), for a kernel that sums them in its own launch
