@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jcore
 
 from configs import get_model_config
 from glmjax import quant
 from pallas_kernels.nvfp4_fragments import default_fragment_config
 from pallas_kernels.moe_route import route_select, route_select_reference
 from tests.h200_lowering import TRITON_CALL, h200_text
+from tests.test_quant_model import equations
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 TINY = get_model_config("tiny")
@@ -125,16 +125,9 @@ def test_linear_group_partials_share_one_split_count():
 
 
 def _outside_kernels(jaxpr) -> list[str]:
-  """The primitives of a jaxpr through nested jaxprs, a pallas_call by its kernel's name and
-  not looked into."""
-  found = []
-  for eqn in jaxpr.eqns:
-    found.append(eqn.params["name"] if eqn.primitive.name == "pallas_call" else eqn.primitive.name)
-    for value in () if eqn.primitive.name == "pallas_call" else eqn.params.values():
-      for sub in value if isinstance(value, (list, tuple)) else (value,):
-        if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-          found += _outside_kernels(getattr(sub, "jaxpr", sub))
-  return found
+  """The primitives of a jaxpr through nested jaxprs, a pallas_call by its kernel's name."""
+  return [eqn.params["name"] if eqn.primitive.name == "pallas_call" else eqn.primitive.name
+          for eqn in equations(jaxpr)]
 
 
 @pytest.mark.parametrize("dense", ["pallas", "pallas_grouped"])

@@ -41,18 +41,21 @@ def dequantized(params, dtype):
   return jax.tree.map(lambda w: w.dequantize(dtype) if is_quantized(w) else w, params, is_leaf=is_quantized)
 
 
-def pallas_eqns(jaxpr) -> list:
-  """The pallas_call equations of a jaxpr, one per call site, through nested jaxprs."""
+def equations(jaxpr) -> list:
+  """A jaxpr's equations through nested jaxprs, a pallas_call's own kernel not looked into."""
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      found.append(eqn)
-      continue
-    for value in eqn.params.values():
+    found.append(eqn)
+    for value in () if eqn.primitive.name == "pallas_call" else eqn.params.values():
       for sub in value if isinstance(value, (list, tuple)) else (value,):
         if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-          found += pallas_eqns(getattr(sub, "jaxpr", sub))
+          found += equations(getattr(sub, "jaxpr", sub))
   return found
+
+
+def pallas_eqns(jaxpr) -> list:
+  """The pallas_call equations of a jaxpr, one per call site, through nested jaxprs."""
+  return [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
 
 
 def kernel_launches(jaxpr) -> int:
