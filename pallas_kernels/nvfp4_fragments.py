@@ -316,7 +316,9 @@ class FragmentConfig:
   splits (run 31: 1.8-2.8 us less a GEMV); else in C fragment order, 16-byte stores, and the
   epilogue also transposes (`fragment_rows`). final_out: the program scales its sums and stores
   the bf16 [M, N] result itself, so the call is one launch with no epilogue after it (bfloat16
-  operands, which need no row scale, and split_k = 1 only: a split's sum is not final)."""
+  operands, which need no row scale, and split_k = 1 only: a split's sum is not final). Slower
+  on the H200 (run 32: one split keeps too few programs in flight; 56.7 against 53.1 us at the
+  GEMV, 14.5 against 5.1 at an expert's gate/up), so a switch for ablations, not a default."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
