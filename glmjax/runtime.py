@@ -113,8 +113,9 @@ class Runtime:
   fragment_operands: under matmul="pallas_fragments", the MMA's operand dtype, which `arrange`
   lays the weights out for: "float16" (x scaled into fp16 by its row maximum in a launch before
   each GEMV) or "bfloat16" (K permuted in the weights' order, so the GEMV reads x's rows itself:
-  one launch fewer; pallas_kernels/nvfp4_fragments.py). Run 32 (H200): bfloat16 faster at the
-  experts' shapes and in tep8_shard's all-linears NVFP4 step (16.79 -> 15.82 ms), slower at the
+  one launch fewer; pallas_kernels/nvfp4_fragments.py). Run 32 (H200): bfloat16 faster on
+  expert-sized matrices ([6144] -> 2048 and back; the routed experts themselves run on the
+  pairs kernel) and in tep8_shard's all-linears NVFP4 step (16.79 -> 15.82 ms), slower at the
   117 MB GEMV (52.9 against 45.8 us).
   """
   attention: Attention = "dense"
