@@ -11,7 +11,7 @@ from typing import Callable
 
 from absl import flags
 
-from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERANDS
+from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES
 from glmjax.runtime import FOLD_SWITCHES, FOLDS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES, TENSOR_PARALLEL
 from pallas_kernels.indexer_scores import ORIENTATIONS
 from pallas_kernels.topk import METHODS
@@ -89,9 +89,10 @@ def define() -> Callable[[], dict[str, str]]:
                                            "under --tep > 1: each layer's attention and dense MLP as shard_maps "
                                            "(kernels read their slice) or gspmd (which gathers the sharded weights "
                                            "Pallas calls read)"),
-      "fragment_operands": flags.DEFINE_enum("fragment_operands", "float16", list(FRAGMENT_OPERANDS),
+      "fragment_operands": flags.DEFINE_enum("fragment_operands", "auto", list(FRAGMENT_OPERAND_CHOICES),
                                              "--matmul=pallas_fragments' MMA operands: float16 (x scaled into fp16 "
-                                             "by its row maximum in a launch before the GEMV) or bfloat16 (K "
-                                             "permuted in the weights' order so the GEMV reads x's rows itself)"),
+                                             "by its row maximum in a launch before the GEMV), bfloat16 (K "
+                                             "permuted in the weights' order so the GEMV reads x's rows itself) "
+                                             "or auto (bfloat16 up to 2^25 weights, float16 above)"),
   }
   return lambda: {name: flag.value for name, flag in switches.items()}

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Literal
 
 from glmjax.config import ModelConfig, derive_indexer_types
-from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERANDS, HFMA2_IMPLS, IMPLS, PAIR_ROUTINGS, arrange_params
+from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES, HFMA2_IMPLS, IMPLS, PAIR_ROUTINGS, arrange_params
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
@@ -23,7 +23,7 @@ FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexe
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
-            "fragment_operands": FRAGMENT_OPERANDS}
+            "fragment_operands": FRAGMENT_OPERAND_CHOICES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +112,11 @@ class Runtime:
   each step); the MoE is expert_parallel's shard_map either way.
   fragment_operands: under matmul="pallas_fragments", the MMA's operand dtype, which `arrange`
   lays the weights out for: "float16" (x scaled into fp16 by its row maximum in a launch before
-  each GEMV) or "bfloat16" (K permuted in the weights' order, so the GEMV reads x's rows itself:
-  one launch fewer; pallas_kernels/nvfp4_fragments.py). Run 32 (H200): bfloat16 faster on
-  expert-sized matrices ([6144] -> 2048 and back; the routed experts themselves run on the
-  pairs kernel) and in tep8_shard's all-linears NVFP4 step (16.79 -> 15.82 ms), slower at the
-  117 MB GEMV (52.9 against 45.8 us).
+  each GEMV), "bfloat16" (K permuted in the weights' order, so the GEMV reads x's rows itself:
+  one launch fewer; pallas_kernels/nvfp4_fragments.py) or "auto" (the default: each weight's by
+  its size, quant.fragments.operands_for). Run 32 (H200): bfloat16 faster on expert-sized
+  matrices and in tep8_shard's all-linears NVFP4 step (16.79 -> 15.82 ms), slower at the 117 MB
+  GEMV (52.9 against 45.8 us); run 33 put the crossover between 25M and 75M weights.
   """
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None
@@ -144,7 +144,7 @@ class Runtime:
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
   tensor_parallel: str = "shard_map"
-  fragment_operands: str = "float16"
+  fragment_operands: str = "auto"
 
   def __post_init__(self):
     from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from glmjax.quant import FragmentWeight, NVFP4Weight, arrange_params, from_fragments, quantize_fp8_block, to_fragments
-from glmjax.quant.fragments import OPERANDS
+from glmjax.quant.fragments import OPERANDS, operands_for
 from glmjax.quant.nvfp4 import quantize_nvfp4, unpack_e2m1
 from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, activations_kernel, default_fragment_config,
                                             fragment_activations, fragment_matmul, fragment_matmul_partials,
@@ -137,6 +137,26 @@ def test_arrange_params_moves_only_2d_nvfp4_weights():
   assert bf16["attn"]["weight"].operands == "bfloat16" and bf16["fp8"]["weight"] is arranged["fp8"]["weight"]
   assert _nvfp4_bytes(from_fragments(bf16["attn"]["weight"])) == _nvfp4_bytes(params["attn"]["weight"])
   assert arrange_params(bf16, fragments=True)["attn"]["weight"].operands == "float16"
+
+
+def test_auto_operands_follow_each_weights_size(monkeypatch):
+  """operands="auto": bf16 operands up to AUTO_BF16_MAX_WEIGHTS weights, fp16 above, weight by
+  weight (a weight already arranged for the other dtype is moved); a bad choice is a clear error."""
+  assert operands_for((4096, 8192), "auto") == "bfloat16"         # 2^25: at the bound
+  assert operands_for((4097, 8192), "auto") == "float16"
+  assert operands_for((28672, 8192), "float16") == "float16"
+  rng = np.random.default_rng(4)
+  draw = lambda *shape: quantize_nvfp4(jnp.asarray(rng.standard_normal(shape), jnp.float32))
+  params = {"small": {"weight": draw(16, 64)}, "large": {"weight": draw(48, 160)}}
+  monkeypatch.setattr("glmjax.quant.fragments.AUTO_BF16_MAX_WEIGHTS", 16 * 64)
+  auto = arrange_params(params, fragments=True, operands="auto")
+  assert auto["small"]["weight"].operands == "bfloat16" and auto["large"]["weight"].operands == "float16"
+  assert arrange_params(auto, fragments=True, operands="auto") is auto
+  moved = arrange_params(arrange_params(params, fragments=True, operands="bfloat16"), fragments=True, operands="auto")
+  assert moved["large"]["weight"].operands == "float16"
+  assert _nvfp4_bytes(from_fragments(moved["large"]["weight"])) == _nvfp4_bytes(params["large"]["weight"])
+  with pytest.raises(ValueError, match="fragment operands must be one of"):
+    arrange_params(params, fragments=True, operands="fp8")
 
 
 def _e4m3_bytes(rng, shape) -> np.ndarray:

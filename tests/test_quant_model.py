@@ -155,12 +155,13 @@ def test_fragment_matmul_in_the_model(params_bf16):
   NVFP4 linear is the fragment kernel's two launches where pallas_hfma2 runs one nvfp4_matmul;
   the MoE is the same; the logits equal pallas_hfma2's (exact fp16 products, fp32 sums, one bf16
   rounding a linear). With fragment_operands="bfloat16" the activations launches are gone and
-  the logits the same."""
+  the logits the same; so under "auto" (the default), whose rule gives these small weights bf16."""
   q = quantized(params_bf16, "nvfp4")
   ids = tokens(7, 1, 5)
   names = lambda runtime: collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(
       lambda p: glmjax.forward(CONFIG, p, ids, runtime=runtime))(q).jaxpr))
-  hfma2, fragments = names(Runtime(matmul="pallas_hfma2")), names(Runtime(matmul="pallas_fragments"))
+  fp16 = Runtime(matmul="pallas_fragments", fragment_operands="float16")
+  hfma2, fragments = names(Runtime(matmul="pallas_hfma2")), names(fp16)
   linears, shared = hfma2.pop("nvfp4_matmul"), 3 * len(MOE_LAYERS)  # the shared experts' stay (RAW)
   # Every 2-D NVFP4 linear of the decoder layers runs a kernel, the indexer's fp32 projections too
   # (kv_b: read whole; the MTP layer: not in forward).
@@ -170,12 +171,13 @@ def test_fragment_matmul_in_the_model(params_bf16):
                         for path, leaf in jax.tree_util.tree_flatten_with_path(q, is_leaf=is_quantized)[0]) >= 13
   assert fragments == hfma2 + collections.Counter(nvfp4_matmul=shared, nvfp4_fragments=linears - shared,
                                                   nvfp4_fragment_activations=linears - shared)
-  out = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_fragments"))
+  out = glmjax.forward(CONFIG, q, ids, runtime=fp16)
   want = glmjax.forward(CONFIG, q, ids, runtime=Runtime(matmul="pallas_hfma2"))
   assert rel_err(out, want) <= 2e-3
   # bf16 operands: the kernels read x's rows themselves, no activations launch; the same logits.
   bf16 = Runtime(matmul="pallas_fragments", fragment_operands="bfloat16")
   assert names(bf16) == fragments - collections.Counter(nvfp4_fragment_activations=linears - shared)
+  assert names(Runtime(matmul="pallas_fragments")) == names(bf16)
   assert rel_err(glmjax.forward(CONFIG, q, ids, runtime=bf16), want) <= 2e-3
   # With the epilogue folds, they read the fragment kernel's scaled K splits, q_a's and kv_a's
   # from one launch a layer, and the dense MLP's gate and up share one (dense_matmul=
@@ -187,7 +189,7 @@ def test_fragment_matmul_in_the_model(params_bf16):
   assert folded["nvfp4_fragments"] == linears - shared - CONFIG.num_hidden_layers - dense_layers
   assert rel_err(glmjax.forward(CONFIG, q, ids, runtime=folds), want) <= 2e-3
   # The engine arranges its params once, the same weights.
-  engine = Engine(CONFIG, q, runtime=Runtime(matmul="pallas_fragments"), num_pages=4, page_size=16)
+  engine = Engine(CONFIG, q, runtime=fp16, num_pages=4, page_size=16)
   attention = engine.params["layers_1"]["self_attn"]
   assert isinstance(attention["kv_b_proj"]["weight"], NVFP4Weight)
   assert isinstance(engine.params["layers_1"]["mlp"]["experts"]["up_proj"], NVFP4Weight)

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.quant.fp8_block import FP8BlockWeight, quantize_fp8_block
+from glmjax.quant.fragments import OPERAND_CHOICES as FRAGMENT_OPERAND_CHOICES
 from glmjax.quant.fragments import OPERANDS as FRAGMENT_OPERANDS
 from glmjax.quant.fragments import FragmentWeight, arrange_params, from_fragments, to_fragments
 from glmjax.quant.nvfp4 import NVFP4Weight, quantize_nvfp4
@@ -64,7 +65,7 @@ DENSE_IMPLS = ("xla", "pallas", "pallas_grouped")
 PAIR_ROUTINGS = ("pairs", "pairs_fused")
 QuantizedWeight = NVFP4Weight | FP8BlockWeight | FragmentWeight
 
-__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FRAGMENT_OPERANDS", "FragmentWeight", "IMPLS", "NVFP4Weight",
+__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FRAGMENT_OPERAND_CHOICES", "FRAGMENT_OPERANDS", "FragmentWeight", "IMPLS", "NVFP4Weight",
            "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight", "arrange_params", "decode_sized", "from_fragments", "linear",
            "linear_group", "linear_group_partials", "linear_partials", "moe_experts", "param", "quantize_fp8_block",
            "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes", "to_fragments"]

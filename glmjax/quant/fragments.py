@@ -12,6 +12,7 @@ N and K are zero-padded to whole tiles and chunks (zero codes and scales add not
 
 import dataclasses
 import functools
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -36,6 +37,13 @@ WORDS = 4 * LANES  # u32 a tile holds per array: four per lane
 #   codes [T, rh, g, c, h, t, j, ch, cb] (column 128 c + 64 h + 16 t + 4 j + 2 ch + cb); scale
 #   bytes [T, rh, g, c, h, t] (block 8 c + 4 h + t) -> [c, T, g, t, h, rh].
 OPERANDS = ("float16", "bfloat16")
+# arrange_params' choices: an operand dtype for every weight, or "auto": each weight's own by its
+# size. bf16 operands save the activations launch, fp16 ones decode in fewer instructions; on the
+# H200 (BENCHMARKS.md run 33, M = 5, one call each) bf16 won at 12.6M weights (5.6 against 7.4 us),
+# tied at 25.2M (8.3-9.2 against 8.6-9.3) and lost from 75.5M up (22.0 against 17.1 at 75.5M,
+# 54.4 against 46.8 at 235M).
+OPERAND_CHOICES = (*OPERANDS, "auto")
+AUTO_BF16_MAX_WEIGHTS = 1 << 25  # "auto": bf16 operands up to this many weights (N * K), fp16 above
 _ORDERS = {"float16": ((2, 4, 2, 4, 2), 6, (3, 4, 0, 2, 6, 5, 1, 7), (4, 2), (3, 0, 2, 4, 5, 1)),
            "bfloat16": ((2, 4, 4, 2, 2), 7, (3, 4, 0, 2, 5, 6, 1, 7), (2, 4), (3, 0, 2, 5, 4, 1))}
 # Weights kept in ModelOpt's order: MLA's kv_b, which the model reads whole (absorbed into the
@@ -75,6 +83,15 @@ class FragmentWeight(QuantizedWeight):
   def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
     """[N, K] in `dtype`, as the NVFP4Weight it came from dequantizes."""
     return from_fragments(self).dequantize(dtype)
+
+
+def operands_for(shape: tuple[int, ...], choice: str) -> str:
+  """The operand dtype that arrange_params gives a [N, K] weight under `choice` (OPERAND_CHOICES)."""
+  if choice not in OPERAND_CHOICES:
+    raise ValueError(f"fragment operands must be one of {OPERAND_CHOICES}, got {choice!r}")
+  if choice != "auto":
+    return choice
+  return "bfloat16" if math.prod(shape) <= AUTO_BF16_MAX_WEIGHTS else "float16"
 
 
 def _words(b: jax.Array) -> jax.Array:
@@ -131,23 +148,26 @@ def _split(leaf: QuantizedWeight) -> bool:
 
 def arrange_params(params: Any, fragments: bool, operands: str = "float16") -> Any:
   """Params with every 2-D NVFP4 weight that the model multiplies through `linear` in fragment
-  order for an MMA on `operands` (fragments=True: what the fragment kernel reads), or all in
-  ModelOpt's order (False); other leaves, NVFP4 experts (3-D), the RAW weights and weights split
-  over devices as they are. Each moved weight is one jitted call on its device; params with
-  nothing to move come back as they are (the same object)."""
+  order for an MMA on `operands` (OPERAND_CHOICES; "auto": each weight's by `operands_for`)
+  (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False); other
+  leaves, NVFP4 experts (3-D), the RAW weights and weights split over devices as they are. Each
+  moved weight is one jitted call on its device; params with nothing to move come back as they
+  are (the same object)."""
+  operands_for((), operands)  # a clear error for a bad choice
   def moves(path, leaf) -> bool:
     if isinstance(leaf, FragmentWeight):
-      return not fragments or leaf.operands != operands
+      return not fragments or leaf.operands != operands_for(leaf.shape, operands)
     names = {getattr(key, "key", None) for key in path}
     return (fragments and isinstance(leaf, NVFP4Weight) and leaf.ndim == 2 and not names & set(RAW)
             and not _split(leaf))
   found = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)[0]
   if not any(moves(path, leaf) for path, leaf in found):
     return params
-  to, back = jax.jit(functools.partial(to_fragments, operands=operands)), jax.jit(from_fragments)
+  to = {choice: jax.jit(functools.partial(to_fragments, operands=choice)) for choice in OPERANDS}
+  back = jax.jit(from_fragments)
 
   def move(leaf):
     raw = back(leaf) if isinstance(leaf, FragmentWeight) else leaf
-    return to(raw) if fragments else raw
+    return to[operands_for(leaf.shape, operands)](raw) if fragments else raw
   return jax.tree_util.tree_map_with_path(lambda path, leaf: move(leaf) if moves(path, leaf) else leaf, params,
                                           is_leaf=_is_leaf)
