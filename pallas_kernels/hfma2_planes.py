@@ -17,7 +17,9 @@ rows -> the planes and maxima of h = silu(sum g) * sum u, rounded to bf16, zero 
 the count of local pairs (ids in [0, experts)) on: moe_hfma2's XLA glue.
 Switch: `PairsConfig.fused_planes` (moe_hfma2).
 
-Lowering: Triton: a few KB a row, lane selections and integer packing in registers.
+Lowering: Triton: a few KB a row, lane selections and integer packing in registers. Warps: the
+rows kernel takes 4.66 us at 1-16 warps, the swiglu kernel 3.40 at 4 and 2.71 at 8 (one TEP=8
+rank's 5 x 6144 rows and 2 x 40 x 2048 partials on an H100, BENCHMARKS.md run 34): 4 and 8.
 """
 
 import functools
@@ -79,7 +81,8 @@ def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, 
   _store_planes(jnp.where(row < local, h, 0.0), lines_ok, planes_ref, amax_ref, row)
 
 
-def _launch(kernel, inputs, in_specs, rows: int, lines: tuple[int, int], interpret: bool | None, name: str):
+def _launch(kernel, inputs, in_specs, rows: int, lines: tuple[int, int], num_warps: int, interpret: bool | None,
+            name: str):
   """One program per row; lines: `_lines` of the rows' K."""
   blocks, padded = lines
   return pl.pallas_call(
@@ -90,7 +93,7 @@ def _launch(kernel, inputs, in_specs, rows: int, lines: tuple[int, int], interpr
                  pl.BlockSpec((pl.next_power_of_2(rows),), lambda r: (0,))],
       out_shape=[jax.ShapeDtypeStruct((rows * PLANES, blocks), jnp.uint32),
                  jax.ShapeDtypeStruct((rows,), jnp.float32)],
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=resolve_interpret(interpret),
       name=name,
   )(*inputs)
@@ -111,7 +114,7 @@ def rows_planes(a: jax.Array, *, interpret: bool | None = None) -> tuple[jax.Arr
     raise ValueError(f"rows_planes: a must be bf16 [M, K], got {a.dtype}{list(a.shape)}")
   m, lines = a.shape[0], _lines(a.shape[1])
   return _launch(_rows_kernel, [a.reshape(m, lines[0], BLOCK)],
-                 [pl.BlockSpec((None, lines[1], BLOCK), lambda r: (r, 0, 0))], m, lines, interpret,
+                 [pl.BlockSpec((None, lines[1], BLOCK), lambda r: (r, 0, 0))], m, lines, 4, interpret,
                  "hfma2_rows_planes")
 
 
@@ -132,4 +135,4 @@ def swiglu_planes(g: jax.Array, u: jax.Array, ids: jax.Array, *, experts: int,
   return _launch(functools.partial(_swiglu_kernel, slots=slots, experts=experts),
                  [ids, as_lines(g), as_lines(u)],
                  [pl.BlockSpec((pl.next_power_of_2(slots),), lambda r: (0,)), part, part],
-                 slots, lines, interpret, "hfma2_swiglu_planes")
+                 slots, lines, 8, interpret, "hfma2_swiglu_planes")
