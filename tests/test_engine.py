@@ -41,7 +41,7 @@ def test_prefix_cache_on_off_same_tokens_and_hits(fixture_fp32):
   assert all(r.cached_tokens == 0 for r in off)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(st.data())
 def test_random_sessions_through_a_small_pool_equal_no_cache(fixture_fp32, data):
   """Sessions sharing prefixes, several rounds each, in a pool small enough to force eviction."""
