@@ -59,11 +59,35 @@ def test_swiglu_planes_equal_moe_hfma2_glue(splits, slots, i, bad_ids):
   assert int(local) == slots - bad_ids and np.all(np.asarray(amax)[slots - bad_ids:] == 0)
 
 
+@pytest.mark.parametrize("m,k,chunk_lines", [(5, 6144, None), (1, 2064, 16), (3, 48, 1)])
+def test_rows_planes_in_chunks_equal_xla(m, k, chunk_lines):
+  """Whole rows (None) and (row, chunk) programs, the last chunk partly past the row: the same bits."""
+  a = draw_rows(m, k, seed=k + (chunk_lines or 0))
+  planes, amax = rows_planes(a, chunk_lines=chunk_lines)
+  want_planes, want_amax = xla_planes(a)
+  np.testing.assert_array_equal(planes, want_planes)
+  np.testing.assert_array_equal(amax, want_amax)
+
+
+@pytest.mark.parametrize("splits,slots,i,chunk_lines", [(2, 40, 2048, 32), (1, 7, 96, 4)])
+def test_swiglu_planes_in_chunks_equal_whole_rows(splits, slots, i, chunk_lines):
+  rng = np.random.default_rng(i + chunk_lines)
+  g, u = (jnp.asarray(rng.standard_normal((splits, slots, i)), jnp.float32) for _ in range(2))
+  ids = jnp.asarray(np.r_[rng.integers(0, 32, slots - 2), [-1, 40]], jnp.int32)
+  whole = swiglu_planes(g, u, ids, experts=32)
+  chunks = swiglu_planes(g, u, ids, experts=32, chunk_lines=chunk_lines)
+  for got, want in zip(chunks, whole):
+    np.testing.assert_array_equal(got, want)
+  assert np.any(np.asarray(whole[0]) != 0)
+
+
 def test_bad_inputs_are_named():
   with pytest.raises(ValueError, match="K divisible by 16"):
     rows_planes(jnp.ones((2, 40), jnp.bfloat16))
   with pytest.raises(ValueError, match="a must be bf16"):
     rows_planes(jnp.ones((2, 32), jnp.float32))
+  with pytest.raises(ValueError, match="chunk_lines must be a power of two >= 1, got 24"):
+    rows_planes(jnp.ones((2, 32), jnp.bfloat16), chunk_lines=24)
   g = jnp.ones((2, 4, 32), jnp.float32)
   with pytest.raises(ValueError, match="g and u must be"):
     swiglu_planes(g, g[:1], jnp.zeros((4,), jnp.int32), experts=8)
