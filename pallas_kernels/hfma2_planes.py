@@ -13,6 +13,8 @@ sign of a zero survives). Chunks spread a few long rows over more SMs at the cos
 program re-reading its row for the maximum: on an H100 (BENCHMARKS.md run 35) x's planes
 [5, 6144] took 2.25 us as 5 whole-row programs and 1.75 in 128-line chunks (15 programs);
 h's [40, 2048] (128 lines a row) gain nothing from chunks, and 8 warps beat 4 (2.66 vs 3.38).
+h's rows from the count of local pairs on load nothing: inside the rank's MoE (6 of 40 rows
+local) 3.85 -> 3.3 us (run 35).
 
 `rows_planes(a)`: bf16 [M, K] -> (u32 [M * 8, K/16], f32 [M]): f16_rows, then activation_planes.
 `swiglu_planes(g, u, ids, experts)`: the gate and up K-split partials f32 [S, P, I] of P pair
@@ -94,10 +96,10 @@ def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, 
   ids = pltriton.load(ids_ref.at[pl.ds(0, ids_ref.shape[0])], mask=jnp.arange(ids_ref.shape[0]) < slots, other=-1)
   local = jnp.sum(((ids >= 0) & (ids < experts)).astype(jnp.int32))
 
-  def load(start, count):
-    ok = _lines_ok(start, count, blocks)
+  def load(start, count):  # rows from the count on load nothing (their partials are unwritten): h = silu(0) * 0
+    ok = _lines_ok(start, count, blocks) & (row < local)
     g, u = (split_tile_sum(ref, ok, None, pl.ds(start, count)) for ref in (g_ref, u_ref))
-    return jnp.where(row < local, (jax.nn.silu(g) * u).astype(jnp.bfloat16).astype(jnp.float32), 0.0)
+    return (jax.nn.silu(g) * u).astype(jnp.bfloat16).astype(jnp.float32)
 
   _row_planes(load, planes_ref, amax_ref, blocks=blocks, chunk=chunk)
 
