@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
-from pallas_kernels.checks import check_at_least, resolve_interpret
+from pallas_kernels.checks import check_at_least, check_tile, resolve_interpret
 from pallas_kernels.hfma2_planes import rows_planes, swiglu_planes
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.nvfp4_hfma2 import (PLANES, activation_planes, block_fma, code_words, kernel_name, load_planes,
@@ -59,17 +59,22 @@ class PairsConfig:
   each beat many short ones (8 or 16 groups, K split 3-12, 32-row tiles: 5-58% slower).
   fused_planes: x's and h's fp16 activation planes in one launch each (hfma2_planes.py)
   rather than XLA's glue (five kernels): one rank's experts 58.2 against 61.6 us (BENCHMARKS.md
-  run 22); off by default, as every fold's switch (an ablation turns it on)."""
+  run 22); off by default, as every fold's switch (an ablation turns it on). planes_chunk_lines:
+  x's planes kernel's lines a program (rows_planes' chunk_lines; None: whole rows; 128: 2.6 ->
+  2.1 us at the rank's 5 x 6144, run 35)."""
   gate_up: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=2, **HFMA2_FIELDS)
   down: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=1, **HFMA2_FIELDS)
   groups: int = 4
   fused_planes: bool = False
+  planes_chunk_lines: int | None = 128
 
   def __post_init__(self):
     for name in ("gate_up", "down"):
       if getattr(self, name).dot != "hfma2":
         raise ValueError(f"PairsConfig.{name} must be a MatmulConfig(dot='hfma2'), got {getattr(self, name)}")
     check_at_least("PairsConfig", "groups", self.groups)
+    if self.planes_chunk_lines is not None:
+      check_tile("PairsConfig", "planes_chunk_lines", self.planes_chunk_lines, minimum=1)
 
 
 def _local_pairs(ids_ref, weights_ref, *, slots: int, experts: int):
@@ -222,7 +227,7 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
 
   up_cfg = config.gate_up
   if config.fused_planes:
-    x_planes, x_amax = rows_planes(x, interpret=interpret)
+    x_planes, x_amax = rows_planes(x, chunk_lines=config.planes_chunk_lines, interpret=interpret)
   else:
     x16, x_amax = f16_rows(x)
     x_planes = activation_planes(x16).reshape(t * PLANES, d // BLOCK)

@@ -355,8 +355,9 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   grouped = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, decode="ptx", operands="float16"))
   assert rel_err(out, grouped) <= TOL
   np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
-  # x's and h's planes in one launch each: the same bits, so the same result
-  fused = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True))
+  # x's and h's planes in one launch each (x's 5 lines in chunks of 2): the same bits, so the same result
+  fused = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True,
+                                              planes_chunk_lines=2))
   np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(out, np.float32))
   # the down launch's partials, kept: their sum rounded to bf16 is the result
   partials = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups), keep_partials=True)
@@ -425,6 +426,8 @@ def test_bad_inputs_raise():
     PairsConfig(down=MatmulConfig())
   with pytest.raises(ValueError, match="groups"):
     PairsConfig(groups=0)
+  with pytest.raises(ValueError, match="PairsConfig.planes_chunk_lines must be a power of two >= 1, got 3"):
+    PairsConfig(planes_chunk_lines=3)
 
 
 def test_kernels_lower_to_triton_for_h200():
