@@ -30,7 +30,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	@$(PY) -m pytest -q -m "multidevice or side_lane" tests/test_multidevice_*.py tests/test_study.py tests/test_notebook.py \
 	  tests/test_engine.py tests/test_analysis.py tests/test_pallas_engine.py tests/test_training.py \
-	  tests/test_fold_chain.py \
+	  tests/test_fold_chain.py tests/test_quant_model.py \
 	  > .multidevice.log 2>&1 & multi=$$!; \
 	$(PY) -m pytest -q -m "not multidevice and not side_lane" --ignore-glob='tests/test_multidevice_*.py' tests; \
 	main=$$?; wait $$multi; multi_rc=$$?; echo "== multi-device and side-lane tests =="; cat .multidevice.log; \

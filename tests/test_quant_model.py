@@ -113,6 +113,7 @@ def test_quantized_generate_equals_dequantized(params_fp32):
   np.testing.assert_array_equal(out, glmjax.generate(CONFIG, dequantized(q, jnp.float32), prompt, 6, ignore_eos=True))
 
 
+@pytest.mark.side_lane  # about 30 s on 2 cores: beside the multi-device tests (Makefile)
 @pytest.mark.parametrize("case", ["fp8", "nvfp4"])
 def test_pallas_matmul_matches_xla(params_bf16, case):
   """bf16, 8 rows: every quantized linear (and MoE) runs its interpret-mode kernel. Tolerance: the
