@@ -3,9 +3,9 @@ tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experime
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
 --index_epilogue, --index_query, --residual_norm, --swiglu, --moe_sum) with the DSA kernels' --topk_method,
---indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, --indexer_queries,
---attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of
-those names."""
+--indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, the residual
+norm's --o_proj_splits, --indexer_queries, --attention_queries, --tensor_parallel and --fragment_operands
+(`define`); glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 
@@ -80,6 +80,9 @@ def define() -> Callable[[], dict[str, str]]:
                                             "4), 1, 2, 4, 8 or 16"),
       "attention_warps": flags.DEFINE_integer("attention_warps", 0, "the Pallas sparse MLA kernel's warps per "
                                               "program: 0 (its default, 4), 1, 2, 4, 8 or 16"),
+      "o_proj_splits": flags.DEFINE_integer("o_proj_splits", 2, "with --residual_norm=pallas: at most this many K "
+                                            "splits for o_proj's bf16 GEMV, whose partials the norm reads (0: the "
+                                            "GEMV's own rule, 8 at a TEP=8 rank)"),
       "indexer_queries": flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES),
                                            "precision of the indexer's queries"),
       "attention_queries": flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),

@@ -125,8 +125,11 @@ class MLAttention(nn.Module):
                                           cache, cache_slot, runtime)
     o_proj = Weight((c.hidden_size, h * v), ("embed", "heads"), self.param_dtype, name="o_proj")()
     out = out.reshape(b, t, h * v).astype(self.dtype)
-    project = quant.linear_partials if o_partials else quant.linear
-    return project(out, o_proj, impl=runtime.matmul, dense=runtime.dense_matmul, dtype=self.dtype), topk, new_layer
+    impls = dict(impl=runtime.matmul, dense=runtime.dense_matmul, dtype=self.dtype)
+    if o_partials:
+      return (quant.linear_partials(out, o_proj, max_gemv_splits=runtime.o_proj_splits or None, **impls), topk,
+              new_layer)
+    return quant.linear(out, o_proj, **impls), topk, new_layer
 
   def _index(self, indexer, x, q_resid, cos, sin, runtime, **finished):
     """The indexer's (q, weights, k), q in Runtime.indexer_queries (bfloat16: one MMA term in the

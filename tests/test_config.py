@@ -275,6 +275,13 @@ def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message,
   assert Runtime().indexer_scores_config() == IndexerScoresConfig()
 
 
+def test_runtime_o_proj_splits_is_a_cap_or_zero():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="o_proj_splits must be 0 .* or a split count >= 1, got -1"):
+    Runtime(o_proj_splits=-1)
+  assert (Runtime().o_proj_splits, Runtime(o_proj_splits=0).o_proj_splits) == (2, 0)
+
+
 def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match=r"moe_routing='pairs'.*matmul in \('pallas_hfma2', 'pallas_fragments'\)"):

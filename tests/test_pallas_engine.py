@@ -269,14 +269,19 @@ def test_moe_sum_on_a_bf16_residual_stream_keeps_the_tokens():
 @fold_lane
 def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """residual_norm="pallas": decode steps add attention's output to the residual and normalise
-  it in one launch from o_proj's partials (the launches counted: one a layer and step); tokens
-  equal to the XLA path's."""
+  it in one launch from o_proj's partials (the launches counted: one a layer and step), o_proj's
+  GEMV capped at Runtime.o_proj_splits K splits (here 3; tiny's K takes 1 anyway); tokens equal
+  to the XLA path's."""
   xla = _generate(tiny, "pallas", "fp8", dense_matmul="pallas")
   calls, original = [], residual_norm_module.residual_norm
   record = lambda *args, **kw: calls.append(args[1].shape) or original(*args, **kw)
   monkeypatch.setattr(residual_norm_module, "residual_norm", record)
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas", residual_norm="pallas"), xla)
+  caps, partials = [], quant.linear_partials
+  monkeypatch.setattr(quant, "linear_partials", lambda *a, **kw: caps.append(kw.get("max_gemv_splits")) or partials(*a, **kw))
+  folded = _generate(tiny, "pallas", "fp8", dense_matmul="pallas", residual_norm="pallas", o_proj_splits=3)
+  np.testing.assert_array_equal(folded, xla)
   assert calls and all(shape[1] <= 8 for shape in calls)  # decode steps' partials [S, tokens, D]; none at prefill
+  assert 3 in caps
 
 
 @fold_lane

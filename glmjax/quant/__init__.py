@@ -41,6 +41,7 @@ dense="pallas_grouped" is "pallas" with the projections that share their input i
 each (linear_group).
 """
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -178,10 +179,11 @@ def _fragment_launch(x: jax.Array, w, impl: str) -> bool:
 
 
 def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=jnp.float32,
-                    splits: int | None = None) -> jax.Array:
+                    splits: int | None = None, max_gemv_splits: int | None = None) -> jax.Array:
   """x [..., in] @ w.T as fp32 terms [S, rows, out] that sum to it: the split-K GEMV's partials,
   unsummed, where `linear` in `dtype` would run that kernel (its output: their sum rounded to
-  dtype), and the fragment kernel's (FragmentWeight: its K splits scaled in the program, `splits`
+  dtype; at most `max_gemv_splits` of them where given, fewer for a consumer that reads them all),
+  and the fragment kernel's (FragmentWeight: its K splits scaled in the program, `splits`
   of them, default its config's; nvfp4_fragments.fragment_matmul_partials), else [1, rows, out]
   (`linear` in dtype, as fp32). Another quantized weight: `linear` in x's dtype, as fp32: its
   kernel at decode, rounded as the unfused path rounds it (in fp32, x would miss the kernels and
@@ -194,8 +196,11 @@ def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", d
   if not takes_bf16_gemv(x, w, dense, jnp.dtype(dtype)):
     out = linear(x, w, impl=impl, dense=dense, dtype=x.dtype if isinstance(w, QuantizedWeight) else dtype)
     return out.astype(jnp.float32).reshape(1, rows, w.shape[0])
-  from pallas_kernels.bf16_matmul import bf16_matmul_partials
-  return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w)
+  from pallas_kernels.bf16_matmul import bf16_matmul_partials, default_bf16_config
+  config = default_bf16_config(*w.shape)
+  if max_gemv_splits is not None:
+    config = dataclasses.replace(config, split_k=min(config.split_k, max_gemv_splits))
+  return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w, config=config)
 
 
 def _grouped(x: jax.Array, weights, dense: str, dtype) -> bool:
