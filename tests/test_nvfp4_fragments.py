@@ -124,19 +124,21 @@ def test_arrange_params_moves_only_2d_nvfp4_weights():
   params = {"attn": {"weight": quantize_nvfp4(draw(48, 160))}, "fp8": {"weight": quantize_fp8_block(draw(32, 64))},
             "experts": {"gate_proj": quantize_nvfp4(draw(3, 32, 64))}, "norm": {"weight": draw(64)},
             "kv_b_proj": {"weight": quantize_nvfp4(draw(64, 32))}}  # RAW: read whole by the model
-  arranged = arrange_params(params, fragments=True)
+  arranged = arrange_params(params, fragments=True, operands="float16")
   assert isinstance(arranged["attn"]["weight"], FragmentWeight) and arranged["attn"]["weight"].shape == (48, 160)
   for path in (("fp8", "weight"), ("experts", "gate_proj"), ("norm", "weight"), ("kv_b_proj", "weight")):
     a, b = params[path[0]][path[1]], arranged[path[0]][path[1]]
     assert type(a) is type(b) and jax.tree.map(_bytes, a) == jax.tree.map(_bytes, b)
-  assert arrange_params(arranged, fragments=True) is arranged  # already so: nothing to do
+  assert arrange_params(arranged, fragments=True, operands="float16") is arranged  # already so: nothing to do
   back = arrange_params(arranged, fragments=False)
   assert _nvfp4_bytes(back["attn"]["weight"]) == _nvfp4_bytes(params["attn"]["weight"])
   # The other operands' order: the fragment weights re-arranged, the same codes underneath.
   bf16 = arrange_params(arranged, fragments=True, operands="bfloat16")
   assert bf16["attn"]["weight"].operands == "bfloat16" and bf16["fp8"]["weight"] is arranged["fp8"]["weight"]
   assert _nvfp4_bytes(from_fragments(bf16["attn"]["weight"])) == _nvfp4_bytes(params["attn"]["weight"])
-  assert arrange_params(bf16, fragments=True)["attn"]["weight"].operands == "float16"
+  assert arrange_params(bf16, fragments=True, operands="float16")["attn"]["weight"].operands == "float16"
+  # The default is Runtime's, "auto": these small weights take bf16.
+  assert arrange_params(params, fragments=True)["attn"]["weight"].operands == "bfloat16"
 
 
 def test_auto_operands_follow_each_weights_size(monkeypatch):

@@ -146,7 +146,7 @@ def _split(leaf: QuantizedWeight) -> bool:
   return any(concrete(a) and not a.sharding.is_fully_replicated for a in jax.tree.leaves(leaf))
 
 
-def arrange_params(params: Any, fragments: bool, operands: str = "float16") -> Any:
+def arrange_params(params: Any, fragments: bool, operands: str = "auto") -> Any:
   """Params with every 2-D NVFP4 weight that the model multiplies through `linear` in fragment
   order for an MMA on `operands` (OPERAND_CHOICES; "auto": each weight's by `operands_for`)
   (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False); other
