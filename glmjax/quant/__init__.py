@@ -197,9 +197,10 @@ def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", d
     out = linear(x, w, impl=impl, dense=dense, dtype=x.dtype if isinstance(w, QuantizedWeight) else dtype)
     return out.astype(jnp.float32).reshape(1, rows, w.shape[0])
   from pallas_kernels.bf16_matmul import bf16_matmul_partials, default_bf16_config
-  config = default_bf16_config(*w.shape)
+  config = None  # the GEMV's own rule, default_bf16_config
   if max_gemv_splits is not None:
-    config = dataclasses.replace(config, split_k=min(config.split_k, max_gemv_splits))
+    rule = default_bf16_config(*w.shape)
+    config = dataclasses.replace(rule, split_k=min(rule.split_k, max_gemv_splits))
   return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w, config=config)
 
 
