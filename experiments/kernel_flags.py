@@ -3,8 +3,8 @@ tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experime
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
 --index_epilogue, --index_query, --residual_norm, --swiglu, --moe_sum) with the DSA kernels' --topk_method,
---indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, the residual
-norm's --o_proj_splits, --indexer_queries, --attention_queries, --tensor_parallel and --fragment_operands
+--indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, the folds'
+--fold_splits, --indexer_queries, --attention_queries, --tensor_parallel and --fragment_operands
 (`define`); glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
@@ -55,7 +55,17 @@ _FOLD_HELP = {
 }
 
 
-def define() -> Callable[[], dict[str, str]]:
+class _SplitsParser(flags.ArgumentParser):
+  """--fold_splits: a count as an int, a rule's name as given (Runtime checks either)."""
+
+  def parse(self, argument):
+    return int(argument) if str(argument).isdigit() else argument
+
+  def flag_type(self) -> str:
+    return "string"
+
+
+def define() -> Callable[[], dict[str, str | int]]:
   """Defines the flags; returns a function reading them as `make_runtime` keyword arguments."""
   switches = {
       "dense_matmul": flags.DEFINE_enum("dense_matmul", "xla", list(DENSE_IMPLS),
@@ -80,9 +90,9 @@ def define() -> Callable[[], dict[str, str]]:
                                             "4), 1, 2, 4, 8 or 16"),
       "attention_warps": flags.DEFINE_integer("attention_warps", 0, "the Pallas sparse MLA kernel's warps per "
                                               "program: 0 (its default, 4), 1, 2, 4, 8 or 16"),
-      "o_proj_splits": flags.DEFINE_integer("o_proj_splits", 2, "with --residual_norm=pallas: at most this many K "
-                                            "splits for o_proj's bf16 GEMV, whose partials the norm reads (0: the "
-                                            "GEMV's own rule, 8 at a TEP=8 rank)"),
+      "fold_splits": flags.DEFINE(_SplitsParser(), "fold_splits", "fill", "the K splits of a bf16 GEMV whose "
+                                  "partials a fold reads (o_proj, the q_a and q_b groups): fill (the fewest that "
+                                  "cover the SMs), rule (the GEMV's own) or a cap >= 1"),
       "indexer_queries": flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES),
                                            "precision of the indexer's queries"),
       "attention_queries": flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),

@@ -127,7 +127,7 @@ class MLAttention(nn.Module):
     out = out.reshape(b, t, h * v).astype(self.dtype)
     impls = dict(impl=runtime.matmul, dense=runtime.dense_matmul, dtype=self.dtype)
     if o_partials:
-      return (quant.linear_partials(out, o_proj, max_gemv_splits=runtime.o_proj_splits or None, **impls), topk,
+      return (quant.linear_partials(out, o_proj, gemv_splits=runtime.fold_splits, **impls), topk,
               new_layer)
     return quant.linear(out, o_proj, **impls), topk, new_layer
 
@@ -159,6 +159,7 @@ class MLAttention(nn.Module):
       joined = runtime.index_epilogue == "pallas" and indexer is not None
       more = [indexer.wk(), indexer.weights_proj()] if joined else []
       q_partials, kv_partials, *index_partials = linears(x, specs, partials=True, more=more,
+                                                         gemv_splits=runtime.fold_splits,
                                                          **runtime.linear_impls, **kw)
       index_keys = (*index_partials, indexer.k_norm.weight, indexer.k_norm.bias) if joined else None
       outs = mla_epilogue(q_partials, kv_partials, q_norm.weight, kv_norm.weight,
@@ -189,7 +190,8 @@ class MLAttention(nn.Module):
     if runtime.query_absorb == "pallas" and quant.decode_sized(q_resid):
       from pallas_kernels import mla_query  # the kernels import the model
       partials, *index_q = quant.linear_group_partials(q_resid, [q_b] + ([] if index_wq is None else [index_wq]),
-                                                       impl=runtime.matmul, dense=runtime.dense_matmul)
+                                                       impl=runtime.matmul, dense=runtime.dense_matmul,
+                                                       gemv_splits=runtime.fold_splits)
       angles = [a.reshape(b * t, -1) for a in (cos, sin)]
       joined = runtime.index_query == "pallas" and index_wq is not None
       q_latent, q_pe, *finished_q = mla_query.absorbed_query(

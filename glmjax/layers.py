@@ -48,17 +48,18 @@ class Weight(nn.Module):
 
 
 def linears(x: jax.Array, specs: Sequence[tuple[str, int, tuple[str | None, str | None]]], *, dtype, param_dtype,
-            matmul: str = "xla", dense: str = "xla", partials: bool = False,
+            matmul: str = "xla", dense: str = "xla", partials: bool = False, gemv_splits: str | int = "rule",
             more: Sequence[jax.Array] = ()) -> list[jax.Array]:
   """Linear(features, axes, name=name)(x) for each (name, features, axes) of `specs`, inside the
   calling module, with the same parameters; applied together (glmjax.quant.linear_group: one
   launch for plain bf16 weights under dense="pallas_grouped"). partials: their fp32 split-K
-  partials [S, rows, features] instead (quant.linear_group_partials), for a fused epilogue.
+  partials [S, rows, features] instead (quant.linear_group_partials, `gemv_splits` of them), for a
+  fused epilogue.
   more: other modules' [out, in] weights that read x too, in the same group; their outputs follow."""
   weights = [Weight((features, x.shape[-1]), axes, param_dtype, name=name)() for name, features, axes in specs]
   weights += more
   if partials:
-    return quant.linear_group_partials(x, weights, impl=matmul, dense=dense)
+    return quant.linear_group_partials(x, weights, impl=matmul, dense=dense, gemv_splits=gemv_splits)
   return quant.linear_group(x, weights, impl=matmul, dense=dense, dtype=dtype)
 
 

@@ -72,10 +72,14 @@ class Runtime:
   XLA's two kernels or one Pallas launch from o_proj's partials at decode (under a TEP mesh, from
   the all-reduced output, in the activations' dtype as without it) (pallas_kernels/residual_norm.py;
   equal up to the fp32 statistics' order).
-  o_proj_splits: under residual_norm="pallas", at most this many K splits for o_proj's split-K
-  bf16 GEMV, whose partials the norm's few programs (one a token) read whole; 0: the GEMV's own
-  rule (8 at a TEP=8 rank's [2048] -> 6144). Run 35 (H100, 4 weight sets in turn): GEMV + norm
-  17.5 us at 8 splits, 14.3 at 4, 13.4 at 2 (the GEMV itself 10.97, 10.77, 10.65), 14.4 at 1.
+  fold_splits: the K splits of a split-K bf16 GEMV whose partials a fold reads whole (o_proj's
+  under residual_norm, q_a's group under mla_epilogue, q_b's under query_absorb; the folds run
+  a program per token or head, each reading every split): "fill" (the default: the fewest
+  splits whose programs still cover the SMs, pallas_kernels/bf16_matmul.fold_config), "rule"
+  (the GEMV's own, about four programs per SM: 8 splits at each of a TEP=8 rank's three, where
+  "fill" gives 2, 4 and 2), or a cap >= 1. The router's, the shared expert's and the indexer's
+  own key GEMVs keep the rule: their 3-8 column blocks need all 8 splits to cover the SMs. Run 35/36 (H100, GEMV + fold): o_proj 17.5 -> 13.4 us at 2 splits, the q_a group 17.6 ->
+  17.1 at 4, the q_b group 14.8 -> 14.2 at 2.
   swiglu: a SwiGLU MLP's silu(gate) * up (the dense layers' and the shared expert's), XLA's
   kernel (with the gate/up split-K sums) between the two GEMVs, or "pallas": in the down GEMV's
   launch from the gate/up partials at decode, where all three weights take the bf16 GEMV
@@ -145,7 +149,7 @@ class Runtime:
   indexer_block_k: int = 0
   indexer_warps: int = 0
   attention_warps: int = 0
-  o_proj_splits: int = 2
+  fold_splits: str | int = "fill"
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
   tensor_parallel: str = "shard_map"
@@ -154,13 +158,13 @@ class Runtime:
   def __post_init__(self):
     from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed
     from pallas_kernels.topk import METHODS
+    from pallas_kernels.checks import check_fold_splits
     for name, choices in {**_CHOICES, "topk_method": METHODS, "indexer_orientation": ORIENTATIONS}.items():
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
     self.indexer_scores_config()  # a clear error for a bad indexer_splits, _block_k or _warps
     self.attention_config()  # ... or attention_warps
-    if self.o_proj_splits < 0:
-      raise ValueError(f"o_proj_splits must be 0 (the GEMV's own rule) or a split count >= 1, got {self.o_proj_splits}")
+    check_fold_splits(self.fold_splits)
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
                        f"attention='pallas', got {self.attention!r}")

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.checks import check_fold_splits, resolve_interpret
 from pallas_kernels.partials import check_partials, split_tile_sum
 from pallas_kernels.nvfp4_matmul import (NUM_SMS, MatmulConfig, check_skinny_input, check_tensor_core_config,
                                          dot_t, load_tile, local_block, range_mask, row_blocks, skinny_call,
@@ -65,6 +65,27 @@ def default_bf16_config(n: int, k: int) -> MatmulConfig:
   while split < MAX_SPLIT and blocks * split < 4 * NUM_SMS and steps >= 4 * split:
     split *= 2
   return MatmulConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def fold_config(n: int, k: int, splits: str | int = "fill") -> MatmulConfig:
+  """The split-K config of a GEMV whose partials a fold reads whole (bf16_matmul_partials: the
+  residual norm, MLA's epilogue and absorbed query, the indexer's keys, a program per token or
+  head reading every split). "rule": default_bf16_config's (about four programs per SM); "fill"
+  (the default): its K split cut to the fewest splits whose programs still cover the SMs once,
+  since each split more is one more read of every partial for the fold; an int >= 1: the rule's
+  split, at most that many. Run 36 (H100, GEMV + fold, 3-4 weight sets in turn): o_proj 8 -> 2
+  splits 17.5 -> 13.4 us (run 35), MLA's epilogue group 8 -> 4 17.6 -> 17.1, the absorbed query's
+  8 -> 2 14.8 -> 14.2; one split fewer than "fill" slows each GEMV more than its fold gains."""
+  check_fold_splits(splits)
+  rule = default_bf16_config(n, k)
+  if splits == "rule":
+    return rule
+  if splits == "fill":
+    blocks, split = pl.cdiv(n, rule.block_n), 1
+    while split < rule.split_k and blocks * split < NUM_SMS:
+      split *= 2
+    return dataclasses.replace(rule, split_k=split)
+  return dataclasses.replace(rule, split_k=min(rule.split_k, splits))
 
 
 def swiglu_stage_bytes(config: MatmulConfig, splits: int, m: int) -> int:

@@ -45,6 +45,15 @@ def check_splits(owner: str, value: int | None, maximum: int) -> None:
     raise ValueError(f"{owner}.num_splits must be a power of two <= {maximum}, got {value}")
 
 
+FOLD_SPLITS = ("fill", "rule")  # bf16_matmul.fold_config's named choices
+
+
+def check_fold_splits(value) -> None:
+  """Runtime.fold_splits / bf16_matmul.fold_config: a named choice or a split count >= 1."""
+  if value not in FOLD_SPLITS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    raise ValueError(f"fold_splits must be one of {FOLD_SPLITS} or a split count >= 1, got {value!r}")
+
+
 def check_launch(owner: str, num_warps: int, num_stages: int | None = None) -> None:
   """Triton launch parameters: warps per program and (where tuned) software-pipeline depth."""
   if num_warps not in NUM_WARPS:

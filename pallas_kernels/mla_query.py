@@ -12,7 +12,9 @@ MFLOP a token); the first column block's program also rotates the rope part, in 
 apply_rope computes it. With Runtime.index_query, the indexer's wq_b partials (from the same GEMV
 launch) come along: programs past the latent column blocks, an indexer head each, sum them and
 rotate the head's leading rope columns in fp32 (apply_rope_leading), one XLA kernel fewer
-(BENCHMARKS.md run 24: 3.3-3.4 us alone with it, as without).
+(BENCHMARKS.md run 24: 3.3-3.4 us alone with it, as without). The GEMV takes 2 K splits here,
+not its rule's 8, since each program sums every split (`Runtime.fold_splits`; run 36, H100: this
+launch 3.9 -> 3.4 us, with the GEMV 14.8 -> 14.2).
 
 Numerics: the rope part equals the XLA path's wherever the summed partials round alike (the sums'
 order differs: split order here, XLA's there); q_latent equals it to fp32 rounding, before the

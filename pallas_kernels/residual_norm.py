@@ -8,9 +8,9 @@ program per token sums o_proj's partials, rounds them to the activations' dtype 
 output), adds the residual row, stores it, and normalises it: one launch. Measured there (run
 24): one launch fewer but no time saved, 5.6 us against XLA's 3.8 in two: each program reads a
 token's 8 split rows of 6144 (4.05 us alone; 2.28 with one split, TEP's case after the
-all-reduce; 8 warps the fastest of 4-32). So o_proj's GEMV takes at most 2 K splits under this
-fold (`Runtime.o_proj_splits`; run 35, H100: GEMV + norm 17.5 -> 13.4 us, the norm in the step
-5.36 -> 3.51).
+all-reduce; 8 warps the fastest of 4-32). So o_proj's GEMV takes the fewest K splits that
+cover the SMs under this fold, 2 at a TEP=8 rank (`Runtime.fold_splits`; run 35, H100: GEMV +
+norm 17.5 -> 13.4 us, the norm in the step 5.36 -> 3.51).
 
 Numerics: as the model computes them: the o_proj sum rounded to dtype, the add in the residual's
 dtype, RMSNorm's statistics in fp32 and its scale in dtype. Equal to the XLA path wherever the

@@ -275,11 +275,12 @@ def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message,
   assert Runtime().indexer_scores_config() == IndexerScoresConfig()
 
 
-def test_runtime_o_proj_splits_is_a_cap_or_zero():
+@pytest.mark.parametrize("bad", [0, -1, "fewest", 2.0, True])
+def test_runtime_fold_splits_is_a_rule_or_a_cap(bad):
   from glmjax.runtime import Runtime
-  with pytest.raises(ValueError, match="o_proj_splits must be 0 .* or a split count >= 1, got -1"):
-    Runtime(o_proj_splits=-1)
-  assert (Runtime().o_proj_splits, Runtime(o_proj_splits=0).o_proj_splits) == (2, 0)
+  with pytest.raises(ValueError, match=r"fold_splits must be one of \('fill', 'rule'\) or a split count >= 1, got"):
+    Runtime(fold_splits=bad)
+  assert [Runtime(**kw).fold_splits for kw in ({}, dict(fold_splits="rule"), dict(fold_splits=3))] == ["fill", "rule", 3]
 
 
 def test_runtime_pairs_routing_needs_the_cuda_core_matmul():

@@ -79,7 +79,8 @@ def test_route_select_lowers_to_triton_for_h200():
 
 @pytest.mark.parametrize("dense", ["xla", "pallas"])
 def test_linear_partials_sum_to_the_fp32_linear(dense):
-  """Under the Pallas GEMV: its K splits unsummed (4 at this K, or at most max_gemv_splits); else one term."""
+  """Under the Pallas GEMV: its K splits unsummed (4 at this K by the rule, at most a cap, 4 to
+  cover the SMs with 2 column blocks); else one term."""
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(1, 5, 1536)), jnp.bfloat16)
   w = jnp.asarray(0.05 * rng.normal(size=(72, 1536)), jnp.bfloat16)
@@ -88,8 +89,8 @@ def test_linear_partials_sum_to_the_fp32_linear(dense):
   assert (parts.shape[0] > 1) == (dense == "pallas")
   want = quant.linear(x, w, dense=dense, dtype=jnp.float32).reshape(5, 72)
   np.testing.assert_allclose(parts.sum(0), want, rtol=1e-5, atol=1e-5)
-  capped = quant.linear_partials(x, w, dense=dense, max_gemv_splits=2)  # o_proj's for the residual norm
-  assert (parts.shape[0], capped.shape[0]) == ((4, 2) if dense == "pallas" else (1, 1))
+  capped, filled = (quant.linear_partials(x, w, dense=dense, gemv_splits=s) for s in (2, "fill"))
+  assert (parts.shape[0], capped.shape[0], filled.shape[0]) == ((4, 2, 4) if dense == "pallas" else (1, 1, 1))
   np.testing.assert_allclose(capped.sum(0), want, rtol=1e-5, atol=1e-5)
 
 

@@ -269,19 +269,25 @@ def test_moe_sum_on_a_bf16_residual_stream_keeps_the_tokens():
 @fold_lane
 def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """residual_norm="pallas": decode steps add attention's output to the residual and normalise
-  it in one launch from o_proj's partials (the launches counted: one a layer and step), o_proj's
-  GEMV capped at Runtime.o_proj_splits K splits (here 3; tiny's K takes 1 anyway); tokens equal
-  to the XLA path's."""
+  it in one launch from o_proj's partials (the launches counted: one a layer and step). With
+  MLA's epilogue and absorbed query folded too, every GEMV those folds read (q_a, kv_a, q_b,
+  o_proj) takes Runtime.fold_splits (here a cap of 3; tiny's K takes 1 anyway); tokens equal to
+  the XLA path's."""
   xla = _generate(tiny, "pallas", "fp8", dense_matmul="pallas")
   calls, original = [], residual_norm_module.residual_norm
   record = lambda *args, **kw: calls.append(args[1].shape) or original(*args, **kw)
   monkeypatch.setattr(residual_norm_module, "residual_norm", record)
-  caps, partials = [], quant.linear_partials
-  monkeypatch.setattr(quant, "linear_partials", lambda *a, **kw: caps.append(kw.get("max_gemv_splits")) or partials(*a, **kw))
-  folded = _generate(tiny, "pallas", "fp8", dense_matmul="pallas", residual_norm="pallas", o_proj_splits=3)
+  splits, partials = {}, quant.linear_partials
+  monkeypatch.setattr(quant, "linear_partials",
+                      lambda x, w, **kw: splits.setdefault(w.shape, set()).add(kw.get("gemv_splits")) or partials(x, w, **kw))
+  folded = _generate(tiny, "pallas", "fp8", dense_matmul="pallas", residual_norm="pallas", mla_epilogue="pallas",
+                     query_absorb="pallas", fold_splits=3)
   np.testing.assert_array_equal(folded, xla)
   assert calls and all(shape[1] <= 8 for shape in calls)  # decode steps' partials [S, tokens, D]; none at prefill
-  assert 3 in caps
+  c = tiny[0]
+  gemvs = [(c.q_lora_rank, c.hidden_size), (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size),
+           (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank), (c.hidden_size, c.num_attention_heads * c.v_head_dim)]
+  assert {shape: splits.get(shape) for shape in gemvs} == {shape: {3} for shape in gemvs}
 
 
 @fold_lane

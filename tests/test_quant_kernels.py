@@ -505,6 +505,21 @@ def test_rank_step_default_tiles():
   assert default_bf16_config(28672, 8192).split_k == 2  # wide outputs fill the GPU with fewer splits
 
 
+def test_fold_config_covers_the_sms_with_the_fewest_splits():
+  """A TEP=8 rank's GEMVs whose partials a fold reads: o_proj [2048] -> 6144 (96 column blocks)
+  and the q_b group [2048] -> 2048 + 4096 take 2 splits to cover 132 SMs, the q_a group
+  [6144] -> 2784 (44 blocks) 4; the router's 4 blocks keep the rule's 8 (never more than the
+  rule); "rule" is default_bf16_config, a cap takes at most that many."""
+  from pallas_kernels.bf16_matmul import default_bf16_config, fold_config
+  for (n, k), split in {(6144, 2048): 2, (2784, 6144): 4, (256, 6144): 8, (160, 6144): 8}.items():
+    assert fold_config(n, k) == dataclasses.replace(default_bf16_config(n, k), split_k=split)
+    assert fold_config(n, k, "rule") == default_bf16_config(n, k)
+    assert fold_config(n, k, 3).split_k == min(3, default_bf16_config(n, k).split_k)
+  assert fold_config(6144, 256).split_k == 1  # a K of 2 steps is not split: nor is it to cover the SMs
+  with pytest.raises(ValueError, match="fold_splits must be one of .* got 'all'"):
+    fold_config(6144, 2048, "all")
+
+
 def test_hfma2_k_loop_pipelining_reaches_the_triton_loop(monkeypatch):
   """num_stages > 1 on a dot="hfma2" config names the launch for loop_stages, whose lowering
   hook puts tt.num_stages on its K loop (Triton pipelines dot-free loads only then); 1 leaves

@@ -41,7 +41,6 @@ dense="pallas_grouped" is "pallas" with the projections that share their input i
 each (linear_group).
 """
 
-import dataclasses
 import math
 
 import flax.linen as nn
@@ -179,10 +178,10 @@ def _fragment_launch(x: jax.Array, w, impl: str) -> bool:
 
 
 def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", dtype=jnp.float32,
-                    splits: int | None = None, max_gemv_splits: int | None = None) -> jax.Array:
+                    splits: int | None = None, gemv_splits: str | int = "rule") -> jax.Array:
   """x [..., in] @ w.T as fp32 terms [S, rows, out] that sum to it: the split-K GEMV's partials,
   unsummed, where `linear` in `dtype` would run that kernel (its output: their sum rounded to
-  dtype; at most `max_gemv_splits` of them where given, fewer for a consumer that reads them all),
+  dtype; as many as `gemv_splits` gives, bf16_matmul.fold_config's choice: "rule", "fill" or a cap),
   and the fragment kernel's (FragmentWeight: its K splits scaled in the program, `splits`
   of them, default its config's; nvfp4_fragments.fragment_matmul_partials), else [1, rows, out]
   (`linear` in dtype, as fp32). Another quantized weight: `linear` in x's dtype, as fp32: its
@@ -196,12 +195,8 @@ def linear_partials(x: jax.Array, w, *, impl: str = "xla", dense: str = "xla", d
   if not takes_bf16_gemv(x, w, dense, jnp.dtype(dtype)):
     out = linear(x, w, impl=impl, dense=dense, dtype=x.dtype if isinstance(w, QuantizedWeight) else dtype)
     return out.astype(jnp.float32).reshape(1, rows, w.shape[0])
-  from pallas_kernels.bf16_matmul import bf16_matmul_partials, default_bf16_config
-  config = None  # the GEMV's own rule, default_bf16_config
-  if max_gemv_splits is not None:
-    rule = default_bf16_config(*w.shape)
-    config = dataclasses.replace(rule, split_k=min(rule.split_k, max_gemv_splits))
-  return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w, config=config)
+  from pallas_kernels.bf16_matmul import bf16_matmul_partials, fold_config
+  return bf16_matmul_partials(x.reshape(rows, x.shape[-1]), w, config=fold_config(*w.shape, gemv_splits))
 
 
 def _grouped(x: jax.Array, weights, dense: str, dtype) -> bool:
@@ -234,18 +229,22 @@ def linear_group(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla"
   return [out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights)]
 
 
-def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla") -> list[jax.Array]:
+def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: str = "xla",
+                          gemv_splits: str | int = "rule") -> list[jax.Array]:
   """[linear_partials(x, w, ...) for w in weights], in linear_group's one launch where it would
   group them: for a consumer that sums them in its own launch (pallas_kernels/indexer_keys.py).
   The fragment kernel's weights (FragmentWeights under pallas_fragments) share one launch too
   under dense="pallas_grouped" (one operand dtype). All with one split count: the fragment
   launches take the split-K kernels' (else their own default); where the counts still differ
-  (another quantized weight or an XLA product beside split-K ones), each summed to [1, rows, out]."""
+  (another quantized weight or an XLA product beside split-K ones), each summed to [1, rows, out].
+  gemv_splits: the split-K launch's split count, as linear_partials'."""
   _check_impl(impl, dense)
   if _grouped(x, weights, dense, jnp.float32):
-    from pallas_kernels.bf16_matmul import bf16_matmul_partials
-    return list(bf16_matmul_partials(x.reshape(-1, x.shape[-1]), tuple(weights)))
-  partials = [None if _fragment_launch(x, w, impl) else linear_partials(x, w, impl=impl, dense=dense)
+    from pallas_kernels.bf16_matmul import bf16_matmul_partials, fold_config
+    config = fold_config(sum(w.shape[0] for w in weights), x.shape[-1], gemv_splits)
+    return list(bf16_matmul_partials(x.reshape(-1, x.shape[-1]), tuple(weights), config=config))
+  partials = [None if _fragment_launch(x, w, impl) else linear_partials(x, w, impl=impl, dense=dense,
+                                                                         gemv_splits=gemv_splits)
               for w in weights]
   fragments = [w for p, w in zip(partials, weights) if p is None]
   grouped = _fragment_group(fragments, dense)
