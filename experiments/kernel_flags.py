@@ -2,10 +2,11 @@
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
---index_epilogue, --index_query, --residual_norm, --swiglu, --moe_sum) with the DSA kernels' --topk_method,
---indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --attention_warps, the folds'
---fold_splits, --indexer_queries, --attention_queries, --tensor_parallel and --fragment_operands
-(`define`); glmjax.runtime.Runtime's fields of those names."""
+--index_epilogue, --epilogue_write, --index_query, --residual_norm, --swiglu, --moe_sum) with the
+DSA kernels' --topk_method, --indexer_orientation, --indexer_splits, --indexer_block_k,
+--indexer_warps, --attention_warps, the folds' --fold_splits, --indexer_queries,
+--attention_queries, --tensor_parallel and --fragment_operands (`define`);
+glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 
@@ -44,6 +45,8 @@ _FOLD_HELP = {
                     "(one launch from the GEMV's partials)",
     "index_epilogue": "with --mla_epilogue=pallas --indexer_keys=pallas: xla (each its GEMV and epilogue launches) "
                       "or pallas (the indexer's wk and weights_proj in q_a/kv_a's GEMV, its key epilogue in MLA's)",
+    "epilogue_write": "with --cache_write, --mla_epilogue and --index_epilogue pallas: the cache write in its own "
+                      "launch (xla: paged_write's) or pallas (in MLA's epilogue launch)",
     "index_query": "with --query_absorb=pallas: the indexer's query from its wq_b partials (sum, RoPE): xla (one "
                    "kernel) or pallas (in the absorbed-query launch)",
     "residual_norm": "the residual add after attention and post_attention_layernorm: xla (two kernels) or pallas "

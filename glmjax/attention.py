@@ -105,8 +105,12 @@ class MLAttention(nn.Module):
                        "full layers have indexers")
     indexer = Indexer(c, name="indexer", **kw) if (self.has_indexer and run_indexer) else None
     with jax.named_scope("mla_proj"):
-      # [b, t, q_lora], [b, t, r], [b, t, p]; the indexer's (k, weights) where its epilogue joined MLA's, else None
-      q_resid, latent, k_pe, index_keys = self._projections(x, cos, sin, runtime, indexer)
+      # [b, t, q_lora], [b, t, r], [b, t, p]; the indexer's (k, weights) where its epilogue joined MLA's, else
+      # None; the layer's cache with the new rows written where the epilogue wrote them, else None
+      write = None
+      if cache is not None and runtime.epilogue_write == "pallas":
+        write = (cache.layers[cache_slot], cache.page_table, positions)
+      q_resid, latent, k_pe, index_keys, written = self._projections(x, cos, sin, runtime, indexer, write)
       q_b = Weight((h * c.qk_head_dim, c.q_lora_rank), ("heads", "q_lora"), self.param_dtype, name="q_b_proj")()
       kv_b = Weight((h * (nope + v), r), ("heads", None), self.param_dtype, name="kv_b_proj")()
       kv_b = kv_b if isinstance(kv_b, jax.Array) else kv_b.dequantize(jnp.float32)  # used raw (absorbed)
@@ -122,7 +126,7 @@ class MLAttention(nn.Module):
                                                      None if indexer is None else indexer.wq_b())
       idx = self._index(indexer, x, q_resid, cos, sin, runtime, finished_keys=index_keys, **index_q)
       out, topk, new_layer = self._cached(q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
-                                          cache, cache_slot, runtime)
+                                          cache, cache_slot, runtime, written)
     o_proj = Weight((c.hidden_size, h * v), ("embed", "heads"), self.param_dtype, name="o_proj")()
     out = out.reshape(b, t, h * v).astype(self.dtype)
     impls = dict(impl=runtime.matmul, dense=runtime.dense_matmul, dtype=self.dtype)
@@ -141,12 +145,14 @@ class MLAttention(nn.Module):
                             keys=runtime.indexer_keys, **finished)
     return q.astype(runtime.indexer_queries), weights, k
 
-  def _projections(self, x, cos, sin, runtime, indexer):
+  def _projections(self, x, cos, sin, runtime, indexer, write=None):
     """x through q_a_proj and kv_a_proj_with_mqa (one launch under dense="pallas_grouped") and
-    their norms -> (q_resid, latent, k_pe roped, None). With mla_epilogue="pallas" at decode
-    (quant.decode_sized), the norms and the rotation in one launch from the GEMV's partials; and
-    with index_epilogue="pallas", the indexer's (k, weights) instead of None: its wk and
-    weights_proj in the same GEMV, its key epilogue in the same launch."""
+    their norms -> (q_resid, latent, k_pe roped, None, None). With mla_epilogue="pallas" at
+    decode (quant.decode_sized), the norms and the rotation in one launch from the GEMV's
+    partials; with index_epilogue="pallas", the indexer's (k, weights) instead of the first
+    None: its wk and weights_proj in the same GEMV, its key epilogue in the same launch; and
+    given `write` (the layer's pages, the page table, the positions: Runtime.epilogue_write),
+    the new rows written into the pages in that launch too: the written LayerCache last."""
     c = self.config
     b, t, _ = x.shape
     r, rope = c.kv_lora_rank, c.qk_rope_head_dim
@@ -162,13 +168,14 @@ class MLAttention(nn.Module):
                                                          gemv_splits=runtime.fold_splits,
                                                          **runtime.linear_impls, **kw)
       index_keys = (*index_partials, indexer.k_norm.weight, indexer.k_norm.bias) if joined else None
-      outs = mla_epilogue(q_partials, kv_partials, q_norm.weight, kv_norm.weight,
-                          *(a.reshape(b * t, -1) for a in (cos, sin)), eps=q_norm.eps, dtype=self.dtype,
-                          index_keys=index_keys, index_eps=indexer.k_norm.eps if joined else 1e-6)
+      *outs, written = mla_epilogue(q_partials, kv_partials, q_norm.weight, kv_norm.weight,
+                                    *(a.reshape(b * t, -1) for a in (cos, sin)), eps=q_norm.eps, dtype=self.dtype,
+                                    index_keys=index_keys, index_eps=indexer.k_norm.eps if joined else 1e-6,
+                                    write=write) + ((None,) if write is None else ())
       outs = [a.reshape(b, t, -1) for a in outs]
-      return *outs[:3], (tuple(outs[3:]) if joined else None)
+      return *outs[:3], (tuple(outs[3:]) if joined else None), written
     q_a, kv_a = linears(x, specs, **runtime.linear_impls, **kw)
-    return q_norm(q_a), kv_norm(kv_a[..., :r]), apply_rope(kv_a[..., r:], cos, sin), None
+    return q_norm(q_a), kv_norm(kv_a[..., :r]), apply_rope(kv_a[..., r:], cos, sin), None, None
 
   def _query(self, q_resid, q_b, cos, sin, runtime):
     """q_b_proj's output per head -> (q_nope [B, T, H, nope], q_pe [B, T, H, rope] rotated)."""
@@ -223,16 +230,20 @@ class MLAttention(nn.Module):
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(self.dtype)
     return jnp.einsum("bhts,bshv->bthv", probs, values), prev_topk
 
-  def _cached(self, q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, cache, cache_slot, runtime):
-    """Write the new tokens to the pages, then attend in latent space over the selection."""
+  def _cached(self, q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, cache, cache_slot, runtime,
+              written=None):
+    """Write the new tokens to the pages (unless MLA's epilogue launch wrote them: `written`),
+    then attend in latent space over the selection."""
     c = self.config
-    layer = cache.layers[cache_slot]
-    if runtime.cache_write == "pallas":
-      from pallas_kernels.paged_write import paged_write as write  # the kernels import the cache
-    else:
-      write = paged.write_layer
-    layer = write(layer, cache.page_table, positions, latent, k_pe,
-                  None if idx is None or layer.index_k is None else idx[2])
+    layer = written
+    if layer is None:
+      layer = cache.layers[cache_slot]
+      if runtime.cache_write == "pallas":
+        from pallas_kernels.paged_write import paged_write as write  # the kernels import the cache
+      else:
+        write = paged.write_layer
+      layer = write(layer, cache.page_table, positions, latent, k_pe,
+                    None if idx is None or layer.index_k is None else idx[2])
     if idx is not None:
       q_idx, w_idx, _ = idx
       prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,

@@ -19,7 +19,7 @@ MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
-                 "index_epilogue", "index_query", "residual_norm", "swiglu", "moe_sum")
+                 "index_epilogue", "epilogue_write", "index_query", "residual_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
@@ -65,6 +65,10 @@ class Runtime:
   index_epilogue: with mla_epilogue and indexer_keys both "pallas", "pallas" joins the indexer's
   to MLA's: its wk and weights_proj in q_a's and kv_a's GEMV launch (all read the normed x) and
   indexer_keys' work in mla_epilogue's launch (the same outputs, bit for bit); "xla": each its own.
+  epilogue_write: with cache_write, mla_epilogue and index_epilogue all "pallas", "pallas" moves
+  the decode step's cache write into MLA's epilogue launch: its programs write the latent, k_pe
+  and indexer key rows they compute into the layer's pages (paged_write's stores, the same bytes),
+  one launch a layer fewer; "xla": paged_write's own launch.
   index_query: with query_absorb="pallas", the indexer's query from its wq_b partials (summed,
   the rope columns rotated, cast to indexer_queries): XLA's kernel, or "pallas", in the
   absorbed-query launch (pallas_kernels/mla_query.py; equal to fp32 rounding).
@@ -138,6 +142,7 @@ class Runtime:
   indexer_keys: str = "xla"
   mla_epilogue: str = "xla"
   index_epilogue: str = "xla"
+  epilogue_write: str = "xla"
   index_query: str = "xla"
   residual_norm: str = "xla"
   swiglu: str = "xla"
@@ -171,6 +176,11 @@ class Runtime:
     if self.index_epilogue == "pallas" and (self.mla_epilogue, self.indexer_keys) != ("pallas", "pallas"):
       raise ValueError(f"index_epilogue='pallas' joins the indexer_keys launch to the mla_epilogue one: it needs both "
                        f"'pallas', got mla_epilogue={self.mla_epilogue!r}, indexer_keys={self.indexer_keys!r}")
+    writers = (self.cache_write, self.mla_epilogue, self.index_epilogue)
+    if self.epilogue_write == "pallas" and writers != ("pallas",) * 3:
+      raise ValueError(f"epilogue_write='pallas' moves paged_write's stores into the joined MLA/indexer epilogue "
+                       f"launch: it needs cache_write, mla_epilogue and index_epilogue all 'pallas', got "
+                       f"{writers}")
     if self.moe_sum == "pallas" and self.swiglu != "pallas":
       raise ValueError(f"moe_sum='pallas' sums the MoE layer in the shared expert's swiglu launch: it needs "
                        f"swiglu='pallas', got {self.swiglu!r}")

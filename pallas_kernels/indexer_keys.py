@@ -30,9 +30,10 @@ from pallas_kernels.partials import check_angles, check_partials, rotate_pairs, 
 
 
 def keys_row(row, k_ref, w_ref, norm_w_ref, norm_b_ref, cos_ref, sin_ref, k_out_ref, w_out_ref, *, dim: int,
-             heads: int, rope: int, eps: float) -> None:
+             heads: int, rope: int, eps: float) -> jax.Array:
   """Token `row`'s key and head weights (the module docstring's steps); also run by
-  mla_epilogue's launch (pallas_kernels/mla_epilogue.py, Runtime.index_epilogue)."""
+  mla_epilogue's launch (pallas_kernels/mla_epilogue.py, Runtime.index_epilogue), which writes
+  the key it returns (f32 [D / 2, 2]) into the cache too."""
   # k_ref f32 [S, n, D / 2, 2] ; w_ref f32 [S, n, H] ; norm_w_ref, norm_b_ref [D / 2, 2] ; cos_ref,
   # sin_ref f32 [n, >= rope / 2] ; k_out_ref f32 [n, D / 2, 2] ; w_out_ref f32 [n, H]: all whole.
   pairs = pl.next_power_of_2(dim // 2)
@@ -48,12 +49,14 @@ def keys_row(row, k_ref, w_ref, norm_w_ref, norm_b_ref, cos_ref, sin_ref, k_out_
 
   roped = pair < rope // 2
   rotated = rotate_pairs(k, cos_ref, sin_ref, row, roped, jnp.float32)
-  pltriton.store(k_out_ref.at[row, pl.ds(0, pairs)], jnp.where(roped[:, None], rotated, k), mask=ok)
+  k = jnp.where(roped[:, None], rotated, k)
+  pltriton.store(k_out_ref.at[row, pl.ds(0, pairs)], k, mask=ok)
 
   h_pad = pl.next_power_of_2(heads)
   h_ok = jnp.arange(h_pad) < heads
   weights = split_sum(w_ref, row, 0, h_pad, h_ok) * heads ** -0.5
   pltriton.store(w_out_ref.at[row, pl.ds(0, h_pad)], weights, mask=h_ok)
+  return k
 
 
 def keys_operands(k_partials, w_partials, norm_weight, norm_bias) -> tuple[jax.Array, ...]:
@@ -81,6 +84,10 @@ def check_keys_args(k_partials, w_partials, norm_weight, norm_bias, cos, sin) ->
   check_angles("indexer_keys", cos, sin, n, cos.shape[1])
 
 
+def _keys_kernel(*refs, **static) -> None:
+  keys_row(pl.program_id(0), *refs, **static)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def indexer_keys(k_partials: jax.Array, w_partials: jax.Array, norm_weight: jax.Array, norm_bias: jax.Array,
                  cos: jax.Array, sin: jax.Array, *, eps: float = 1e-6,
@@ -103,7 +110,7 @@ def indexer_keys(k_partials: jax.Array, w_partials: jax.Array, norm_weight: jax.
   whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
   shapes = keys_out_shapes(n, dim, heads)
   k, weights = pl.pallas_call(
-      lambda *refs: keys_row(pl.program_id(0), *refs, dim=dim, heads=heads, rope=2 * cos.shape[1], eps=eps),
+      functools.partial(_keys_kernel, dim=dim, heads=heads, rope=2 * cos.shape[1], eps=eps),
       grid=(n,),
       in_specs=[whole(a.shape) for a in inputs],
       out_specs=[whole(shape.shape) for shape in shapes],

@@ -13,6 +13,11 @@ for both epilogues (with index_query, -3 launches and -5.6 us a layer, run 24). 
 reads every K split of its token's partials, so the GEMV takes 4 splits, not its rule's 8
 (`Runtime.fold_splits`; run 36, H100: this launch 3.6 -> 2.8 us, with the GEMV 17.6 -> 17.1).
 
+With Runtime.epilogue_write, the launch also does the decode step's cache write (paged_write's
+stores, the same helpers): program (token, 1) writes its latent (FP8-quantised per 128-block
+where the cache is FP8) and k_pe rows into the layer's pages, program (token, 2) the indexer's
+key; the pages are aliased outputs. One launch a layer fewer, the rows never read back.
+
 Numerics: as the model computes them: the sums rounded to the activations' dtype, RMSNorm's
 statistics in fp32, its scale and the rotation in that dtype. Equal to the XLA path wherever the
 summed partials round alike (split order here, XLA's there) and the fp32 statistics do (their
@@ -28,29 +33,44 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from glmjax.cache.paged import LayerCache
 from glmjax.layers import apply_rope, rms_norm
 from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.indexer_keys import (check_keys_args, indexer_keys_reference, keys_operands, keys_out_shapes,
                                          keys_row)
+from pallas_kernels.paged_write import check_write_args, page_slot, row_tile, store_row
 from pallas_kernels.partials import check_angles, check_partials, rms_normed, rotate_pairs, split_sum
 
 
-def _normalised(ref, row, weight_ref, out_ref, *, width: int, eps: float) -> None:
-  """RMSNorm of the first `width` summed partials of ref's row into out_ref[row] (rms_norm's steps)."""
+def _normalised(ref, row, weight_ref, out_ref, *, width: int, eps: float) -> jax.Array:
+  """RMSNorm of the first `width` summed partials of ref's row into out_ref[row] (rms_norm's
+  steps); the stored tile."""
   pad = pl.next_power_of_2(width)
   ok = jnp.arange(pad) < width
   x = split_sum(ref, row, 0, pad, ok).astype(out_ref.dtype).astype(jnp.float32)
-  pltriton.store(out_ref.at[row, pl.ds(0, pad)], rms_normed(x, weight_ref, ok, width, eps, out_ref.dtype), mask=ok)
+  normed = rms_normed(x, weight_ref, ok, width, eps, out_ref.dtype)
+  pltriton.store(out_ref.at[row, pl.ds(0, pad)], normed, mask=ok)
+  return normed
 
 
 def _epilogue_kernel(q_ref, kv_ref, kv_pairs_ref, q_w_ref, kv_w_ref, cos_ref, sin_ref, *refs, rank: int, rope: int,
-                     eps: float, keys: dict | None):
+                     eps: float, keys: dict | None, write: dict | None):
   # q_ref f32 [S, n, Q] ; kv_ref f32 [S, n, R + P] and kv_pairs_ref, the same as [S, n, (R + P) / 2, 2] ;
   # q_w_ref [Q] ; kv_w_ref [R] ; cos_ref, sin_ref f32 [n, P / 2] ; with keys, the indexer's four
-  # inputs (indexer_keys.keys_operands) ; then the outputs: q_out_ref [n, Q] ; latent_ref [n, R] ;
-  # pe_ref [n, P / 2, 2] ; with keys, the indexer's two (keys_out_shapes). All whole, each program its row.
+  # inputs (indexer_keys.keys_operands) ; with write, positions [n] i32, the page table [B, max_pages]
+  # and the layer's pages (_cache_pages) ; then the outputs: q_out_ref [n, Q] ; latent_ref [n, R] ;
+  # pe_ref [n, P / 2, 2] ; with keys, the indexer's two (keys_out_shapes) ; with write, the pages
+  # again, aliased (written in place). All whole, each program its row.
   row, part = pl.program_id(0), pl.program_id(1)
-  index_refs, (q_out_ref, latent_ref, pe_ref, *index_outs) = refs[:4 * bool(keys)], refs[4 * bool(keys):]
+  index_refs, refs = refs[:4 * bool(keys)], refs[4 * bool(keys):]
+  if write:
+    (pos_ref, pt_ref), refs = refs[:2], refs[2 + write["pages"]:]  # the pages' inputs: their outputs alias them
+    page, slot, keep = page_slot(pos_ref[row], pt_ref, write["page_size"], row // write["tokens"])
+
+    def store(group, tile, fp8=write["fp8"]):  # group: the pages (and FP8 scales) of one row kind
+      store_row(group[0], group[1] if fp8 else None, page, slot, tile.reshape(row_tile(tile.size, fp8)), keep)
+  (q_out_ref, latent_ref, pe_ref, *index_outs), pages = refs[:3 + 2 * bool(keys)], refs[3 + 2 * bool(keys):]
+  plain = 1 + bool(write and write["fp8"])  # refs per quantised row kind
 
   @pl.when(part == 0)
   def _():
@@ -58,7 +78,7 @@ def _epilogue_kernel(q_ref, kv_ref, kv_pairs_ref, q_w_ref, kv_w_ref, cos_ref, si
 
   @pl.when(part == 1)
   def _():
-    _normalised(kv_ref, row, kv_w_ref, latent_ref, width=rank, eps=eps)
+    latent = _normalised(kv_ref, row, kv_w_ref, latent_ref, width=rank, eps=eps)
     dtype, half = pe_ref.dtype, rope // 2
     pad = pl.next_power_of_2(half)
     ok = jnp.arange(pad) < half
@@ -66,11 +86,16 @@ def _epilogue_kernel(q_ref, kv_ref, kv_pairs_ref, q_w_ref, kv_w_ref, cos_ref, si
     pairs = split_sum(kv_pairs_ref, row, start, pad, ok[:, None]).astype(dtype).astype(jnp.float32)
     rotated = rotate_pairs(pairs, cos_ref, sin_ref, row, ok, dtype)
     pltriton.store(pe_ref.at[row, pl.ds(0, pad)], rotated, mask=ok[:, None])
+    if write:
+      store(pages[:plain], latent)
+      store(pages[plain:plain + 1], rotated, fp8=False)
 
   if keys:
     @pl.when(part == 2)
     def _():
-      keys_row(row, *index_refs, cos_ref, sin_ref, *index_outs, **keys)
+      k = keys_row(row, *index_refs, cos_ref, sin_ref, *index_outs, **keys)
+      if write:
+        store(pages[plain + 1:], k)
 
 
 def check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin) -> int:
@@ -93,6 +118,7 @@ def check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin) -> i
 def mla_epilogue(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Array, kv_norm: jax.Array,
                  cos: jax.Array, sin: jax.Array, *, eps: float = 1e-6, dtype=jnp.bfloat16,
                  index_keys: tuple[jax.Array, ...] | None = None, index_eps: float = 1e-6,
+                 write: tuple[LayerCache, jax.Array, jax.Array] | None = None,
                  interpret: bool | None = None) -> tuple[jax.Array, ...]:
   """mla_epilogue_reference in one launch (module docstring).
 
@@ -107,10 +133,14 @@ def mla_epilogue(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Arra
       and bias [D]) from the same GEMV launch (Runtime.index_epilogue): indexer_keys' work (its
       keys_row, rotating by the same angles) in this launch too, a third program per token.
     index_eps: k_norm's epsilon.
+    write: None, or (layer, page_table int32 [B, max_pages], positions int32 [B, T]) with B x T = n
+      (Runtime.epilogue_write): paged_write's work in this launch too, the new latent, k_pe and
+      (with index_keys) indexer key rows into the layer's pages, in place (aliased); positions
+      -1 write nothing.
     interpret: run the Pallas interpreter; None: only on a CPU backend.
   Returns:
     (q_resid [n, Q], latent [n, R], k_pe [n, P]), all dtype; with index_keys, then indexer_keys'
-    (k f32 [n, D], head weights f32 [n, H]).
+    (k f32 [n, D], head weights f32 [n, H]); with write, then the written LayerCache.
   """
   rank = check_epilogue_args(q_partials, kv_partials, q_norm, kv_norm, cos, sin)
   (splits, n, q_lora), rope = q_partials.shape, kv_partials.shape[-1] - rank
@@ -124,19 +154,56 @@ def mla_epilogue(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Arra
     keys = dict(dim=dim, heads=heads, rope=rope, eps=index_eps)
     inputs += keys_operands(*index_keys)
     shapes += keys_out_shapes(n, dim, heads)
+  pages, written = (), None
+  if write is not None:
+    layer, page_table, positions = write
+    pages = _cache_pages(layer, index_keys is not None, n, rank, rope, None if keys is None else dim, page_table,
+                         positions)
+    written = dict(pages=len(pages), tokens=positions.shape[1], page_size=layer.page_size,
+                   fp8=layer.latent_scale is not None)
+    inputs += (positions.reshape(n), page_table, *pages)
+    shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pages]
   whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
   out = pl.pallas_call(
-      functools.partial(_epilogue_kernel, rank=rank, rope=rope, eps=eps, keys=keys),
+      functools.partial(_epilogue_kernel, rank=rank, rope=rope, eps=eps, keys=keys, write=written),
       grid=(n, 3 if keys else 2),
       in_specs=[whole(a.shape) for a in inputs],
       out_specs=[whole(shape.shape) for shape in shapes],
       out_shape=shapes,
+      input_output_aliases={len(inputs) - len(pages) + i: len(shapes) - len(pages) + i for i in range(len(pages))},
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=resolve_interpret(interpret),
       name="mla_epilogue",
   )(*inputs)
+  out, written_pages = out[:len(out) - len(pages)], out[len(out) - len(pages):]
   mla = (out[0], out[1], out[2].reshape(n, rope))
-  return mla if keys is None else mla + (out[3].reshape(n, dim), out[4])
+  mla = mla if keys is None else mla + (out[3].reshape(n, dim), out[4])
+  return mla if write is None else mla + (_written_layer(write[0], written_pages),)
+
+
+def _cache_pages(layer: LayerCache, has_index: bool, n: int, rank: int, rope: int, dim: int | None, page_table,
+                 positions) -> tuple[jax.Array, ...]:
+  """The pages mla_epilogue writes (latent and its FP8 scales, k_rope, and with the indexer's
+  key its pages and scales), after paged_write's checks of the rows they take."""
+  b, t = positions.shape
+  if b * t != n:
+    raise ValueError(f"mla_epilogue: write's positions [{b}, {t}] must hold the {n} tokens' positions")
+  if has_index and layer.index_k is None:
+    raise ValueError("mla_epilogue: this layer's cache stores no indexer keys, but index_keys were given")
+  rows = lambda width: jax.ShapeDtypeStruct((b, t, width), jnp.float32)
+  check_write_args(layer, page_table, positions, rows(rank), rows(rope), rows(dim) if has_index else None)
+  pages = (layer.latent, *([layer.latent_scale] if layer.latent_scale is not None else []), layer.k_rope)
+  if has_index:
+    pages += (layer.index_k, *([layer.index_scale] if layer.index_scale is not None else []))
+  return pages
+
+
+def _written_layer(layer: LayerCache, pages) -> LayerCache:
+  """`layer` with the pages _cache_pages listed replaced by their written outputs, in order."""
+  pages = list(pages)
+  take = lambda old: old if old is None or not pages else pages.pop(0)
+  latent, latent_scale, k_rope = take(layer.latent), take(layer.latent_scale), take(layer.k_rope)
+  return LayerCache(latent, latent_scale, k_rope, take(layer.index_k), take(layer.index_scale))
 
 
 def mla_epilogue_reference(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Array, kv_norm: jax.Array,

@@ -8,7 +8,8 @@ indexer key per 128-value block (kv_fp8.quantize_block: the same power-of-two sc
 rounding, bit for bit) and stores every array's row in place (the pages are aliased outputs).
 Switch: `Runtime.cache_write` ("xla" | "pallas"; --cache_write on the experiments). What it saves
 is launches, a few us each in the decode loop (docs/BENCHMARKS.md run 7); in a TEP=8 rank's
-layer it takes 3.2 us (run 22's profile).
+layer it takes 3.2 us (run 22's profile). With Runtime.epilogue_write its stores (`page_slot`,
+`store_row`) run in MLA's epilogue launch instead (pallas_kernels/mla_epilogue.py).
 
 Padding tokens (position -1) write nothing, where the reference writes them to the null page;
 page 0 is never read as valid, so the caches agree on every page a sequence can read.
@@ -29,20 +30,31 @@ from glmjax.cache.paged import LayerCache
 from pallas_kernels.checks import check_page_table, is_pow2, resolve_interpret
 
 
-def _store_row(pages_ref, scales_ref, page, slot, row_ref, keep: jax.Array) -> None:
-  """row_ref [D] -> pages[page, slot] (FP8: e4m3 codes per 128-block and their scales ->
-  scales[page, slot]); nothing where not `keep`."""
-  dim = row_ref.shape[0]
+def page_slot(pos: jax.Array, page_table_ref, page_size: int, *seq) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A new token's (page, slot, keep) from its position (-1: padding, kept out) and the page
+  table (its sequence's row, or the whole table and the sequence's index `seq`)."""
+  safe = jnp.maximum(pos, 0)
+  return page_table_ref[(*seq, safe // page_size)], safe % page_size, pos >= 0
+
+
+def store_row(pages_ref, scales_ref, page, slot, row: jax.Array, keep: jax.Array) -> None:
+  """One token's row, a register tile [G, W] of the page row's D = G x W values in order, ->
+  pages[page, slot]; FP8 pages (scales_ref [P, page_size, G]): each of its G rows one block of
+  kv_fp8.quantize_block (W the block size), the codes and their scales -> scales[page, slot].
+  Nothing where not `keep`. Also mla_epilogue's (Runtime.epilogue_write)."""
+  dim = row.size
   if scales_ref is None:
-    pltriton.store(pages_ref.at[page, slot, pl.ds(0, dim)], row_ref[...].astype(pages_ref.dtype),
-                   mask=jnp.full((dim,), keep))
-    return
-  block = fp8_block_size(dim)
-  for g in range(dim // block):  # Triton slices refs, not register tiles: one load per block
-    codes, scale = quantize_block(row_ref[pl.ds(g * block, block)])
-    pltriton.store(pages_ref.at[page, slot, pl.ds(g * block, block)], codes, mask=jnp.full((block,), keep))
-    pltriton.store(scales_ref.at[page, slot, pl.ds(g, 1)], jnp.broadcast_to(scale, (1,)),
-                   mask=jnp.full((1,), keep))
+    codes = row.astype(pages_ref.dtype)
+  else:
+    codes, scale = quantize_block(row)
+    pltriton.store(scales_ref.at[page, slot, pl.ds(0, scale.size)], scale, mask=jnp.full(scale.shape, keep))
+  pltriton.store(pages_ref.at[page, slot, pl.ds(0, dim)], codes.reshape(dim), mask=jnp.full((dim,), keep))
+
+
+def row_tile(dim: int, fp8: bool) -> tuple[int, int]:
+  """store_row's tile [G, W] for a page row of `dim` values: its FP8 blocks, else one row."""
+  block = fp8_block_size(dim) if fp8 else dim
+  return dim // block, block
 
 
 def _write_kernel(pos_ref, pt_ref, *refs, page_size: int, fp8: bool, has_index: bool):
@@ -54,17 +66,14 @@ def _write_kernel(pos_ref, pt_ref, *refs, page_size: int, fp8: bool, has_index: 
   num_new = 3 if has_index else 2
   new, pages = refs[:num_new], refs[num_new:]
   outs = list(pages[len(pages) // 2:])
-  pos = pos_ref[...]
-  keep = pos >= 0
-  safe = jnp.maximum(pos, 0)
-  page = pt_ref[safe // page_size]
-  slot = safe % page_size
+  page, slot, keep = page_slot(pos_ref[...], pt_ref, page_size)
+  tile = lambda ref, quantized: ref[...].reshape(row_tile(ref.shape[-1], quantized))
   take = lambda: (outs.pop(0), outs.pop(0) if fp8 else None)
   latent_pages, latent_scales = take()
-  _store_row(latent_pages, latent_scales, page, slot, new[0], keep)
-  _store_row(outs.pop(0), None, page, slot, new[1], keep)
+  store_row(latent_pages, latent_scales, page, slot, tile(new[0], fp8), keep)
+  store_row(outs.pop(0), None, page, slot, tile(new[1], False), keep)
   if has_index:
-    _store_row(*take(), page, slot, new[2], keep)
+    store_row(*take(), page, slot, tile(new[2], fp8), keep)
 
 
 def check_write_args(layer: LayerCache, page_table, positions, latent, k_rope, index_k) -> None:

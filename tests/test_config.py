@@ -309,6 +309,16 @@ def test_runtime_index_epilogue_needs_both_epilogue_kernels():
   assert Runtime(mla_epilogue="pallas", indexer_keys="pallas", index_epilogue="pallas").index_epilogue == "pallas"
 
 
+def test_runtime_epilogue_write_needs_the_write_and_both_epilogue_kernels():
+  from glmjax.runtime import Runtime
+  joined = dict(mla_epilogue="pallas", indexer_keys="pallas", index_epilogue="pallas")
+  with pytest.raises(ValueError, match=r"epilogue_write='pallas'.*got \('xla', 'pallas', 'pallas'\)"):
+    Runtime(epilogue_write="pallas", **joined)
+  with pytest.raises(ValueError, match=r"epilogue_write='pallas'.*got \('pallas', 'pallas', 'xla'\)"):
+    Runtime(epilogue_write="pallas", cache_write="pallas", mla_epilogue="pallas")
+  assert Runtime(epilogue_write="pallas", cache_write="pallas", **joined).epilogue_write == "pallas"
+
+
 def test_runtime_index_query_needs_the_absorbed_query_kernel():
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match="index_query='pallas'.*query_absorb='pallas', got 'xla'"):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from glmjax.cache import paged
 from pallas_kernels.indexer_keys import indexer_keys
 from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
 from tests import test_indexer_keys
@@ -61,6 +62,39 @@ def test_the_indexer_keys_join_the_launch(shape, keys):
   np.testing.assert_allclose(got[4], want_weights, rtol=1e-6, atol=1e-6)
 
 
+# (kv_dtype, shape, the indexer's (splits, tokens, D, H, rope) or None, batch): a rank's GLM-5
+# layer over FP8 pages; two sequences over bf16 pages, no indexer.
+WRITES = [("fp8", SHAPES[0], (8, 5, 128, 4, 64), 1), ("bf16", (2, 6, 64, 32, 16), None, 2)]
+
+
+@pytest.mark.parametrize("kv_dtype, shape, keys, batch", WRITES)
+def test_the_cache_write_joins_the_launch(kv_dtype, shape, keys, batch):
+  """write: the launch also writes its own latent, k_pe and indexer key rows into the layer's
+  pages, as paged.write_layer writes those outputs (codes and scales bit for bit): tokens across
+  a page boundary, a padding position that writes nothing; the other outputs as without it."""
+  from tests.test_paged_write import _layer
+  splits, tokens, _, rank, rope = shape
+  args = draw(shape, seed=7)
+  index_keys = None
+  if keys:
+    k, w, norm_weight, norm_bias, _, _ = test_indexer_keys.draw(keys, jnp.bfloat16, seed=8)
+    index_keys = (k, w, norm_weight, norm_bias)
+  layer = _layer(kv_dtype, rank, rope, keys and keys[2])
+  page_table = jnp.asarray([[3, 5, 1], [2, 4, 6]][:batch], jnp.int32)
+  positions = jnp.asarray([[6, 7, 8, -1, 9], [15, 16, 17, 18, 19]][:batch], jnp.int32)[:, :tokens // batch]
+  got = mla_epilogue(*args, index_keys=index_keys, write=(layer, page_table, positions))
+  plain = mla_epilogue(*args, index_keys=index_keys)
+  for g, w_ in zip(got[:-1], plain, strict=True):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32))
+  rows = lambda a: a.reshape(*positions.shape, -1)
+  want = paged.write_layer(layer, page_table, positions, rows(plain[1]), rows(plain[2]),
+                           rows(plain[3]) if keys else None)
+  for g, w_, old in zip(jax.tree.leaves(got[-1]), jax.tree.leaves(want), jax.tree.leaves(layer), strict=True):
+    assert g.dtype == w_.dtype and g.shape == w_.shape
+    np.testing.assert_array_equal(np.asarray(g[1:]).view(np.uint8), np.asarray(w_[1:]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(g[0]).view(np.uint8), np.asarray(old[0]).view(np.uint8))
+
+
 def test_rope_pairs_rotate_in_place():
   """A quarter turn maps each pair (x, y) of kv_a's rope part to (-y, x)."""
   q, kv, q_norm, kv_norm, cos, _ = draw(SHAPES[2], seed=5)
@@ -85,6 +119,12 @@ def test_bad_inputs_are_named():
   k, w, norm_weight, norm_bias, _, _ = test_indexer_keys.draw((2, 7, 22, 3, 6), jnp.bfloat16, seed=2)
   with pytest.raises(ValueError, match=r"k_partials must be f32 \[3, 7, D\]"):
     mla_epilogue(q, kv, q_norm, kv_norm, cos, sin, index_keys=(k, w, norm_weight, norm_bias))
+  from tests.test_paged_write import _layer
+  page_table, positions = jnp.ones((1, 3), jnp.int32), jnp.zeros((1, 7), jnp.int32)
+  with pytest.raises(ValueError, match="the kernel needs a power-of-two latent width"):
+    mla_epilogue(q, kv, q_norm, kv_norm, cos, sin, write=(_layer("bf16", 22, 6, None), page_table, positions))
+  with pytest.raises(ValueError, match=r"write's positions \[1, 6\] must hold the 7 tokens'"):
+    mla_epilogue(q, kv, q_norm, kv_norm, cos, sin, write=(_layer("bf16", 22, 6, None), page_table, positions[:, :6]))
 
 
 def test_mla_epilogue_lowers_to_triton_for_h200():
@@ -97,3 +137,10 @@ def test_mla_epilogue_lowers_to_triton_for_h200():
     keys = (s((splits, tokens, 128), jnp.float32), s((splits, tokens, 4), jnp.float32), s((128,), jnp.bfloat16),
             s((128,), jnp.bfloat16))
     assert TRITON_CALL in h200_text(lambda *a: mla_epilogue(*a[:6], index_keys=a[6:], interpret=False), *args, *keys)
+    if (splits, tokens) == (8, 5):  # a rank's GLM-5 layer writing its FP8 pages too
+      layer = paged.LayerCache(s((65, 64, 512), jnp.float8_e4m3fn), s((65, 64, 4), jnp.float32),
+                               s((65, 64, 64), jnp.bfloat16), s((65, 64, 128), jnp.float8_e4m3fn),
+                               s((65, 64, 1), jnp.float32))
+      write = (layer, s((1, 64), jnp.int32), s((1, 5), jnp.int32))
+      lowered = lambda *a: mla_epilogue(*a[:6], index_keys=a[6:10], write=a[10:], interpret=False)
+      assert TRITON_CALL in h200_text(lowered, *args, *keys, *write)

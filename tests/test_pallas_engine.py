@@ -30,6 +30,7 @@ from glmjax.runtime import Runtime
 from pallas_kernels import bf16_matmul as bf16_matmul_module
 from pallas_kernels import indexer_keys as indexer_keys_module
 from pallas_kernels import indexer_topk
+from pallas_kernels import paged_write as paged_write_module
 from pallas_kernels import residual_norm as residual_norm_module
 from pallas_kernels import sparse_mla
 
@@ -48,6 +49,18 @@ def _generate(tiny, attention: str, kv_dtype: str, **switches) -> np.ndarray:
   prompt = np.random.default_rng(0).integers(2, config.vocab_size, (2, PROMPT)).astype(np.int32)
   return glmjax.generate(config, params, prompt, NEW, ignore_eos=True,
                          runtime=Runtime(attention=attention, **switches), kv_dtype=kv_dtype, page_size=8)
+
+
+_BASELINES: dict[tuple, np.ndarray] = {}
+
+
+def _baseline(tiny, attention: str, kv_dtype: str, **switches) -> np.ndarray:
+  """_generate's tokens for a test's reference arm, computed once for the module (the tiny
+  model is module-scoped): call it before any monkeypatch, whose effect would be kept."""
+  key = (attention, kv_dtype, tuple(sorted(switches.items())))
+  if key not in _BASELINES:
+    _BASELINES[key] = _generate(tiny, attention, kv_dtype, **switches)
+  return _BASELINES[key]
 
 
 def _record_pallas_calls(monkeypatch) -> list[tuple]:
@@ -81,7 +94,7 @@ def _record_pallas_calls(monkeypatch) -> list[tuple]:
 @pytest.mark.parametrize("kv_dtype", ["fp8"])  # bf16 pages: test_replay_pallas_equals_sparse
 def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
   assert tiny[0].index_topk < PROMPT, "the contexts must exceed index_topk for selection to matter"
-  sparse = _generate(tiny, "sparse", kv_dtype)
+  sparse = _baseline(tiny, "sparse", kv_dtype)
   calls = _record_pallas_calls(monkeypatch)
   pallas = _generate(tiny, "pallas", kv_dtype)
   jax.effects_barrier()
@@ -120,7 +133,7 @@ def _fail_in_decode_steps(monkeypatch, module, name: str) -> None:
 def test_value_merge_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """value_merge="pallas": decode steps run the split merge and the value product in one launch
   (their two-step path fails here); tokens equal to the two steps'."""
-  two_steps = _generate(tiny, "pallas", "fp8")
+  two_steps = _baseline(tiny, "pallas", "fp8")
   _fail_in_decode_steps(monkeypatch, dsa, "cached_attention")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", value_merge="pallas"), two_steps)
 
@@ -129,7 +142,7 @@ def test_value_merge_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
 def test_query_absorb_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
   """query_absorb="pallas": decode steps build the absorbed query in one launch from q_b's
   partials (the XLA product fails for them here); tokens equal to the XLA path's."""
-  xla = _generate(tiny, "pallas", "fp8")
+  xla = _baseline(tiny, "pallas", "fp8")
   _fail_in_decode_steps(monkeypatch, dsa, "query_absorption")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas"), xla)
 
@@ -146,7 +159,7 @@ def _record_group_sizes(monkeypatch) -> list[int]:
 def test_query_absorb_groups_q_b_with_the_indexers_wq_b(tiny, monkeypatch):
   """Under dense_matmul="pallas_grouped", query_absorb="pallas" runs the indexer's wq_b in q_b's
   GEMV launch (both read q_resid): decode steps hand both weights to one group; tokens equal."""
-  ungrouped = _generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
+  ungrouped = _baseline(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
   groups = _record_group_sizes(monkeypatch)
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped", query_absorb="pallas"),
                                 ungrouped)
@@ -157,7 +170,7 @@ def test_query_absorb_groups_q_b_with_the_indexers_wq_b(tiny, monkeypatch):
 def test_indexer_keys_in_the_kernel_generate_the_same_tokens(tiny, monkeypatch):
   """indexer_keys="pallas": decode steps finish the indexer's key and head weights in one launch
   from their GEMV's partials (k_norm's XLA path fails for them here); tokens equal."""
-  xla = _generate(tiny, "pallas", "fp8")
+  xla = _baseline(tiny, "pallas", "fp8")
   _fail_in_decode_steps(monkeypatch, layers, "layer_norm")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", indexer_keys="pallas"), xla)
 
@@ -167,7 +180,7 @@ def test_mla_epilogue_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch)
   """mla_epilogue="pallas": decode steps normalise q_a and kv_a and rotate k_pe in one launch from
   their GEMV's partials (attention's XLA rotation fails for them here, the query's RoPE being in
   the absorbed-query kernel); tokens equal."""
-  xla = _generate(tiny, "pallas", "fp8", query_absorb="pallas")
+  xla = _baseline(tiny, "pallas", "fp8", query_absorb="pallas")
   _fail_in_decode_steps(monkeypatch, attention, "apply_rope")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas", mla_epilogue="pallas"), xla)
 
@@ -178,11 +191,30 @@ def test_index_epilogue_joins_the_indexers_keys_to_mlas_launch(tiny, monkeypatch
   kv_a's GEMV group and its key epilogue in MLA's launch (indexer_keys' own launch fails here);
   tokens equal to the separate launches'."""
   switches = dict(dense_matmul="pallas_grouped", query_absorb="pallas", indexer_keys="pallas", mla_epilogue="pallas")
-  separate = _generate(tiny, "pallas", "fp8", **switches)
+  separate = _baseline(tiny, "pallas", "fp8", **switches)
   groups = _record_group_sizes(monkeypatch)
   monkeypatch.setattr(indexer_keys_module, "indexer_keys", lambda *a, **kw: pytest.fail("indexer_keys' own launch ran"))
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", index_epilogue="pallas", **switches), separate)
   assert 4 in groups  # q_a, kv_a, wk, weights_proj
+
+
+@fold_lane
+def test_epilogue_write_moves_the_cache_write_into_mlas_launch(tiny, monkeypatch):
+  """epilogue_write="pallas": MLA's joined epilogue launch writes the decode step's new rows into
+  the pages (paged_write's own launch fails for decode steps here; prefill keeps it); tokens
+  equal to the separate write's."""
+  switches = dict(dense_matmul="pallas_grouped", indexer_keys="pallas", mla_epilogue="pallas", index_epilogue="pallas",
+                  cache_write="pallas")
+  separate = _baseline(tiny, "pallas", "fp8", **switches)
+  own_launch = paged_write_module.paged_write
+
+  def prefill_only(layer, page_table, positions, *rows, **kw):
+    if positions.shape[1] <= 8:
+      pytest.fail("a decode step called paged_write")
+    return own_launch(layer, page_table, positions, *rows, **kw)
+
+  monkeypatch.setattr(paged_write_module, "paged_write", prefill_only)
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", epilogue_write="pallas", **switches), separate)
 
 
 @fold_lane
@@ -191,7 +223,7 @@ def test_index_query_finishes_the_indexers_query_in_the_absorbed_query_launch(ti
   launch (the XLA rotation fails for decode steps here, the key's being in indexer_keys' launch);
   tokens equal to the XLA path's."""
   switches = dict(dense_matmul="pallas_grouped", query_absorb="pallas", indexer_keys="pallas")
-  separate = _generate(tiny, "pallas", "fp8", **switches)
+  separate = _baseline(tiny, "pallas", "fp8", **switches)
   _fail_in_decode_steps(monkeypatch, attention, "apply_rope_leading")
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", index_query="pallas", **switches), separate)
 
@@ -201,7 +233,7 @@ def test_swiglu_in_the_down_gemv_generates_the_same_tokens(tiny, monkeypatch):
   """swiglu="pallas": decode steps' MLPs (dense layers and shared experts) take silu(gate) * up
   in the down GEMV's launch from the gate/up partials (the launches recorded: decode rows, both
   kinds of MLP); tokens equal to the XLA path's."""
-  xla = _generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
+  xla = _baseline(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
   calls, original = [], bf16_matmul_module.swiglu_matmul
   monkeypatch.setattr(bf16_matmul_module, "swiglu_matmul", lambda g, u, w: calls.append(g.shape) or original(g, u, w))
   np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped", swiglu="pallas"), xla)
@@ -216,7 +248,7 @@ def test_moe_sum_in_the_shared_experts_launch_generates_the_same_tokens(tiny, mo
   (residual + routed + shared; the launches recorded with the routed partials, one per MoE
   layer and step); tokens equal to the XLA sum's."""
   switches = dict(dense_matmul="pallas_grouped", swiglu="pallas")
-  xla = _generate(tiny, "pallas", "fp8", **switches)
+  xla = _baseline(tiny, "pallas", "fp8", **switches)
   calls, original = [], bf16_matmul_module.swiglu_matmul
   monkeypatch.setattr(bf16_matmul_module, "swiglu_matmul",
                       lambda g, u, w, **kw: calls.append((g.shape, *kw)) or original(g, u, w, **kw))
@@ -273,7 +305,7 @@ def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch
   MLA's epilogue and absorbed query folded too, every GEMV those folds read (q_a, kv_a, q_b,
   o_proj) takes Runtime.fold_splits (here a cap of 3; tiny's K takes 1 anyway); tokens equal to
   the XLA path's."""
-  xla = _generate(tiny, "pallas", "fp8", dense_matmul="pallas")
+  xla = _baseline(tiny, "pallas", "fp8", dense_matmul="pallas")
   calls, original = [], residual_norm_module.residual_norm
   record = lambda *args, **kw: calls.append(args[1].shape) or original(*args, **kw)
   monkeypatch.setattr(residual_norm_module, "residual_norm", record)
@@ -294,7 +326,7 @@ def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch
 def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatch):
   """indexer_splits=256, indexer_block_k=16, indexer_warps=8, attention_warps=8: every scores and
   sparse MLA launch runs with them; each computes what it did, so the tokens are the default's."""
-  default = _generate(tiny, "pallas", "fp8")
+  default = _baseline(tiny, "pallas", "fp8")
   seen = []
 
   def recording(name, fn):
