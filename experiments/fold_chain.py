@@ -37,7 +37,7 @@ _BASE = ("--config=tep8_shard --context=80000 --draft_steps=4 --accept_length=3.
          "--cache_write=pallas --measure_layers=3,5,8 --dense_matmul=pallas_grouped --layer_kernels "
          "--moe_routing=pairs --matmul=pallas_hfma2")
 _FOLDS = ("router", "value_merge", "moe_routing=pairs_fused", "query_absorb", "indexer_keys", "mla_epilogue",
-          "index_epilogue", "index_query", "residual_norm", "swiglu", "moe_sum")
+          "index_epilogue", "index_query", "epilogue_write", "residual_norm", "swiglu", "moe_sum")
 
 _OUT = flags.DEFINE_string("output_dir", "fold_chain_out", "where the chain's files go")
 _BASE_FLAGS = flags.DEFINE_string("base", _BASE, "tep_project's flags for arm 0 (space-separated)")

@@ -4,7 +4,7 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
 --index_epilogue, --epilogue_write, --index_query, --residual_norm, --swiglu, --moe_sum) with the
 DSA kernels' --topk_method, --indexer_orientation, --indexer_splits, --indexer_block_k,
---indexer_warps, --attention_warps, the folds' --fold_splits, --indexer_queries,
+--indexer_warps, --indexer_stages, --attention_warps, the folds' --fold_splits, --indexer_queries,
 --attention_queries, --tensor_parallel and --fragment_operands (`define`);
 glmjax.runtime.Runtime's fields of those names."""
 
@@ -91,6 +91,8 @@ def define() -> Callable[[], dict[str, str | int]]:
                                               "default, 64) or a power of two >= 16"),
       "indexer_warps": flags.DEFINE_integer("indexer_warps", 0, "that kernel's warps per program: 0 (its default, "
                                             "4), 1, 2, 4, 8 or 16"),
+      "indexer_stages": flags.DEFINE_integer("indexer_stages", 0, "that kernel's software-pipeline stages: 0 (its "
+                                             "default, 1) or a count >= 1"),
       "attention_warps": flags.DEFINE_integer("attention_warps", 0, "the Pallas sparse MLA kernel's warps per "
                                               "program: 0 (its default, 4), 1, 2, 4, 8 or 16"),
       "fold_splits": flags.DEFINE(_SplitsParser(), "fold_splits", "fill", "the K splits of a bf16 GEMV whose "

@@ -103,10 +103,12 @@ class Runtime:
   indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
   "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
   reduced across warps); the same scores up to the order of fp32 sums.
-  indexer_splits, indexer_block_k, indexer_warps: that kernel's programs per sequence, keys per
-  loop step and warps per program (IndexerScoresConfig's num_splits, block_k, num_warps); 0 for
-  its default (about 256 programs of 4 warps over 64-key blocks). Any valid choice gives the same
-  scores; run 17's defaults were 128 programs, 128 keys, 8 warps.
+  indexer_splits, indexer_block_k, indexer_warps, indexer_stages: that kernel's programs per
+  sequence, keys per loop step, warps per program and software-pipeline stages
+  (IndexerScoresConfig's num_splits, block_k, num_warps, num_stages); 0 for its default (about
+  256 programs of 4 warps over 64-key blocks, 1 stage). Any valid choice gives the same scores up
+  to the order of the dot's fp32 sums (on an H100, 32-key blocks and 8 warps changed some bits,
+  run 36); run 17's defaults were 128 programs, 128 keys, 8 warps, and 2 stages until run 36.
   attention_warps: the Pallas sparse MLA kernel's warps per program (SparseMLAConfig.num_warps):
   0 for its default (4; 8 until run 26), the same result.
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
@@ -153,6 +155,7 @@ class Runtime:
   indexer_splits: int = 0
   indexer_block_k: int = 0
   indexer_warps: int = 0
+  indexer_stages: int = 0
   attention_warps: int = 0
   fold_splits: str | int = "fill"
   indexer_queries: str = "float32"
@@ -213,7 +216,8 @@ class Runtime:
     """The Pallas indexer scores kernel's IndexerScoresConfig: its defaults where a field is 0; a
     ValueError naming the field for a bad value."""
     from pallas_kernels.indexer_scores import IndexerScoresConfig  # the kernels import glmjax: imported when needed
-    fields = dict(indexer_splits="num_splits", indexer_block_k="block_k", indexer_warps="num_warps")
+    fields = dict(indexer_splits="num_splits", indexer_block_k="block_k", indexer_warps="num_warps",
+                  indexer_stages="num_stages")
     return self._kernel_config(IndexerScoresConfig, fields, orientation=self.indexer_orientation)
 
   def attention_config(self):

@@ -63,7 +63,9 @@ class IndexerScoresConfig:
     (64-key blocks, 4 warps, TARGET_PROGRAMS) beat run 17's (128, 8, at most 128 programs) at
     every context and key type timed in run 26: 80K FP8 keys 19.9 against 22.8 us for 5 tokens,
     8.6 against 10.2 for 1; 128K 30.0 against 35.9; 32K 10.2 against 10.7; 8K 4.1 against 5.0;
-    80K bf16 keys 14.6 against 16.0.
+    80K bf16 keys 14.6 against 16.0. One stage, not two (run 36, H100, keys cold in L2 as in the
+    step: 20.7 against 24.3 us at 80K FP8 keys, 5 tokens; 2 and 3 stages slower at every block
+    size and split count timed; run 34's hot-L2 sweep, whose "default" was in fact 1 stage, agreed).
   orientation: which operand is the MMA's rows. "heads": logits [H, block_k] per query token,
     the head sum a reduction over rows, which the program's warps share (through shared
     memory, once per token and block). "keys" (default): logits [block_k, H], the keys as
@@ -75,7 +77,7 @@ class IndexerScoresConfig:
   block_k: int = 64
   num_splits: int | None = None
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 1
   orientation: str = "keys"
 
   def __post_init__(self):

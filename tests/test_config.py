@@ -261,7 +261,8 @@ def test_runtime_rejects_unknown_switches(field, value):
                                                      ("indexer_splits", -4, "a power of two <= 1024", 256),
                                                      ("indexer_block_k", 48, "a power of two >= 16", 16),
                                                      ("indexer_block_k", 8, "a power of two >= 16", 256),
-                                                     ("indexer_warps", 3, "1, 2, 4, 8 or 16", 8)])
+                                                     ("indexer_warps", 3, "1, 2, 4, 8 or 16", 8),
+                                                     ("indexer_stages", -1, ">= 1", 3)])
 def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message, good):
   """The scores kernel's tuning fields reach IndexerScoresConfig (0: its default) and a bad
   value is an error naming the Runtime field and the rule."""
@@ -269,7 +270,8 @@ def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message,
   from pallas_kernels.indexer_scores import IndexerScoresConfig
   with pytest.raises(ValueError, match=f"{field} must be 0 .*{message}, got {bad}"):
     Runtime(**{field: bad})
-  name = {"indexer_splits": "num_splits", "indexer_block_k": "block_k", "indexer_warps": "num_warps"}[field]
+  name = {"indexer_splits": "num_splits", "indexer_block_k": "block_k", "indexer_warps": "num_warps",
+          "indexer_stages": "num_stages"}[field]
   config = Runtime(**{field: good}, indexer_orientation="heads").indexer_scores_config()
   assert config == IndexerScoresConfig(**{name: good}, orientation="heads")
   assert Runtime().indexer_scores_config() == IndexerScoresConfig()
