@@ -1,8 +1,9 @@
 """Kernel switches as absl flags, shared by the experiments that build a Runtime (replay,
 tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experiment with its own
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
---cache_write, --router, --value_merge, --query_absorb, --indexer_keys, --mla_epilogue,
---index_epilogue, --epilogue_write, --index_query, --residual_norm, --swiglu, --moe_sum) with the
+--cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
+--mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm, --swiglu,
+--moe_sum) with the
 DSA kernels' --topk_method, --indexer_orientation, --indexer_splits, --indexer_block_k,
 --indexer_warps, --indexer_stages, --attention_warps, the folds' --fold_splits, --indexer_queries,
 --attention_queries, --tensor_parallel and --fragment_operands (`define`);
@@ -35,6 +36,8 @@ _FOLD_HELP = {
     "cache_write": "the decode step's cache write: xla (scatters) or pallas (one launch a layer)",
     "router": "the MoE router's expert choice: xla (sum, sort, gather: about five kernels) or pallas (one launch "
               "from the router GEMV's partials)",
+    "router_group": "with --router=pallas --dense_matmul=pallas_grouped: the router's GEMV in its own launch (xla) "
+                    "or pallas (in the shared expert's gate/up launch)",
     "value_merge": "sparse MLA's split merge and value product (--attention=pallas): xla (about six kernels) or "
                    "pallas (one launch)",
     "query_absorb": "MLA's absorbed decode query from q_b's output: xla (sum, RoPE, W_UK copy and dot: about four "

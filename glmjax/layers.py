@@ -146,7 +146,9 @@ class MLP(nn.Module):
   silu(gate) * up itself from the gate/up partials (pallas_kernels/bf16_matmul.swiglu_matmul).
   With residual and routed (the shared expert under Runtime.moe_sum): the MoE layer's new
   residual, residual + (bf16(sum of the routed partials) + the MLP's output), in that launch
-  where its down GEMV takes the whole K in one program, else in XLA's kernels."""
+  where its down GEMV takes the whole K in one program, else in XLA's kernels. partials: the
+  gate and up projections' split-K partials [S, rows, I] where the caller ran them in a launch
+  of its own (the MoE's router GEMV, Runtime.router_group): summed as linear_group sums them."""
   hidden_size: int
   intermediate_size: int
   dtype: jnp.dtype = jnp.float32
@@ -154,7 +156,8 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla", swiglu: str = "xla",
-               residual: jax.Array | None = None, routed: jax.Array | None = None) -> jax.Array:
+               residual: jax.Array | None = None, routed: jax.Array | None = None,
+               partials: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     impls = dict(impl=matmul, dense=dense)
     gate_up = [Weight((self.intermediate_size, x.shape[-1]), ("mlp", "embed"), self.param_dtype, name=name)()
                for name in ("gate_proj", "up_proj")]
@@ -162,7 +165,7 @@ class MLP(nn.Module):
     out_shape = (*x.shape[:-1], self.hidden_size)
     if swiglu == "pallas" and all(quant.takes_bf16_gemv(x, w, dense, self.dtype) for w in (*gate_up, down)):
       from pallas_kernels.bf16_matmul import swiglu_config, swiglu_matmul  # the kernels import the formats
-      g, u = quant.linear_group_partials(x, gate_up, **impls)
+      g, u = partials or quant.linear_group_partials(x, gate_up, **impls)
       if residual is None:
         return swiglu_matmul(g, u, down).reshape(out_shape)
       if swiglu_config(*down.shape, *g.shape[:2]).split_k == 1:
@@ -170,7 +173,11 @@ class MLP(nn.Module):
                              routed=routed).reshape(out_shape)
       out = swiglu_matmul(g, u, down).reshape(out_shape)
     else:
-      gate, up = quant.linear_group(x, gate_up, **impls, dtype=self.dtype)
+      if partials:
+        from pallas_kernels.nvfp4_matmul import summed_splits  # the kernels import the model
+        gate, up = (summed_splits(p, self.dtype).reshape(*x.shape[:-1], -1) for p in partials)
+      else:
+        gate, up = quant.linear_group(x, gate_up, **impls, dtype=self.dtype)
       out = linear(nn.silu(gate) * up, down, **impls, dtype=self.dtype)
     if residual is None:
       return out

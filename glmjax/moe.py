@@ -96,6 +96,29 @@ class Router(nn.Module):
     return route(quant.linear(x, weight, dense=dense, dtype=jnp.float32), bias, c)
 
 
+def _router_group(router: dict, shared: dict) -> list:
+  """The weights of Runtime.router_group's launch: the router's, the shared expert's gate and up."""
+  return [router["weight"], shared["gate_proj"]["weight"], shared["up_proj"]["weight"]]
+
+
+def groups_router(x: jax.Array, router: dict, shared: dict, dense: str) -> bool:
+  """Whether the router's GEMV can join the shared expert's gate/up launch (shared_route) for
+  tokens x, given the Router's and the shared expert's (MLP) params: all three plain bf16 under
+  dense="pallas_grouped", x decode-sized."""
+  return dense == "pallas_grouped" and all(quant.takes_bf16_gemv(x, w, dense, jnp.float32)
+                                           for w in _router_group(router, shared))
+
+
+def shared_route(x: jax.Array, router: dict, shared: dict, config: ModelConfig, dense: str):
+  """Runtime.router_group (where groups_router): the router's choice and the shared expert's
+  gate/up partials from one split-K launch, the three weights reading the same x: (ids, weights,
+  (gate partials, up partials)) for MLP(partials=...). At GLM-5's TEP=8 shapes the launch takes
+  each weight's own split count (8), so every output is the separate launches' bit for bit."""
+  from pallas_kernels.moe_route import route_select  # the kernels import the model
+  logits, gate, up = quant.linear_group_partials(x, _router_group(router, shared), dense=dense)
+  return (*route_select(logits, router["e_score_correction_bias"], config), (gate, up))
+
+
 class Experts(nn.Module):
   """This rank's routed experts, stacked: gate/up [E, i, d], down [E, d, i]."""
   config: ModelConfig
@@ -141,16 +164,24 @@ class MoE(nn.Module):
     flat = x.reshape(-1, x.shape[-1])
     runtime = runtime or Runtime()
     impls, routing = runtime.linear_impls, runtime.moe_routing
-    ids, weights = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"], select=runtime.router)
+    params = None if self.is_initializing() else self.variables["params"]
+    router = None  # the Router's params where its GEMV joins the shared expert's (Runtime.router_group)
+    if (params is not None and runtime.router_group == "pallas"
+        and groups_router(flat, params["gate"], params["shared_experts"], impls["dense"])):
+      router = params["gate"]
+    ids = weights = gate_up = None
+    if router is None:
+      ids, weights = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"], select=runtime.router)
     tep_mesh = mesh.active_mesh()
-    if tep_mesh is not None and not self.is_initializing():
-      params = self.variables["params"]
+    if tep_mesh is not None and params is not None:
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
-                                mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, **impls, **kw)
+                                mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, router=router, **impls, **kw)
       return out.reshape(x.shape)
+    if router is not None:
+      ids, weights, gate_up = shared_route(flat, router, params["shared_experts"], c, impls["dense"])
     routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing,
                                               partials=residual is not None)
     shared_mlp = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)
     if residual is not None:
-      return shared_mlp(x, **runtime.mlp_impls, residual=residual, routed=routed)
-    return routed.reshape(x.shape).astype(self.dtype) + shared_mlp(x, **runtime.mlp_impls)
+      return shared_mlp(x, **runtime.mlp_impls, residual=residual, routed=routed, partials=gate_up)
+    return routed.reshape(x.shape).astype(self.dtype) + shared_mlp(x, **runtime.mlp_impls, partials=gate_up)

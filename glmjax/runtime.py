@@ -18,7 +18,7 @@ TENSOR_PARALLEL = ("shard_map", "gspmd")  # how a TEP mesh splits a layer's atte
 MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
-FOLD_SWITCHES = ("cache_write", "router", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
+FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
                  "index_epilogue", "epilogue_write", "index_query", "residual_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
@@ -51,6 +51,10 @@ class Runtime:
   router: the MoE router's choice of experts from its logits, XLA's kernels (glmjax.moe.route:
   the split-K sum, a sort, the weights' gather and normalisation) or one Pallas launch from the
   GEMV's partials (pallas_kernels/moe_route.py; the same choices wherever the summed logits agree).
+  router_group: with router="pallas" and dense_matmul="pallas_grouped", "pallas" runs the MoE
+  router's GEMV in the shared expert's gate/up launch (all three read the normed x, all plain
+  bf16: glmjax.moe.shared_route; under a TEP mesh inside each device's shard_map, the router
+  replicated), one launch a MoE layer fewer; the same partials, so the same choice and outputs.
   value_merge: under attention="pallas", the sparse MLA kernel's split merge and kv_b_proj's value
   half: XLA's kernels (the merge's reductions, W_UV's fp32 copy, the dot) or one Pallas launch
   (pallas_kernels/sparse_mla.sparse_mla_decode_values; equal to fp32 rounding).
@@ -139,6 +143,7 @@ class Runtime:
   cache_write: str = "xla"
   moe_routing: str = "table"
   router: str = "xla"
+  router_group: str = "xla"
   value_merge: str = "xla"
   query_absorb: str = "xla"
   indexer_keys: str = "xla"
@@ -179,6 +184,10 @@ class Runtime:
     if self.index_epilogue == "pallas" and (self.mla_epilogue, self.indexer_keys) != ("pallas", "pallas"):
       raise ValueError(f"index_epilogue='pallas' joins the indexer_keys launch to the mla_epilogue one: it needs both "
                        f"'pallas', got mla_epilogue={self.mla_epilogue!r}, indexer_keys={self.indexer_keys!r}")
+    if self.router_group == "pallas" and (self.router, self.dense_matmul) != ("pallas", "pallas_grouped"):
+      raise ValueError(f"router_group='pallas' runs the router GEMV in the shared expert's grouped launch and "
+                       f"chooses from its partials: it needs router='pallas' and dense_matmul='pallas_grouped', got "
+                       f"router={self.router!r}, dense_matmul={self.dense_matmul!r}")
     writers = (self.cache_write, self.mla_epilogue, self.index_epilogue)
     if self.epilogue_write == "pallas" and writers != ("pallas",) * 3:
       raise ValueError(f"epilogue_write='pallas' moves paged_write's stores into the joined MLA/indexer epilogue "

@@ -249,6 +249,12 @@ def local_block(j, first: int, blocks: int):
   return jnp.clip(j - first, 0, blocks - 1)
 
 
+def summed_splits(partials: jax.Array, dtype) -> jax.Array:
+  """A split-K GEMV's output [M, N] in dtype from its partials [S, M, N], as its launch sums
+  them (XLA's sum of the fp32 splits, rounded once); also for partials a caller took unsummed."""
+  return partials[0].astype(dtype) if partials.shape[0] == 1 else partials.sum(0).astype(dtype)
+
+
 def skinny_call(kernel, inputs, in_specs, *, m: int, n: int | tuple[int, ...], dtype, config: MatmulConfig,
                 interpret: bool, name: str, keep_splits: bool = False):
   """The (N / block_n, split_k) launch of a skinny-matmul kernel -> [M, N] in dtype. The kernel
@@ -272,7 +278,7 @@ def skinny_call(kernel, inputs, in_specs, *, m: int, n: int | tuple[int, ...], d
       name=name,
   )(*inputs)
   if not keep_splits:
-    outs = [out[0] if split == 1 else out.sum(0).astype(dtype) for out in outs]
+    outs = [summed_splits(out, dtype) for out in outs]
   return tuple(outs) if isinstance(n, tuple) else outs[0]
 
 

@@ -311,6 +311,15 @@ def test_runtime_index_epilogue_needs_both_epilogue_kernels():
   assert Runtime(mla_epilogue="pallas", indexer_keys="pallas", index_epilogue="pallas").index_epilogue == "pallas"
 
 
+def test_runtime_router_group_needs_the_route_kernel_and_grouped_gemvs():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="router_group='pallas'.*got router='xla', dense_matmul='pallas_grouped'"):
+    Runtime(router_group="pallas", dense_matmul="pallas_grouped")
+  with pytest.raises(ValueError, match="router_group='pallas'.*got router='pallas', dense_matmul='pallas'"):
+    Runtime(router_group="pallas", router="pallas", dense_matmul="pallas")
+  assert Runtime(router_group="pallas", router="pallas", dense_matmul="pallas_grouped").router_group == "pallas"
+
+
 def test_runtime_epilogue_write_needs_the_write_and_both_epilogue_kernels():
   from glmjax.runtime import Runtime
   joined = dict(mla_epilogue="pallas", indexer_keys="pallas", index_epilogue="pallas")

@@ -272,6 +272,7 @@ def test_sharded_steps_collectives_and_donated_caches(model, reference_steps, te
 # Every Pallas switch the bf16 model can take at decode: the DSA kernels, the grouped split-K GEMVs
 # and the folds (the NVFP4 experts' pairs_fused aside: its weights are not bf16).
 PALLAS_STACK = dict(attention="pallas", dense_matmul="pallas_grouped", cache_write="pallas", router="pallas",
+              router_group="pallas",
               value_merge="pallas", query_absorb="pallas", indexer_keys="pallas", mla_epilogue="pallas",
               index_epilogue="pallas", epilogue_write="pallas", index_query="pallas", residual_norm="pallas",
               swiglu="pallas",

@@ -218,6 +218,22 @@ def test_epilogue_write_moves_the_cache_write_into_mlas_launch(tiny, monkeypatch
 
 
 @fold_lane
+def test_router_group_runs_the_router_in_the_shared_experts_launch(tiny, monkeypatch):
+  """router_group="pallas": decode steps run the MoE router's GEMV in the shared expert's gate/up
+  launch (the Router module's own GEMV fails for them here) and choose from its partials; tokens
+  equal to the separate launches'."""
+  switches = dict(dense_matmul="pallas_grouped", router="pallas")
+  separate = _baseline(tiny, "pallas", "fp8", **switches)
+  groups = _record_group_sizes(monkeypatch)
+  own_gemv = quant.linear_partials
+  router = (tiny[0].n_routed_experts, tiny[0].hidden_size)
+  monkeypatch.setattr(quant, "linear_partials", lambda x, w, **kw: pytest.fail("a decode step ran the router's GEMV")
+                      if w.shape == router and quant.decode_sized(x) else own_gemv(x, w, **kw))
+  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", router_group="pallas", **switches), separate)
+  assert 3 in groups  # the router, the shared expert's gate and up
+
+
+@fold_lane
 def test_index_query_finishes_the_indexers_query_in_the_absorbed_query_launch(tiny, monkeypatch):
   """index_query="pallas": decode steps sum and rotate the indexer's query in the absorbed-query
   launch (the XLA rotation fails for decode steps here, the key's being in indexer_keys' launch);

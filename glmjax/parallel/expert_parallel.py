@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from glmjax import quant
 from glmjax.config import ModelConfig
 from glmjax.layers import MLP
-from glmjax.moe import expected_local_experts
+from glmjax.moe import expected_local_experts, shared_route
 from glmjax.parallel.mesh import TEP
 from glmjax.parallel.rules import check_config
 from glmjax.parallel.tensor_parallel import MLP_SPECS, local_specs
@@ -37,13 +37,16 @@ EXPERT_SPEC = P(TEP)
 
 def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared: dict, *,
         config: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, matmul: str, dense: str,
-        routing: str, mesh: jax.sharding.AbstractMesh, swiglu: str = "xla") -> jax.Array:
+        routing: str, mesh: jax.sharding.AbstractMesh, swiglu: str = "xla", router: dict | None = None) -> jax.Array:
   """Routed plus shared experts of tokens x [n, d] -> [n, d] in dtype, replicated.
 
   ids, weights [n, k]: the router's choice over all E experts (replicated). experts: the
   `Experts` params (gate/up [E, i, d], down [E, d, i]); shared: the shared expert's `MLP` params.
   matmul, dense: the quantized and plain-weight matmul impls (glmjax.quant.linear); routing:
   the grouped MoE kernels' (glmjax.quant.moe_experts); swiglu: the shared expert's fold (MLP).
+  router: None, or the Router's params (replicated; ids and weights then None): each device
+  chooses in its shared expert's gate/up launch (glmjax.moe.shared_route, Runtime.router_group),
+  the same choice everywhere.
   """
   check_config(config, mesh)
   degree = mesh.shape[TEP]
@@ -51,18 +54,22 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
   shared_mlp = MLP(config.hidden_size, config.shared_intermediate // degree,
                    dtype=dtype, param_dtype=param_dtype)
 
-  def local(x, ids, weights, experts, shared):
+  def local(x, ids, weights, experts, shared, router):
     x = x.astype(dtype)
+    gate_up = None
+    if router is not None:
+      ids, weights, gate_up = shared_route(x, router, shared, config, dense)
     offset = jax.lax.axis_index(TEP) * local_experts
     routed = quant.moe_experts(x, ids - offset, weights, experts["gate_proj"], experts["up_proj"],
                                experts["down_proj"], impl=matmul, routing=routing,
                                chosen=expected_local_experts(config, x.shape[0]) / degree)
-    partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense, swiglu=swiglu)
+    partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense, swiglu=swiglu,
+                                        partials=gate_up)
     return jax.lax.psum(partial, TEP)
 
-  specs = (P(), P(), P(), EXPERT_SPEC, local_specs(shared, MLP_SPECS, mesh, module="shared_experts"))
+  specs = (P(), P(), P(), EXPERT_SPEC, local_specs(shared, MLP_SPECS, mesh, module="shared_experts"), P())
   # check_vma=False: the Pallas kernels inside (the MoE and bf16 GEMVs at decode sizes) state no
   # varying-axes type for their outputs, which the check requires; the psum makes the result
   # replicated, as out_specs says.
   return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(x, ids, weights, experts,
-                                                                                        shared)
+                                                                                        shared, router)
