@@ -36,8 +36,8 @@ _BASE = ("--config=tep8_shard --context=80000 --draft_steps=4 --accept_length=3.
          "--weights=nvfp4_experts --kv_dtype=fp8 --indexer_queries=bfloat16 --attention_queries=bfloat16 "
          "--cache_write=pallas --measure_layers=3,5,8 --dense_matmul=pallas_grouped --layer_kernels "
          "--moe_routing=pairs --matmul=pallas_hfma2")
-_FOLDS = ("router", "router_group", "value_merge", "moe_routing=pairs_fused", "query_absorb", "indexer_keys", "mla_epilogue",
-          "index_epilogue", "index_query", "epilogue_write", "residual_norm", "swiglu", "moe_sum")
+_FOLDS = ("router", "router_group", "value_merge", "moe_routing=pairs_fused", "query_absorb", "indexer_keys",
+          "mla_epilogue", "index_epilogue", "index_query", "epilogue_write", "residual_norm", "swiglu", "moe_sum")
 
 _OUT = flags.DEFINE_string("output_dir", "fold_chain_out", "where the chain's files go")
 _BASE_FLAGS = flags.DEFINE_string("base", _BASE, "tep_project's flags for arm 0 (space-separated)")

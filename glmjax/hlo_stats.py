@@ -232,7 +232,8 @@ def trace_kernels(trace: str | os.PathLike, module: str | None = None) -> dict[s
   (a substring of the module's event names, e.g. `module_name(...)`). None when the trace has no
   device kernel events (a CPU run) or, with `module`, no run of it (a name that did not match)."""
   events = perfetto_events(trace)
-  meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e.get("args", {}).get("name", "")
+  key = lambda e, kind: (e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]
+  meta = lambda kind: {key(e, kind): e.get("args", {}).get("name", "")
                        for e in events if e.get("ph") == "M" and e.get("name") == kind}
   threads, devices = meta("thread_name"), device_pids(events)
   line = lambda e: threads.get((e.get("pid"), e.get("tid")), "")

@@ -86,8 +86,9 @@ class Runtime:
   splits whose programs still cover the SMs, pallas_kernels/bf16_matmul.fold_config), "rule"
   (the GEMV's own, about four programs per SM: 8 splits at each of a TEP=8 rank's three, where
   "fill" gives 2, 4 and 2), or a cap >= 1. The router's, the shared expert's and the indexer's
-  own key GEMVs keep the rule: their 3-8 column blocks need all 8 splits to cover the SMs. Run 35/36 (H100, GEMV + fold): o_proj 17.5 -> 13.4 us at 2 splits, the q_a group 17.6 ->
-  17.1 at 4, the q_b group 14.8 -> 14.2 at 2.
+  own key GEMVs keep the rule: their 3-8 column blocks need all 8 splits to cover the SMs. Run
+  35/36 (H100, GEMV + fold): o_proj 17.5 -> 13.4 us at 2 splits, the q_a group 17.6 -> 17.1 at
+  4, the q_b group 14.8 -> 14.2 at 2.
   swiglu: a SwiGLU MLP's silu(gate) * up (the dense layers' and the shared expert's), XLA's
   kernel (with the gate/up split-K sums) between the two GEMVs, or "pallas": in the down GEMV's
   launch from the gate/up partials at decode, where all three weights take the bf16 GEMV

@@ -221,7 +221,8 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
 
   def launch(kernel, inputs, specs, out, out_spec, cfg: MatmulConfig, n: int, name: str, **extra):
     return pl.pallas_call(
-        functools.partial(kernel, **sizes, **extra), out_shape=out, grid=(pl.cdiv(n, cfg.block_n), cfg.split_k, config.groups),
+        functools.partial(kernel, **sizes, **extra), out_shape=out,
+        grid=(pl.cdiv(n, cfg.block_n), cfg.split_k, config.groups),
         in_specs=specs, out_specs=out_spec, interpret=interpret, name=kernel_name(name, cfg),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*inputs)
 

@@ -246,7 +246,8 @@ def _merge_values_kernel(acc_ref, m_ref, l_ref, kv_b_ref, o_ref, *, tokens: int,
     w_uv = pltriton.load(kv_b_ref.at[h, pl.ds(nope + j * block_v, block_v), pl.ds(c * block_r, block_r)],
                          mask=rows_ok[:, None], other=0.0).astype(jnp.float32)   # [bv, br]
     out += jnp.sum(w_uv * merged[None, :], axis=1)
-  pltriton.store(o_ref.at[b, t, h, pl.ds(j * block_v, block_v)], _normalised(out, den).astype(o_ref.dtype), mask=rows_ok)
+  pltriton.store(o_ref.at[b, t, h, pl.ds(j * block_v, block_v)], _normalised(out, den).astype(o_ref.dtype),
+                 mask=rows_ok)
 
 
 def _merge_values(acc: jax.Array, m: jax.Array, l: jax.Array, kv_b: jax.Array, nope: int, out_dtype,

@@ -99,7 +99,8 @@ class Engine:
     if mtp_cache and not config.num_nextn_predict_layers:
       raise ValueError("mtp_cache=True needs a model with an MTP layer (num_nextn_predict_layers >= 1)")
     # Every round keeps the MTP pages current when they exist, so cached pages serve later drafts.
-    self.mtp = init_mtp_layer(config, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype) if mtp_cache else None
+    self.mtp = (init_mtp_layer(config, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype) if mtp_cache
+                else None)
     self.spec = steps.StepSpec(config, runtime, jnp.dtype(params_dtype(params)).name)
     self.mesh, self.device_loop = mesh, device_loop
     self._last_decode: steps.LoopCall | None = None  # the last round's decode (carry as shapes)

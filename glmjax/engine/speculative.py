@@ -410,7 +410,8 @@ def _spec_parts(consts, *, spec: StepSpec, sampling: Sampling, max_new_tokens: i
                     + (1 - knobs["decay"]) * n / jnp.maximum(num_drafted, 1), s["ema"])
     enter = wants & (num_drafted > 0) & (ema < knobs["floor"])
     return dict(s, ema=ema, fallback=jnp.where(enter, knobs["probe"], s["fallback"]),
-                proposed=s["proposed"] + drafted, accepted=s["accepted"] + (wants[:, None] & (jnp.arange(k) < n[:, None])),
+                proposed=s["proposed"] + drafted,
+                accepted=s["accepted"] + (wants[:, None] & (jnp.arange(k) < n[:, None])),
                 verify_steps=s["verify_steps"] + wants, verified_tokens=s["verified_tokens"] + wants * (n + 1))
 
   def cond(s):
