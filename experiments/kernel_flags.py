@@ -3,11 +3,10 @@ tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experime
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm, --swiglu,
---moe_sum) with the
-DSA kernels' --topk_method, --indexer_orientation, --indexer_splits, --indexer_block_k,
---indexer_warps, --indexer_stages, --attention_warps, the folds' --fold_splits, --indexer_queries,
---attention_queries, --tensor_parallel and --fragment_operands (`define`);
-glmjax.runtime.Runtime's fields of those names."""
+--moe_sum) with the DSA kernels' --topk_method, --indexer_orientation, --indexer_splits,
+--indexer_block_k, --indexer_warps, --indexer_stages, --attention_warps, the folds'
+--fold_splits, --indexer_queries, --attention_queries, --tensor_parallel and --fragment_operands
+(`define`); glmjax.runtime.Runtime's fields of those names."""
 
 from typing import Callable
 

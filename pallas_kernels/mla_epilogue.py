@@ -38,7 +38,7 @@ from glmjax.layers import apply_rope, rms_norm
 from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.indexer_keys import (check_keys_args, indexer_keys_reference, keys_operands, keys_out_shapes,
                                          keys_row)
-from pallas_kernels.paged_write import check_write_args, page_slot, row_tile, store_row
+from pallas_kernels.paged_write import check_write_args, layer_pages, page_slot, row_tile, store_row, with_pages
 from pallas_kernels.partials import check_angles, check_partials, rms_normed, rotate_pairs, split_sum
 
 
@@ -178,32 +178,19 @@ def mla_epilogue(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Arra
   out, written_pages = out[:len(out) - len(pages)], out[len(out) - len(pages):]
   mla = (out[0], out[1], out[2].reshape(n, rope))
   mla = mla if keys is None else mla + (out[3].reshape(n, dim), out[4])
-  return mla if write is None else mla + (_written_layer(write[0], written_pages),)
+  return mla if write is None else mla + (with_pages(write[0], keys is not None, written_pages),)
 
 
 def _cache_pages(layer: LayerCache, has_index: bool, n: int, rank: int, rope: int, dim: int | None, page_table,
-                 positions) -> tuple[jax.Array, ...]:
-  """The pages mla_epilogue writes (latent and its FP8 scales, k_rope, and with the indexer's
-  key its pages and scales), after paged_write's checks of the rows they take."""
+                 positions) -> list[jax.Array]:
+  """The pages mla_epilogue writes (paged_write.layer_pages), after paged_write's checks of the
+  rows they take."""
   b, t = positions.shape
   if b * t != n:
     raise ValueError(f"mla_epilogue: write's positions [{b}, {t}] must hold the {n} tokens' positions")
-  if has_index and layer.index_k is None:
-    raise ValueError("mla_epilogue: this layer's cache stores no indexer keys, but index_keys were given")
   rows = lambda width: jax.ShapeDtypeStruct((b, t, width), jnp.float32)
   check_write_args(layer, page_table, positions, rows(rank), rows(rope), rows(dim) if has_index else None)
-  pages = (layer.latent, *([layer.latent_scale] if layer.latent_scale is not None else []), layer.k_rope)
-  if has_index:
-    pages += (layer.index_k, *([layer.index_scale] if layer.index_scale is not None else []))
-  return pages
-
-
-def _written_layer(layer: LayerCache, pages) -> LayerCache:
-  """`layer` with the pages _cache_pages listed replaced by their written outputs, in order."""
-  pages = list(pages)
-  take = lambda old: old if old is None or not pages else pages.pop(0)
-  latent, latent_scale, k_rope = take(layer.latent), take(layer.latent_scale), take(layer.k_rope)
-  return LayerCache(latent, latent_scale, k_rope, take(layer.index_k), take(layer.index_scale))
+  return layer_pages(layer, has_index)
 
 
 def mla_epilogue_reference(q_partials: jax.Array, kv_partials: jax.Array, q_norm: jax.Array, kv_norm: jax.Array,

@@ -57,6 +57,23 @@ def row_tile(dim: int, fp8: bool) -> tuple[int, int]:
   return dim // block, block
 
 
+def layer_pages(layer: LayerCache, has_index: bool) -> list[jax.Array]:
+  """The page arrays a write stores into, in its launch's order: latent (and its FP8 scales),
+  k_rope, and with the indexer's key its pages (and scales)."""
+  pages = [layer.latent, *([layer.latent_scale] if layer.latent_scale is not None else []), layer.k_rope]
+  if has_index:
+    pages += [layer.index_k, *([layer.index_scale] if layer.index_scale is not None else [])]
+  return pages
+
+
+def with_pages(layer: LayerCache, has_index: bool, written) -> LayerCache:
+  """`layer` with layer_pages(layer, has_index) replaced by `written`, their outputs in order."""
+  written = iter(written)
+  take = lambda old, new=True: next(written) if old is not None and new else old
+  return LayerCache(take(layer.latent), take(layer.latent_scale), take(layer.k_rope),  # in layer_pages' order
+                    take(layer.index_k, has_index), take(layer.index_scale, has_index))
+
+
 def _write_kernel(pos_ref, pt_ref, *refs, page_size: int, fp8: bool, has_index: bool):
   """One new token's rows into the layer's pages."""
   # pos_ref [] i32 ; pt_ref [max_pages] i32 ; new rows: latent [R], k_rope [dr], index_k [Di]
@@ -114,9 +131,7 @@ def paged_write(layer: LayerCache, page_table: jax.Array, positions: jax.Array, 
   interpret = resolve_interpret(interpret)
   fp8 = layer.latent_scale is not None
   has_index = index_k is not None
-  pages = [layer.latent, *([layer.latent_scale] if fp8 else []), layer.k_rope]
-  if has_index:
-    pages += [layer.index_k, *([layer.index_scale] if fp8 else [])]
+  pages = layer_pages(layer, has_index)
   new = [latent, k_rope] + ([index_k] if has_index else [])
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
   row = lambda a: pl.BlockSpec((None, None, a.shape[-1]), lambda i, j: (i, j, 0))
@@ -134,10 +149,4 @@ def paged_write(layer: LayerCache, page_table: jax.Array, positions: jax.Array, 
       interpret=interpret,
       name="paged_write",
   )(positions, page_table, *new, *pages)
-  written = list(written)
-  latent_pages, latent_scale = written.pop(0), written.pop(0) if fp8 else None
-  rope_pages = written.pop(0)
-  index_pages, index_scale = layer.index_k, layer.index_scale
-  if has_index:
-    index_pages, index_scale = written.pop(0), written.pop(0) if fp8 else None
-  return LayerCache(latent_pages, latent_scale, rope_pages, index_pages, index_scale)
+  return with_pages(layer, has_index, written)

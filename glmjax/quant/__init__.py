@@ -67,9 +67,9 @@ QuantizedWeight = NVFP4Weight | FP8BlockWeight | FragmentWeight
 
 __all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FRAGMENT_OPERAND_CHOICES", "FRAGMENT_OPERANDS", "FragmentWeight", "IMPLS",
            "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight", "arrange_params", "decode_sized",
-           "from_fragments", "linear",
-           "linear_group", "linear_group_partials", "linear_partials", "moe_experts", "param", "quantize_fp8_block",
-           "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes", "to_fragments"]
+           "from_fragments", "linear", "linear_group", "linear_group_partials", "linear_partials", "moe_experts",
+           "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes",
+           "to_fragments"]
 
 
 def _check_impl(impl: str, dense: str = "xla") -> None:
