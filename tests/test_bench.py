@@ -258,16 +258,20 @@ def test_step_times_interleave_the_programs():
   time is its lengths' median times apart over their steps, so a slow round (the device's
   clocks) moves no median."""
   from experiments import step_timing
-  calls = []
+  calls, traced = [], []
 
   def program(name, per_step):
-    def once(n):
+    def once(n, trace_dir=""):
+      if trace_dir:
+        traced.append((name, n, trace_dir))
+        return 0.0, n
       calls.append((name, n))
       # call 5: a's short loop compiling again in the second warm-up; 11, 12: b's first timed round
       slow = {5: 1000.0, 11: 5.0, 12: 5.0}.get(len(calls), 1.0)
       return slow * (0.5 + per_step * n), n  # loop steps = n
     return step_timing._Program(once, (2, 6))
 
-  times = step_timing._step_times([program("a", 0.1), program("b", 0.3)], repeats=3, trace_dirs=["", ""])
+  times = step_timing._step_times([program("a", 0.1), program("b", 0.3)], repeats=3, trace_dirs=["", "tb"])
   assert calls == [("a", 2), ("a", 6), ("b", 2), ("b", 6)] * 5
+  assert traced == [("b", 6, "tb")]  # one more call of the longer loop, traced inside once
   assert [t.seconds for t in times] == pytest.approx([0.1, 0.3]) and [t.long_loop_steps for t in times] == [6, 6]
