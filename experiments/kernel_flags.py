@@ -3,7 +3,7 @@ tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experime
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm, --swiglu,
---moe_sum) with the DSA kernels' --topk_method, --indexer_orientation, --indexer_splits,
+--moe_sum) with the DSA kernels' --topk_method, --topk_trials, --indexer_orientation, --indexer_splits,
 --indexer_block_k, --indexer_warps, --indexer_stages, --attention_warps, the folds'
 --fold_splits, --indexer_queries, --attention_queries, --tensor_parallel and --fragment_operands
 (`define`); glmjax.runtime.Runtime's fields of those names."""
@@ -84,6 +84,9 @@ def define() -> Callable[[], dict[str, str | int]]:
       **{name: flags.DEFINE_enum(name, "xla", list(FOLDS), _FOLD_HELP[name]) for name in FOLD_SWITCHES},
       "topk_method": flags.DEFINE_enum("topk_method", "sampled", list(METHODS),
                                        "the Pallas top-k's algorithm (--attention=pallas)"),
+      "topk_trials": flags.DEFINE_integer("topk_trials", 0, "the keys the sampled top-k's threshold search "
+                                          "counts at per step: 0 (its default, 4), or a power of two <= 32 (1: one "
+                                          "guess a step)"),
       "indexer_orientation": flags.DEFINE_enum("indexer_orientation", "keys", list(ORIENTATIONS),
                                                "the Pallas indexer scores kernel's MMA rows: keys (head sums within "
                                                "a warp) or heads (across warps)"),

@@ -247,7 +247,7 @@ class MLAttention(nn.Module):
     if idx is not None:
       q_idx, w_idx, _ = idx
       prev_topk = dsa.cached_topk(q_idx, w_idx, layer, cache.page_table, positions, c.index_topk,
-                                  runtime.attention, runtime.topk_ties, runtime.topk_method,
+                                  runtime.attention, runtime.topk_ties, runtime.topk_config(),
                                   runtime.indexer_scores_config())
     out = dsa.cached_attention_values(q_latent, q_pe, layer, cache.page_table, positions, prev_topk,
                                       c.softmax_scale, runtime.attention, kv_b, c.qk_nope_head_dim,

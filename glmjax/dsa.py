@@ -55,15 +55,15 @@ def causal_valid(positions: jax.Array, num_keys: int) -> jax.Array:
 
 
 def cached_topk(q, weights, layer: paged.LayerCache, page_table, positions, k: int, impl: str,
-                ties: str = "index", method: str = "sampled", scores_config=None) -> jax.Array:
+                ties: str = "index", topk_config=None, scores_config=None) -> jax.Array:
   """Indexer selection over the cached keys for the step's queries: [B, T, min(k, S)].
-  method, scores_config: the Pallas top-k algorithm and the scores kernel's IndexerScoresConfig
-  (None: its defaults) (impl="pallas")."""
+  topk_config, scores_config: the Pallas top-k's TopKConfig and the scores kernel's
+  IndexerScoresConfig (None: their defaults) (impl="pallas")."""
   if impl == "pallas" and ties == "index":
     from pallas_kernels import indexer_topk, topk
     return indexer_topk.indexer_topk(q, weights, layer.index_k, layer.index_scale, page_table, positions,
                                      num_keys=page_table.shape[1] * layer.page_size, k=k,
-                                     scores_config=scores_config, topk_config=topk.TopKConfig(method=method))
+                                     scores_config=scores_config, topk_config=topk_config)
   # dense and sparse select alike (scores over every cached key); they differ in attention.
   keys = paged.gather_index_keys(layer, page_table)
   scores = index_scores(q, weights, keys, causal_valid(positions, keys.shape[1]))

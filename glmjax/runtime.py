@@ -105,6 +105,9 @@ class Runtime:
   CPU choice, emulated on the host: only for bit-exact comparison with transformers).
   topk_method: the Pallas top-k's algorithm under attention="pallas" (pallas_kernels/topk.py:
   "sampled", the default, or "radix"; both exact).
+  topk_trials: the keys the sampled top-k's threshold search counts at per step
+  (TopKConfig.threshold_trials): 0 for its default (4), 1 for the single-guess search of runs
+  17-36; the same selection.
   indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
   "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
   reduced across warps); the same scores up to the order of fp32 sums.
@@ -157,6 +160,7 @@ class Runtime:
   moe_sum: str = "xla"
   topk_ties: str = "index"
   topk_method: str = "sampled"
+  topk_trials: int = 0
   indexer_orientation: str = "keys"
   indexer_splits: int = 0
   indexer_block_k: int = 0
@@ -178,6 +182,7 @@ class Runtime:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
     self.indexer_scores_config()  # a clear error for a bad indexer_splits, _block_k or _warps
     self.attention_config()  # ... or attention_warps
+    self.topk_config()  # ... or topk_trials
     check_fold_splits(self.fold_splits)
     if self.value_merge == "pallas" and self.attention != "pallas":
       raise ValueError(f"value_merge='pallas' is the Pallas sparse MLA kernel's merge: it needs "
@@ -234,6 +239,11 @@ class Runtime:
     """The Pallas sparse MLA kernel's SparseMLAConfig, likewise."""
     from pallas_kernels.sparse_mla import SparseMLAConfig
     return self._kernel_config(SparseMLAConfig, dict(attention_warps="num_warps"))
+
+  def topk_config(self):
+    """The Pallas top-k's TopKConfig, likewise, with topk_method's algorithm."""
+    from pallas_kernels.topk import TopKConfig
+    return self._kernel_config(TopKConfig, dict(topk_trials="threshold_trials"), method=self.topk_method)
 
   def _kernel_config(self, config_class, fields: dict[str, str], **fixed):
     """config_class(**fixed) with each non-zero Runtime field of `fields` (Runtime name -> config

@@ -106,6 +106,7 @@ MAX_CANDIDATES = 16384  # the sampled select's buffer, held in registers: 32 key
 LANE_WIDTH = 128  # scores a warp loads in one 128-bit load a thread
 _NO_KEY = 0xFFFFFFFF  # above every key (order_key(+inf) is 0xFF800000)
 _LARGEST_BELOW_2_32 = 4294967040.0  # the largest float32 under 2^32: a float stride that fits uint32
+SEARCH_SPREAD = 0.5  # count_search's multiples of its guess span 2^-0.5 .. 2^0.5 (simulated: 0.3-2 alike)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,13 @@ class TopKConfig:
     (True), or only the position, the select then gathering the keys from the row (False: one
     scattered store a candidate fewer; with the stores timed alone, 64 rows' compaction 17.3 us
     against 23.8, BENCHMARKS.md run 18; the select's gather not yet timed).
+  threshold_trials, select_trials: keys the sampled method's two searches (`count_search`: the
+    threshold's over the sample, the select's over the candidates) count at in each step (a
+    power of two <= 32): one reduction of more compares, in fewer steps. 1 is the single-guess
+    search of runs 17-36. Measured (BENCHMARKS.md run 37, H100, 5 rows of 81,920 indexer scores,
+    k = 2048, threshold / select trials): 1/1 31.3 us (count 16.6, select 9.2), 4/4 24.8 (8.4,
+    11.1), 8/8 29.1 (9.5, 14.2), 16/16 39.2: the threshold's search, 16 sample keys a thread,
+    gains most at 4; the select's, 32 candidates a thread, loses with every trial it adds.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
@@ -144,6 +152,8 @@ class TopKConfig:
   select_warps: int | None = None
   scan_lanes: int | None = None
   candidate_keys: bool = True
+  threshold_trials: int = 4
+  select_trials: int = 1
 
   def __post_init__(self):
     check_tile("TopKConfig", "block", self.block)
@@ -154,6 +164,10 @@ class TopKConfig:
       check_launch("TopKConfig", self.select_warps)
     check_choice("TopKConfig", "method", self.method, METHODS)
     check_tile("TopKConfig", "sample", self.sample)
+    for name in ("threshold_trials", "select_trials"):
+      check_tile("TopKConfig", name, getattr(self, name), minimum=1)
+      if getattr(self, name) > 32:
+        raise ValueError(f"TopKConfig.{name} must be a power of two <= 32, got {getattr(self, name)}")
     if self.scan_lanes is not None and (self.scan_lanes < 1 or self.scan_block % self.scan_lanes
                                         or self.scan_lanes & (self.scan_lanes - 1)):
       raise ValueError(f"TopKConfig.scan_lanes must be a power of two dividing scan_block "
@@ -558,51 +572,82 @@ def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   return SamplePlan(stride, r_lo, r_lo // 4, capacity) if fits else None
 
 
-def count_search(keys: jax.Array, rank, lo, c_lo, hi, slack: int = 0):
+def count_search(keys: jax.Array, rank, lo, c_lo, hi, slack: int = 0, trials: int = 1):
   """A key bracket around the rank-th largest of uint32 keys [m] held in registers, by counts
   alone (no histogram, no sort). Starts from lo (c_lo = count of keys >= lo, at least rank) and
-  hi (no key at or above it); each step counts the keys at or above one trial between them and
-  moves the end it beats. Stops when some lo has rank to rank + slack keys at or above it
-  (`found`), or when hi = lo + 1 (lo is then a key whose ties straddle the window).
-  Returns (lo, hi, c_lo, c_hi, found), c_hi the count at or above hi.
+  hi (no key at or above it); each step counts the keys at or above `trials` keys between them
+  and moves each end to the closest trial it beats. Stops when some lo has rank to rank + slack
+  keys at or above it (`found`), or when hi = lo + 1 (lo is then a key whose ties straddle the
+  window). Returns (lo, hi, c_lo, c_hi, found), c_hi the count at or above hi.
 
-  Each count is a reduction over the program's threads, about 0.4 us on the H200, so the number
-  of steps is the cost. The trial is the regula falsi guess (where the count would reach
-  rank + slack / 2 were the keys between lo and hi evenly spread; order keys of nearby floats
-  nearly are) with the Illinois rule: an end that has stayed put twice weighs half in the
-  guess, so one-sided convergence speeds up. After three steps that all moved one end it tries
-  the other end's neighbour (a mass of ties at lo, such as ReLU's zeros, ends there at once).
-  A host simulation of these rules (docs/BENCHMARKS.md run 17): 6 steps for the threshold and
-  8-10 for the select on normal, uniform and exponential rows, where the previous search's
-  halving safeguard took 11 and 13-15; up to 39 on rows of scores rounded to 1/8 (staircases).
+  A step's counts are one reduction over the program's threads. With few keys a thread its
+  latency is most of a step, so fewer steps pay; with many, the compares (trials x keys a
+  thread) cost more than the steps they save (BENCHMARKS.md run 37). The guess is the regula
+  falsi point (where the count would reach rank + slack / 2 were the keys between lo and hi
+  evenly spread; order keys of nearby floats nearly are) with the Illinois rule: an end that
+  has stayed put twice weighs half in the guess, so one-sided convergence speeds up.
+  trials = 1 counts at the guess alone; after three steps that all moved one end it tries the
+  other end's neighbour (a mass of ties at lo, such as ReLU's zeros, ends there at once).
+  trials > 1 (a power of two) counts, in the same reduction, at lo + 1 (the ties' exit, every
+  step) and at trials - 1 multiples of the guess spread geometrically over a factor of 2 around
+  it (SEARCH_SPREAD). A host simulation of these rules on 15 rows of indexer scores (80K keys,
+  k = 2048) and normal, uniform, exponential and staircase rows: the threshold's search over
+  4096 samples 5.5 steps on average with one trial, 4.1 with 4, 3.2 with 8; the select's over
+  its candidates 11.6, 5.9 and 4.4 (the staircase 29, 14 and 10). TopKConfig's
+  threshold_trials and select_trials say which pays on the GPU.
   """
   target = jnp.asarray(rank, jnp.float32) + slack / 2
 
   def searching(carry):
-    lo, hi, _, _, _, _, _, found = carry
+    lo, hi, *_, found = carry
     return (hi - lo > 1) & ~found
+
+  def guess(lo, hi, c_lo, c_hi, w_lo, w_hi):  # the regula falsi stride from lo, a float
+    above_target = (c_lo.astype(jnp.float32) - target) * w_lo  # > 0 while searching
+    below_target = (target - c_hi.astype(jnp.float32)) * w_hi   # > 0: c_hi < rank
+    return (hi - lo).astype(jnp.float32) * above_target / (above_target + below_target)
+
+  def inside(lo, hi, stride):  # lo + stride, kept strictly between lo and hi
+    stride = jnp.minimum(stride, _LARGEST_BELOW_2_32).astype(jnp.uint32)
+    return lo + jnp.clip(stride, 1, hi - lo - 1)
+
+  halve = lambda w, stale: jnp.where(stale, w * 0.5, 1.0)  # Illinois: an end's weight in the guess
 
   def step(carry):
     lo, hi, c_lo, c_hi, w_lo, w_hi, moves, _ = carry  # moves: > 0 hi moved that often in a row, < 0 lo
     span = hi - lo
-    above_target = (c_lo.astype(jnp.float32) - target) * w_lo  # > 0 while searching
-    below_target = (target - c_hi.astype(jnp.float32)) * w_hi   # > 0: c_hi < rank
-    guess = jnp.minimum(span.astype(jnp.float32) * above_target / (above_target + below_target),
-                        _LARGEST_BELOW_2_32).astype(jnp.uint32)
-    stride = jnp.where(moves >= 3, 1, jnp.where(moves <= -3, span - 1, guess))
-    trial = lo + jnp.clip(stride, 1, span - 1)
+    stride = jnp.where(moves >= 3, 1.0, jnp.where(moves <= -3, (span - 1).astype(jnp.float32),
+                                                     guess(lo, hi, c_lo, c_hi, w_lo, w_hi)))
+    trial = inside(lo, hi, stride)
     count = jnp.sum((keys >= trial).astype(jnp.int32))
     enough = count >= rank
-    halve = lambda w, stale: jnp.where(stale, w * 0.5, 1.0)
     return (jnp.where(enough, trial, lo), jnp.where(enough, hi, trial), jnp.where(enough, count, c_lo),
             jnp.where(enough, c_hi, count),
             halve(w_lo, ~enough & (moves > 0)), halve(w_hi, enough & (moves < 0)),
             jnp.where(enough, jnp.minimum(moves, 0) - 1, jnp.maximum(moves, 0) + 1),
             enough & (count <= rank + slack))
 
+  def multi_step(carry):
+    lo, hi, c_lo, c_hi, w_lo, w_hi, moves, _ = carry  # moves: as step's, for the Illinois rule
+    j = jnp.arange(trials, dtype=jnp.int32)
+    half = (trials - 2) / 2  # multiples j = 1 .. trials - 1 of the guess: 2^(spread (j - 1 - half) / half)
+    spread = SEARCH_SPREAD * (j - 1 - half).astype(jnp.float32) / max(half, 1)
+    stride = jnp.where(j == 0, 1.0, guess(lo, hi, c_lo, c_hi, w_lo, w_hi) * jnp.exp2(spread))
+    points = inside(lo, hi, stride)  # ascending: counts descend, those >= rank a prefix
+    counts = jnp.sum((keys[None, :] >= points[:, None]).astype(jnp.int32), axis=1)
+    enough = counts >= rank
+    some, all_ = jnp.max(counts) >= rank, jnp.min(counts) >= rank  # (Triton lowers no boolean reductions)
+    new_lo = jnp.max(jnp.where(enough, points, lo))
+    new_c_lo = jnp.min(jnp.where(enough, counts, c_lo))
+    return (new_lo, jnp.min(jnp.where(enough, hi, points)), new_c_lo, jnp.max(jnp.where(enough, c_hi, counts)),
+            halve(w_lo, ~some & (moves > 0)), halve(w_hi, all_ & (moves < 0)),
+            jnp.where(all_, jnp.minimum(moves, 0) - 1, jnp.where(some, 0, jnp.maximum(moves, 0) + 1)),
+            some & (new_c_lo <= rank + slack))
+
   one = jnp.float32(1.0)
   lo, hi, c_lo, c_hi, *_, found = lax.while_loop(
-      searching, step, (lo, hi, c_lo, jnp.int32(0), one, one, jnp.int32(0), c_lo <= rank + slack))
+      searching, step if trials == 1 else multi_step,
+      (lo, hi, c_lo, jnp.int32(0), one, one, jnp.int32(0), c_lo <= rank + slack))
   return lo, hi, c_lo, c_hi, found
 
 
@@ -612,19 +657,19 @@ def _against(key: jax.Array, inside: jax.Array, threshold) -> tuple[jax.Array, j
   return valid & (key > threshold), valid & (key == threshold)
 
 
-def _sample_threshold(row_ref, *, sample: int, plan: SamplePlan):
+def _sample_threshold(row_ref, *, sample: int, plan: SamplePlan, trials: int):
   """A key T with r_lo to r_lo + slack of the row's sample keys above it (or, where the ties of
   one sample key straddle that window, that key: its ties are then T's ties)."""
   # row_ref [n] f32 (the whole row: its sample)
   keys = order_key(row_ref[jnp.arange(sample, dtype=jnp.int32) * plan.stride])
   lo, _, _, _, found = count_search(keys, plan.r_lo, jnp.min(keys), jnp.int32(sample), jnp.max(keys) + 1,
-                                    slack=plan.slack)
+                                    slack=plan.slack, trials=trials)
   return lo - (found & (lo > 0)).astype(jnp.uint32)  # found: the keys above lo - 1 are those at or above lo
 
 
-def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, plan: SamplePlan):
+def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, plan: SamplePlan, trials: int):
   # row_ref [n] f32 ; threshold_ref [] u32 (the row's)
-  threshold_ref[...] = _sample_threshold(row_ref, sample=sample, plan=plan)
+  threshold_ref[...] = _sample_threshold(row_ref, sample=sample, plan=plan, trials=trials)
 
 
 def _lane_tile(chunk_ref, i, *, start, n: int, lanes: int, width: int):
@@ -639,7 +684,7 @@ def _lane_tile(chunk_ref, i, *, start, n: int, lanes: int, width: int):
 
 
 def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_ref, *, n: int, lanes: int,
-                         width: int, sample: int, plan: SamplePlan, own_threshold: bool):
+                         width: int, sample: int, plan: SamplePlan, trials: int, own_threshold: bool):
   """Per segment of this chunk (`_lane_tile`), the numbers of keys above the row's threshold and
   equal to it, summed over the chunk in registers and reduced once at the end; the row's first
   program also writes the threshold for the later launches. own_threshold: the program derives
@@ -647,7 +692,8 @@ def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_r
   saves a launch where the row's programs fit on the SMs at once."""
   # chunk_ref [chunk] f32 ; source_ref [n] f32 (the whole row) if own_threshold else [] u32 (the
   # row's threshold) ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [lanes] i32 (this program's)
-  threshold = _sample_threshold(source_ref, sample=sample, plan=plan) if own_threshold else source_ref[...]
+  threshold = (_sample_threshold(source_ref, sample=sample, plan=plan, trials=trials) if own_threshold
+               else source_ref[...])
   s = pl.program_id(1)
   start = s * chunk_ref.shape[0]
 
@@ -720,7 +766,8 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *outs, n: int
                 (offsets(above_ref, above_counts), offsets(tied_ref, tied_counts)))
 
 
-def _select_candidates(out_ref, candidate_keys, cand_pos_ref, tie_pos_ref, threshold, above, tied, *, k: int):
+def _select_candidates(out_ref, candidate_keys, cand_pos_ref, tie_pos_ref, threshold, above, tied, *, k: int,
+                       trials: int):
   """The k largest of the row from its buffers, all in registers: `count_search` over the
   candidates (every one above the threshold) for a bound with exactly k keys at or above it,
   or for the k-th key when its ties straddle k (then its first ties by position), then (when
@@ -731,7 +778,7 @@ def _select_candidates(out_ref, candidate_keys, cand_pos_ref, tie_pos_ref, thres
   inside = jnp.arange(capacity, dtype=jnp.int32) < above
   keys = jnp.where(inside, candidate_keys(inside), jnp.uint32(0))
   taken = jnp.minimum(above, k)
-  lo, hi, _, c_hi, found = count_search(keys, taken, threshold + 1, above, jnp.max(keys) + 1)
+  lo, hi, _, c_hi, found = count_search(keys, taken, threshold + 1, above, jnp.max(keys) + 1, trials=trials)
 
   def straddling_ties():  # lo is the k-th key: the keys above it, then its first ties
     at = keys == lo
@@ -748,7 +795,7 @@ def _select_candidates(out_ref, candidate_keys, cand_pos_ref, tie_pos_ref, thres
   pltriton.store(out_ref.at[jnp.where(empty, j, k)], jnp.full((k_pow2,), -1, jnp.int32), mask=empty)
 
 
-def _sampled_select_kernel(*refs, k: int, n: int, block: int, candidate_keys: bool):
+def _sampled_select_kernel(*refs, k: int, n: int, block: int, candidate_keys: bool, trials: int):
   """Top k from the buffers when they hold it: the candidates fit, and they with the threshold's
   ties reach k (or the threshold is 0: every valid key is a candidate). Otherwise (a sample
   more than 4 sigma off, or a row of many equal scores above the k-th) the histogram select
@@ -772,7 +819,7 @@ def _sampled_select_kernel(*refs, k: int, n: int, block: int, candidate_keys: bo
     return order_key(pltriton.load(row_ref.at[cand_pos_ref[...]], mask=inside, other=-jnp.inf))
 
   candidates = functools.partial(_select_candidates, out_ref, keys, cand_pos_ref, tie_pos_ref, threshold,
-                                 above, tied, k=k)
+                                 above, tied, k=k, trials=trials)
   lax.cond(fast, candidates, whole_row)
   fallback_ref[...] = 1 - fast.astype(jnp.int32)
 
@@ -805,7 +852,7 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
     source, source_spec = scores, row_spec(n)
   else:
     source, source_spec = pl.pallas_call(
-        functools.partial(_sample_threshold_kernel, sample=config.sample, plan=plan),
+        functools.partial(_sample_threshold_kernel, sample=config.sample, plan=plan, trials=config.threshold_trials),
         grid=(rows,),
         in_specs=[row_spec(n)],
         out_specs=per_row,
@@ -819,7 +866,8 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   tile = dict(n=n, lanes=lanes, width=block // lanes)
   per_program = pl.BlockSpec((None, lanes), lambda r, s: (r, s))
   threshold, above, tied = pl.pallas_call(
-      functools.partial(_sample_count_kernel, **tile, sample=config.sample, plan=plan, own_threshold=own_threshold),
+      functools.partial(_sample_count_kernel, **tile, sample=config.sample, plan=plan, trials=config.threshold_trials,
+                        own_threshold=own_threshold),
       grid=(rows, splits),
       in_specs=[chunk_spec, source_spec],
       out_specs=[per_row, per_program, per_program],
@@ -844,7 +892,8 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
       name="topk_compact",
   )(scores, threshold, above, tied)
   return pl.pallas_call(
-      functools.partial(_sampled_select_kernel, k=k, n=n, block=config.block, candidate_keys=stored),
+      functools.partial(_sampled_select_kernel, k=k, n=n, block=config.block, candidate_keys=stored,
+                        trials=config.select_trials),
       grid=(rows,),
       in_specs=[row_spec(plan.capacity)] * (1 + stored) + [row_spec(k_pow2), row_spec(n), *[per_row] * 3],
       out_specs=[row_spec(k), per_row],

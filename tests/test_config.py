@@ -277,6 +277,17 @@ def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message,
   assert Runtime().indexer_scores_config() == IndexerScoresConfig()
 
 
+def test_runtime_topk_trials_reach_the_topk_config():
+  """topk_trials (0: the kernel's default) and topk_method make the TopKConfig the attention
+  reads; a bad trial count is an error naming the field."""
+  from glmjax.runtime import Runtime
+  from pallas_kernels.topk import TopKConfig
+  with pytest.raises(ValueError, match="topk_trials must be 0 .*threshold_trials must be a power of two >= 1, got 3"):
+    Runtime(topk_trials=3)
+  assert Runtime().topk_config() == TopKConfig()
+  assert Runtime(topk_trials=1, topk_method="radix").topk_config() == TopKConfig(threshold_trials=1, method="radix")
+
+
 @pytest.mark.parametrize("bad", [0, -1, "fewest", 2.0, True])
 def test_runtime_fold_splits_is_a_rule_or_a_cap(bad):
   from glmjax.runtime import Runtime

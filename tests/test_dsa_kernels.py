@@ -141,16 +141,16 @@ def test_topk_k_equals_n():
   _assert_same_sets(np.asarray(got), np.asarray(topk_indices_reference(scores, 48)))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_count_search_brackets_the_rank(seed):
+@pytest.mark.parametrize("seed,trials", [(0, 1), (1, 1), (0, 8), (1, 4), (2, 32)])
+def test_count_search_brackets_the_rank(seed, trials):
   """The in-register count search (plain jnp here) against a sort, over distinct, tied and
   clustered keys with invalid (zero) slots, from the bracket the kernels start from (every
   valid key at or above lo; none at or above hi): when found, rank to rank + slack keys lie at
   or above lo; otherwise lo is the rank-th key, its ties straddle the window, and hi = lo + 1;
-  the returned counts are the true ones either way."""
+  the returned counts are the true ones either way; with one trial a step or several."""
   rng = _rng(seed)
   m = 512
-  search = jax.jit(topk.count_search, static_argnames="slack")
+  search = jax.jit(functools.partial(topk.count_search, trials=trials), static_argnames="slack")
   for keys in (rng.integers(1, 2 ** 32 - 1, m, dtype=np.uint64), rng.integers(1, 6, m),
                0x80000000 + rng.integers(0, 2 ** 12, m)):
     valid = rng.random(m) < 0.7
@@ -174,26 +174,29 @@ def test_count_search_brackets_the_rank(seed):
 SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
 
 
-def _sampled(scores, k, lanes=None, keys=True):
-  config = dataclasses.replace(SAMPLED, scan_lanes=lanes, candidate_keys=keys)
+def _sampled(scores, k, lanes=None, keys=True, trials=(4, 1)):
+  config = dataclasses.replace(SAMPLED, scan_lanes=lanes, candidate_keys=keys, threshold_trials=trials[0],
+                               select_trials=trials[1])
   plan = topk.sample_plan(scores.shape[-1], k, config.sample)
   assert plan is not None
   got, fallback = topk.sampled_select(scores, k, plan, config=config, interpret=True)
   return np.asarray(got), np.asarray(fallback)
 
 
-@pytest.mark.parametrize("kind,lanes,keys", [("normal", 1, True), ("normal", 4, True), ("ties", 4, True),
-                                             ("close", 1, True), ("normal", 4, False), ("ties", 1, False)])
-def test_sampled_topk_matches_reference(kind, lanes, keys):
+@pytest.mark.parametrize("kind,lanes,keys,trials", [
+    ("normal", 1, True, (4, 1)), ("normal", 4, True, (4, 1)), ("ties", 4, True, (4, 1)), ("close", 1, True, (4, 1)),
+    ("normal", 4, False, (4, 1)), ("ties", 1, False, (4, 1)), ("normal", 4, True, (1, 8)), ("ties", 4, True, (1, 8))])
+def test_sampled_topk_matches_reference(kind, lanes, keys, trials):
   """The sampled method at awkward sizes (n not a multiple of the block or the sample), rows
   with every entry valid, many, exactly k, fewer than k (the threshold is then 0: every valid
   score is a candidate) and none. "close" rows share one 16-bit key prefix: the full-key
   threshold still separates them, so no row falls back. Count and compaction scan their chunks
   as one block a step (lanes=1) or as 4 segments (positions in index order either way); the
-  select reads the candidates' stored keys or gathers them from the row by position."""
+  select reads the candidates' stored keys or gathers them from the row by position; the
+  threshold's and the select's searches count at one key a step or several."""
   n, k = 4099, 61
   scores = _score_rows(_rng(4), (n, 3000, k, 40, 0), n, kind)
-  got, fallback = _sampled(scores, k, lanes, keys)
+  got, fallback = _sampled(scores, k, lanes, keys, trials)
   _assert_same_sets(got, np.asarray(topk_indices_reference(scores, k)))
   np.testing.assert_array_equal(fallback, 0)
 
@@ -509,6 +512,7 @@ def test_invalid_inputs_raise():
     lambda: TopKConfig(block=24), lambda: TopKConfig(num_splits=3),
     lambda: TopKConfig(num_splits=256), lambda: TopKConfig(method="sort"), lambda: TopKConfig(sample=100),
     lambda: TopKConfig(scan_block=24), lambda: TopKConfig(select_warps=3), lambda: TopKConfig(scan_lanes=3),
+    lambda: TopKConfig(threshold_trials=6), lambda: TopKConfig(select_trials=64),
     lambda: IndexerScoresConfig(block_k=8),
     lambda: IndexerScoresConfig(num_warps=3), lambda: IndexerScoresConfig(orientation="rows"),
     lambda: IndexerScoresConfig(num_splits=2048), lambda: IndexerScoresConfig(num_splits=384),

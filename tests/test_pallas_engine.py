@@ -74,8 +74,8 @@ def _record_pallas_calls(monkeypatch) -> list[tuple]:
   def record(kind, ref, static, got, *inputs):
     calls.append((kind, ref, static, *jax.tree.map(np.array, (got, inputs))))
 
-  def topk(q, weights, layer, page_table, positions, k, impl, ties="index", method="sampled", scores_config=None):
-    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties, method, scores_config)
+  def topk(q, weights, layer, page_table, positions, k, impl, ties="index", topk_config=None, scores_config=None):
+    got = cached_topk(q, weights, layer, page_table, positions, k, impl, ties, topk_config, scores_config)
     jax.debug.callback(functools.partial(record, "topk", ref_topk, (k, "sparse", ties)),
                        got, q, weights, layer, page_table, positions)
     return got
