@@ -135,8 +135,8 @@ class TopKConfig:
     power of two <= 32): one reduction of more compares, in fewer steps. 1 is the single-guess
     search of runs 17-36. Measured (BENCHMARKS.md run 37, H100, 5 rows of 81,920 indexer scores,
     k = 2048, threshold / select trials): 1/1 31.3 us (count 16.6, select 9.2), 4/4 24.8 (8.4,
-    11.1), 8/8 29.1 (9.5, 14.2), 16/16 39.2: the threshold's search, 16 sample keys a thread,
-    gains most at 4; the select's, 32 candidates a thread, loses with every trial it adds.
+    11.1), 8/8 29.1 (9.5, 14.2), 16/16 39.2, 4/1 22.6; threshold 2 is slower than 1 (36.5):
+    the threshold's kernel gains most at 4, the select's loses with every trial it adds.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
@@ -580,21 +580,21 @@ def count_search(keys: jax.Array, rank, lo, c_lo, hi, slack: int = 0, trials: in
   keys at or above it (`found`), or when hi = lo + 1 (lo is then a key whose ties straddle the
   window). Returns (lo, hi, c_lo, c_hi, found), c_hi the count at or above hi.
 
-  A step's counts are one reduction over the program's threads. With few keys a thread its
-  latency is most of a step, so fewer steps pay; with many, the compares (trials x keys a
-  thread) cost more than the steps they save (BENCHMARKS.md run 37). The guess is the regula
-  falsi point (where the count would reach rank + slack / 2 were the keys between lo and hi
-  evenly spread; order keys of nearby floats nearly are) with the Illinois rule: an end that
-  has stayed put twice weighs half in the guess, so one-sided convergence speeds up.
-  trials = 1 counts at the guess alone; after three steps that all moved one end it tries the
-  other end's neighbour (a mass of ties at lo, such as ReLU's zeros, ends there at once).
-  trials > 1 (a power of two) counts, in the same reduction, at lo + 1 (the ties' exit, every
-  step) and at trials - 1 multiples of the guess spread geometrically over a factor of 2 around
-  it (SEARCH_SPREAD). A host simulation of these rules on 15 rows of indexer scores (80K keys,
-  k = 2048) and normal, uniform, exponential and staircase rows: the threshold's search over
-  4096 samples 5.5 steps on average with one trial, 4.1 with 4, 3.2 with 8; the select's over
-  its candidates 11.6, 5.9 and 4.4 (the staircase 29, 14 and 10). TopKConfig's
-  threshold_trials and select_trials say which pays on the GPU.
+  The guess is the regula falsi point (where the count would reach rank + slack / 2 were the
+  keys between lo and hi evenly spread; order keys of nearby floats nearly are) with the
+  Illinois rule: an end that has stayed put twice weighs half in the guess, so one-sided
+  convergence speeds up. trials = 1 counts at the guess alone; after three steps that all moved
+  one end it tries the other end's neighbour (a mass of ties at lo, such as ReLU's zeros, ends
+  there at once). trials > 1 (a power of two) counts, in the same reduction over the program's
+  threads, at lo + 1 (the ties' exit, every step) and at trials - 1 multiples of the guess
+  spread geometrically over a factor of 2 around it (SEARCH_SPREAD).
+
+  Steps of this code on 10 rows of indexer scores (80K keys, k = 2048; run step by step on the
+  CPU): the threshold's search over 4096 samples 4.1 on average with one trial, 4.2 with 4, 3.3
+  with 8; the select's over its candidates 7.7, 4.7 and 3.9. On an H100 (BENCHMARKS.md run 37)
+  the threshold's kernel nonetheless halved at 4 trials (16.6 -> 8.4 us): the gain is in a
+  step's cost, not the count of steps, and its cause is not established. The select's search,
+  32 candidates a thread, is slower with every trial its compares add.
   """
   target = jnp.asarray(rank, jnp.float32) + slack / 2
 
