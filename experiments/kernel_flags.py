@@ -3,10 +3,11 @@ tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experime
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm, --swiglu,
---moe_sum) with the DSA kernels' --topk_method, --topk_trials, --indexer_orientation, --indexer_splits,
---indexer_block_k, --indexer_warps, --indexer_stages, --attention_warps, the folds'
---fold_splits, --indexer_queries, --attention_queries, --tensor_parallel and --fragment_operands
-(`define`); glmjax.runtime.Runtime's fields of those names."""
+--moe_sum) with the DSA kernels' --topk_method, --topk_trials, --topk_sample,
+--indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --indexer_stages,
+--attention_warps, the folds' --fold_splits, --indexer_queries, --attention_queries,
+--tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of those
+names."""
 
 from typing import Callable
 
@@ -15,7 +16,7 @@ from absl import flags
 from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES
 from glmjax.runtime import FOLD_SWITCHES, FOLDS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES, TENSOR_PARALLEL
 from pallas_kernels.indexer_scores import ORIENTATIONS
-from pallas_kernels.topk import METHODS
+from pallas_kernels.topk import METHODS, SAMPLE_SOURCES
 
 
 def define_matmul(default: str) -> flags.FlagHolder[str]:
@@ -84,6 +85,9 @@ def define() -> Callable[[], dict[str, str | int]]:
       **{name: flags.DEFINE_enum(name, "xla", list(FOLDS), _FOLD_HELP[name]) for name in FOLD_SWITCHES},
       "topk_method": flags.DEFINE_enum("topk_method", "sampled", list(METHODS),
                                        "the Pallas top-k's algorithm (--attention=pallas)"),
+      "topk_sample": flags.DEFINE_enum("topk_sample", "row", list(SAMPLE_SOURCES),
+                                       "where the sampled top-k's threshold reads its sample: row (gathered from "
+                                       "the scores) or scores (written by the scoring kernel)"),
       "topk_trials": flags.DEFINE_integer("topk_trials", 0, "the keys the sampled top-k's threshold search "
                                           "counts at per step: 0 (its default, 4), or a power of two <= 32 (1: one "
                                           "guess a step)"),

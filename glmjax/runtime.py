@@ -108,6 +108,9 @@ class Runtime:
   topk_trials: the keys the sampled top-k's threshold search counts at per step
   (TopKConfig.threshold_trials): 0 for its default (4), 1 for the single-guess search of runs
   17-36; the same selection.
+  topk_sample: where the sampled top-k's threshold reads its sample (TopKConfig.sample_source):
+  "row" (the default: gathered from the score row) or "scores" (the scoring kernel writes it
+  contiguously beside the scores; not yet compiled on a GPU); the same selection.
   indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
   "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
   reduced across warps); the same scores up to the order of fp32 sums.
@@ -161,6 +164,7 @@ class Runtime:
   topk_ties: str = "index"
   topk_method: str = "sampled"
   topk_trials: int = 0
+  topk_sample: str = "row"
   indexer_orientation: str = "keys"
   indexer_splits: int = 0
   indexer_block_k: int = 0
@@ -175,9 +179,10 @@ class Runtime:
 
   def __post_init__(self):
     from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed
-    from pallas_kernels.topk import METHODS
+    from pallas_kernels.topk import METHODS, SAMPLE_SOURCES
     from pallas_kernels.checks import check_fold_splits
-    for name, choices in {**_CHOICES, "topk_method": METHODS, "indexer_orientation": ORIENTATIONS}.items():
+    for name, choices in {**_CHOICES, "topk_method": METHODS, "topk_sample": SAMPLE_SOURCES,
+                          "indexer_orientation": ORIENTATIONS}.items():
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
     self.indexer_scores_config()  # a clear error for a bad indexer_splits, _block_k or _warps
@@ -241,9 +246,10 @@ class Runtime:
     return self._kernel_config(SparseMLAConfig, dict(attention_warps="num_warps"))
 
   def topk_config(self):
-    """The Pallas top-k's TopKConfig, likewise, with topk_method's algorithm."""
+    """The Pallas top-k's TopKConfig, likewise, with topk_method's algorithm and topk_sample's source."""
     from pallas_kernels.topk import TopKConfig
-    return self._kernel_config(TopKConfig, dict(topk_trials="threshold_trials"), method=self.topk_method)
+    return self._kernel_config(TopKConfig, dict(topk_trials="threshold_trials"), method=self.topk_method,
+                               sample_source=self.topk_sample)
 
   def _kernel_config(self, config_class, fields: dict[str, str], **fixed):
     """config_class(**fixed) with each non-zero Runtime field of `fields` (Runtime name -> config

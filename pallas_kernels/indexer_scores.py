@@ -88,18 +88,23 @@ class IndexerScoresConfig:
 
 
 def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, heads: int, n: int, chunk: int,
-                   block_k: int, page_size: int, fp8: bool, histogram: bool, keys_major: bool):
-  """Scores of one sequence's key chunk for a group of Tg query tokens (+ digit-0 histograms)."""
+                   block_k: int, page_size: int, fp8: bool, histogram: bool, keys_major: bool,
+                   sample_stride: int):
+  """Scores of one sequence's key chunk for a group of Tg query tokens (+ the top-k's strided
+  sample of them, + digit-0 histograms)."""
   # q_ref [Tg, Hp, Di] bf16|f32 ; w_ref [Tg, Hp] f32: blocks of H heads, those past H read as 0
   # pos_ref [Tg] i32 ; pt_ref [max_pages] i32
   # k_ref [P, page_size, Di] bf16|e4m3 ; scale_ref [P, page_size, 1] f32 (FP8 only)
-  # o_ref [Tg, chunk] f32 ; ge_ref [Tg, 256] f32 ; tot_ref [2, Tg, 256] f32 (histogram only; its
-  # input twin is the same buffer and goes unread)
+  # o_ref [Tg, chunk] f32 ; sample_ref [Tg, sample] f32 (the whole group's rows; sample_stride
+  # only) ; ge_ref [Tg, 256] f32 ; tot_ref [2, Tg, 256] f32 (histogram only; its input twin is
+  # the same buffer and goes unread)
   refs = list(refs)
   scale_ref = refs.pop(0) if fp8 else None
   if histogram:
     refs.pop(0)
-  o_ref, *hist_refs = refs
+  o_ref = refs.pop(0)
+  sample_ref = refs.pop(0) if sample_stride else None
+  hist_refs = refs
   max_pages = pt_ref.shape[0]
   head_dim = k_ref.shape[-1]
   start = pl.program_id(2) * chunk
@@ -128,6 +133,10 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
       score = jnp.sum(jnp.maximum(logits * key_scale, 0.0) * weights[t], axis=head_axis)
       score = jnp.where(inside & (tok <= positions[t]), score, -jnp.inf)
       pltriton.store(o_ref.at[jnp.int32(t), pl.ds(i * block_k, block_k)], score, mask=inside)
+      if sample_ref is not None:  # every sample_stride-th score, to its slot of the row's sample
+        sampled = inside & (tok % sample_stride == 0) & (tok // sample_stride < sample_ref.shape[1])
+        slot = jnp.where(sampled, tok // sample_stride, sample_ref.shape[1])  # masked lanes: past the row
+        pltriton.store(sample_ref.at[jnp.full_like(slot, t), slot], score, mask=sampled)
       if histogram:
         new_hists.append(hists[t] + topk.block_histogram(
             topk.order_key(score) >> (32 - topk.DIGIT_BITS), inside))
@@ -174,10 +183,13 @@ def pad_queries(q: jax.Array, weights: jax.Array, q_positions: jax.Array):
 
 def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, num_keys: int,
                 splits: int, chunk: int, block_k: int, config: IndexerScoresConfig,
-                interpret: bool, tot: jax.Array | None = None):
-  """The scores pallas_call on `pad_queries` output; with `tot` also digit-0 top-k histograms.
+                interpret: bool, tot: jax.Array | None = None, sample: tuple[int, int] | None = None):
+  """The scores pallas_call on `pad_queries` output; with `tot` also digit-0 top-k histograms;
+  with `sample` = (stride, count) also every stride-th score, count of them a row (the sampled
+  top-k's sample: topk.strided_sample).
 
-  Returns scores [B, Tp, N] f32, or (scores, ge0 [B, Tp, splits, 256], tot) when `tot` is given.
+  Returns [scores [B, Tp, N] f32, then the sample [B, Tp, count] f32 with `sample`, then ge0
+  [B, Tp, splits, 256] and tot with `tot`]; scores alone when neither is given.
   """
   b, tp, h, di = q.shape
   hp = max(_MIN_MMA, pl.next_power_of_2(h))  # the MMA's rows: heads past h are masked reads
@@ -197,19 +209,22 @@ def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, nu
     args.append(index_scale)
   out_specs = [pl.BlockSpec((None, tg, chunk), lambda i, g, j: (i, g, j))]
   out_shape = [jax.ShapeDtypeStruct((b, tp, num_keys), jnp.float32)]
+  if sample is not None:  # every split writes its own slots of its group's sample rows
+    out_specs.append(pl.BlockSpec((None, tg, sample[1]), lambda i, g, j: (i, g, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, tp, sample[1]), jnp.float32))
   aliases = {}
   if tot is not None:
     tot_spec = pl.BlockSpec((topk.PREFIX_DIGITS, None, tg, topk.BINS), lambda i, g, j: (0, i, g, 0))
     in_specs.append(tot_spec)
     args.append(tot)
-    aliases = {len(args) - 1: 2}
+    aliases = {len(args) - 1: len(out_shape) + 1}
     out_specs += [pl.BlockSpec((None, tg, None, topk.BINS), lambda i, g, j: (i, g, j, 0)),
                   tot_spec]
     out_shape += [jax.ShapeDtypeStruct((b, tp, splits, topk.BINS), jnp.float32),
                   jax.ShapeDtypeStruct(tot.shape, jnp.float32)]
   kernel = functools.partial(_scores_kernel, num_t=tg, heads=h, n=num_keys, chunk=chunk, block_k=block_k,
                              page_size=index_k.shape[1], fp8=fp8, histogram=tot is not None,
-                             keys_major=config.orientation == "keys")
+                             keys_major=config.orientation == "keys", sample_stride=sample[0] if sample else 0)
   out = pl.pallas_call(
       kernel,
       grid=(b, tp // tg, splits),
@@ -222,14 +237,14 @@ def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, nu
       interpret=interpret,
       name="indexer_scores",
   )(*args)
-  return out if tot is not None else out[0]
+  return out if len(out) > 1 else out[0]
 
 
-@functools.partial(jax.jit, static_argnames=("num_keys", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_keys", "config", "interpret", "sample"))
 def indexer_scores(q: jax.Array, weights: jax.Array, index_k: jax.Array,
                    index_scale: jax.Array | None, page_table: jax.Array, q_positions: jax.Array,
                    *, num_keys: int, config: IndexerScoresConfig | None = None,
-                   interpret: bool | None = None) -> jax.Array:
+                   interpret: bool | None = None, sample: tuple[int, int] | None = None):
   """DSA indexer scores of T query tokens per sequence against its paged key cache.
 
   Args:
@@ -242,8 +257,11 @@ def indexer_scores(q: jax.Array, weights: jax.Array, index_k: jax.Array,
     num_keys: max_pages * page_size.
     config: tuning; None for the defaults.
     interpret: run the Pallas interpreter; None: only on a CPU backend.
+    sample: (stride, count): also return every stride-th score of each row, count of them
+      (stride * count <= num_keys), written by the same launch: the sampled top-k's sample.
   Returns:
-    [B, T, num_keys] f32 scores, -inf where s > q_positions[b, t].
+    [B, T, num_keys] f32 scores, -inf where s > q_positions[b, t]; with `sample`, (scores,
+    sample [B, T, count] f32).
   """
   check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions, num_keys)
   config = config or IndexerScoresConfig()
@@ -253,10 +271,12 @@ def indexer_scores(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   groups = q.shape[0] * pl.cdiv(q.shape[1], QUERY_GROUP)
   splits = config.num_splits or topk.row_splits(groups, num_keys, config.block_k, TARGET_PROGRAMS, MAX_SPLITS)
   chunk = topk.split_chunk(num_keys, splits, config.block_k)
-  scores = scores_call(q, weights, index_k, index_scale, page_table, q_positions,
-                       num_keys=num_keys, splits=splits, chunk=chunk, block_k=config.block_k,
-                       config=config, interpret=interpret)
-  return scores[:, :t]
+  if sample is not None and (min(sample) < 1 or sample[0] * sample[1] > num_keys):
+    raise ValueError(f"sample must be (stride, count) with 1 <= stride * count <= num_keys ({num_keys}), got {sample}")
+  out = scores_call(q, weights, index_k, index_scale, page_table, q_positions,
+                    num_keys=num_keys, splits=splits, chunk=chunk, block_k=config.block_k,
+                    config=config, interpret=interpret, sample=sample)
+  return out[:, :t] if sample is None else tuple(x[:, :t] for x in out)
 
 
 @functools.partial(jax.jit, static_argnames=("num_keys",))

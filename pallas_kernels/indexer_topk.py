@@ -2,7 +2,9 @@
 into scoring.
 
 Unfused (the default): `indexer_scores`, then `topk_indices` over the scores (5 x 80K scores =
-1.6 MB, read back from L2). Fused (`fuse_first_pass=True`): the scores kernel also histograms the
+1.6 MB, read back from L2); with TopKConfig.sample_source="scores" the scoring kernel also
+writes each row's strided sample for the sampled top-k contiguously, which its threshold then
+reads whole rather than gathering it from the row. Fused (`fuse_first_pass=True`): the scores kernel also histograms the
 top 8 key bits of every score it writes (topk.py's digit 0), one launch and one read of the
 scores fewer. Measured on the H200 (docs/BENCHMARKS.md, run 6), the fusion loses badly: at 80K
 keys and 5 query tokens the fused scoring kernel takes 1.32 ms against 35 us unfused, as each
@@ -57,9 +59,12 @@ def indexer_topk(q: jax.Array, weights: jax.Array, index_k: jax.Array,
     raise ValueError(f"fuse_first_pass fuses the radix select's first pass into scoring; "
                      f"topk_config.method={topk_config.method!r} has no such pass")
   if not fuse_first_pass:
-    scores = indexer_scores(q, weights, index_k, index_scale, page_table, q_positions,
-                            num_keys=num_keys, config=scores_config, interpret=interpret)
-    return topk.topk_indices(scores, k, config=topk_config, interpret=interpret)
+    plan = topk.sample_plan(num_keys, k, topk_config.sample) if topk_config.method == "sampled" else None
+    sample = (plan.stride, topk_config.sample) if plan and topk_config.sample_source == "scores" else None
+    out = indexer_scores(q, weights, index_k, index_scale, page_table, q_positions, num_keys=num_keys,
+                         config=scores_config, interpret=interpret, sample=sample)
+    scores, sampled = out if sample else (out, None)
+    return topk.topk_indices(scores, k, config=topk_config, interpret=interpret, sample=sampled)
   if (scores_config.num_splits or 0) > topk.MAX_SPLITS:
     raise ValueError(f"fuse_first_pass: scores_config.num_splits={scores_config.num_splits} splits the top-k's "
                      f"rows too, at most topk.MAX_SPLITS={topk.MAX_SPLITS}")

@@ -99,6 +99,7 @@ TARGET_PROGRAMS = 2 * SMS  # two programs per SM
 # The gather pass reads O(splits) counts per program, i.e. O(rows * splits^2) in all.
 MAX_SPLITS = 128
 METHODS = ("sampled", "radix")
+SAMPLE_SOURCES = ("scores", "row")  # TopKConfig.sample_source
 SAMPLE = 4096  # scores per row in the sampled method's sample
 FEW_ROWS = 8  # rows up to which the sampled select takes 8 warps and the counts fit on the SMs
 KEYS_PER_THREAD = 32  # ... where its candidates come to at most this many a thread
@@ -137,6 +138,13 @@ class TopKConfig:
     k = 2048, threshold / select trials): 1/1 31.3 us (count 16.6, select 9.2), 4/4 24.8 (8.4,
     11.1), 8/8 29.1 (9.5, 14.2), 16/16 39.2, 4/1 22.6; threshold 2 is slower than 1 (36.5):
     the threshold's kernel gains most at 4, the select's loses with every trial it adds.
+  sample_source: where the sampled method's threshold reads its sample: "row" (the default: a
+    strided gather from the score row) or "scores" (a contiguous [rows, sample] array that the
+    indexer's scoring kernel writes beside the scores, indexer_topk; `topk_indices(sample=)`).
+    The same keys either way. Why: on an H200 the threshold launch took 11.2 us over the first
+    4096 scores of each row read contiguously against 14.5 for the strided sample (one trial a
+    step; 5.9 against 8.1 at 4 trials: BENCHMARKS.md run 37). The "scores" path itself has run
+    only in the interpreter: not yet compiled or timed on a GPU, so it is not the default.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
@@ -154,6 +162,7 @@ class TopKConfig:
   candidate_keys: bool = True
   threshold_trials: int = 4
   select_trials: int = 1
+  sample_source: str = "row"
 
   def __post_init__(self):
     check_tile("TopKConfig", "block", self.block)
@@ -163,6 +172,7 @@ class TopKConfig:
     if self.select_warps is not None:
       check_launch("TopKConfig", self.select_warps)
     check_choice("TopKConfig", "method", self.method, METHODS)
+    check_choice("TopKConfig", "sample_source", self.sample_source, SAMPLE_SOURCES)
     check_tile("TopKConfig", "sample", self.sample)
     for name in ("threshold_trials", "select_trials"):
       check_tile("TopKConfig", name, getattr(self, name), minimum=1)
@@ -572,6 +582,11 @@ def sample_plan(n: int, k: int, sample: int) -> SamplePlan | None:
   return SamplePlan(stride, r_lo, r_lo // 4, capacity) if fits else None
 
 
+def strided_sample(scores: jax.Array, plan: SamplePlan, sample: int) -> jax.Array:
+  """The sampled method's sample of [..., N] rows: every plan.stride-th score, `sample` of them."""
+  return scores[..., :sample * plan.stride:plan.stride]
+
+
 def count_search(keys: jax.Array, rank, lo, c_lo, hi, slack: int = 0, trials: int = 1):
   """A key bracket around the rank-th largest of uint32 keys [m] held in registers, by counts
   alone (no histogram, no sort). Starts from lo (c_lo = count of keys >= lo, at least rank) and
@@ -660,8 +675,9 @@ def _against(key: jax.Array, inside: jax.Array, threshold) -> tuple[jax.Array, j
 def _sample_threshold(row_ref, *, sample: int, plan: SamplePlan, trials: int):
   """A key T with r_lo to r_lo + slack of the row's sample keys above it (or, where the ties of
   one sample key straddle that window, that key: its ties are then T's ties)."""
-  # row_ref [n] f32 (the whole row: its sample)
-  keys = order_key(row_ref[jnp.arange(sample, dtype=jnp.int32) * plan.stride])
+  # row_ref [n] f32 (the whole row: its sample gathered) or [sample] f32 (the sample itself)
+  strided = row_ref.shape[0] != sample  # (a row holds at least 8 samples' worth: sample_plan)
+  keys = order_key(row_ref[jnp.arange(sample, dtype=jnp.int32) * plan.stride] if strided else row_ref[...])
   lo, _, _, _, found = count_search(keys, plan.r_lo, jnp.min(keys), jnp.int32(sample), jnp.max(keys) + 1,
                                     slack=plan.slack, trials=trials)
   return lo - (found & (lo > 0)).astype(jnp.uint32)  # found: the keys above lo - 1 are those at or above lo
@@ -834,9 +850,10 @@ def few_row_splits(rows: int, splits: int) -> int:
 
 
 def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKConfig,
-                   interpret: bool) -> tuple[jax.Array, jax.Array]:
+                   interpret: bool, sample: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """The sampled method on [rows, n] scores: (int32 [rows, k] top-k set as two ascending runs of
-  positions, then -1; int32 [rows] 1 where the row fell back to the select over the whole row)."""
+  positions, then -1; int32 [rows] 1 where the row fell back to the select over the whole row).
+  sample: the rows' `strided_sample` [rows, config.sample], or None to gather it from the rows."""
   rows, n = scores.shape
   block = config.scan_block
   splits = config.num_splits or few_row_splits(rows, row_splits(rows, n, block))
@@ -848,19 +865,20 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   own_threshold = rows * splits <= SMS  # else one program per row derives it first
   few = rows <= FEW_ROWS and plan.capacity <= 8 * 32 * KEYS_PER_THREAD
   select_warps = config.select_warps or (8 if few else 16)
+  sampled, sampled_spec = (scores, row_spec(n)) if sample is None else (sample, row_spec(config.sample))
   if own_threshold:
-    source, source_spec = scores, row_spec(n)
+    source, source_spec = sampled, sampled_spec
   else:
     source, source_spec = pl.pallas_call(
         functools.partial(_sample_threshold_kernel, sample=config.sample, plan=plan, trials=config.threshold_trials),
         grid=(rows,),
-        in_specs=[row_spec(n)],
+        in_specs=[sampled_spec],
         out_specs=per_row,
         out_shape=jax.ShapeDtypeStruct((rows,), jnp.uint32),
         compiler_params=_params(config, select_warps),
         interpret=interpret,
         name="topk_sample_threshold",
-    )(scores), per_row
+    )(sampled), per_row
   lanes = config.lanes
   segments = splits * lanes  # of a row: a program's lanes, program by program
   tile = dict(n=n, lanes=lanes, width=block // lanes)
@@ -914,7 +932,7 @@ def check_topk_args(n: int, k: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret"))
 def topk_indices(scores: jax.Array, k: int, *, config: TopKConfig | None = None,
-                 interpret: bool | None = None) -> jax.Array:
+                 interpret: bool | None = None, sample: jax.Array | None = None) -> jax.Array:
   """Indices of the k largest scores of each row (ties: lower index first).
 
   Args:
@@ -922,6 +940,8 @@ def topk_indices(scores: jax.Array, k: int, *, config: TopKConfig | None = None,
     k: 1 <= k <= N.
     config: tuning; None for the defaults.
     interpret: run the Pallas interpreter; None: only on a CPU backend.
+    sample: the rows' `strided_sample` [..., config.sample] (the sampled method then reads it
+      rather than gathering it from the rows; ignored by the radix select), or None.
   Returns:
     int32 [..., k]: the exact top-k set of each row (two ascending runs: module docstring),
     then -1 for slots beyond the row's valid entries.
@@ -939,7 +959,11 @@ def topk_indices(scores: jax.Array, k: int, *, config: TopKConfig | None = None,
   chunk = split_chunk(n, splits, config.block)
   plan = sample_plan(n, k, config.sample) if config.method == "sampled" else None
   if plan is not None:
-    return sampled_select(x, k, plan, config=config, interpret=interpret)[0].reshape(*lead, k)
+    if sample is not None and (sample.shape != (*lead, config.sample) or sample.dtype != jnp.float32):
+      raise ValueError(f"sample must be float32 {[*lead, config.sample]} (the rows' strided sample), got "
+                       f"{sample.dtype}{list(sample.shape)}")
+    sample = None if sample is None else sample.reshape(rows, config.sample)
+    return sampled_select(x, k, plan, config=config, interpret=interpret, sample=sample)[0].reshape(*lead, k)
   tot = jnp.zeros((PREFIX_DIGITS, rows, BINS), jnp.float32)
   ge0, tot = first_pass(x, tot, splits=splits, chunk=chunk, block=config.block, config=config,
                         interpret=interpret)

@@ -247,7 +247,8 @@ def test_a_rank_config_is_not_a_mesh_config():
                                          ("index_query", "fused"), ("residual_norm", "fused"), ("swiglu", "fused"),
                                          ("moe_sum", "on"),
                                          ("topk_ties", "random"),
-                                         ("topk_method", "sort"), ("indexer_orientation", "rows"),
+                                         ("topk_method", "sort"), ("topk_sample", "sorted"),
+                                         ("indexer_orientation", "rows"),
                                          ("indexer_queries", "float16"), ("attention_queries", "int8"),
                                          ("tensor_parallel", "pjit")])
 def test_runtime_rejects_unknown_switches(field, value):
@@ -278,14 +279,15 @@ def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message,
 
 
 def test_runtime_topk_trials_reach_the_topk_config():
-  """topk_trials (0: the kernel's default) and topk_method make the TopKConfig the attention
-  reads; a bad trial count is an error naming the field."""
+  """topk_trials (0: the kernel's default), topk_method and topk_sample make the TopKConfig the
+  attention reads; a bad trial count is an error naming the field."""
   from glmjax.runtime import Runtime
   from pallas_kernels.topk import TopKConfig
   with pytest.raises(ValueError, match="topk_trials must be 0 .*threshold_trials must be a power of two >= 1, got 3"):
     Runtime(topk_trials=3)
   assert Runtime().topk_config() == TopKConfig()
   assert Runtime(topk_trials=1, topk_method="radix").topk_config() == TopKConfig(threshold_trials=1, method="radix")
+  assert Runtime(topk_sample="scores").topk_config() == TopKConfig(sample_source="scores")
 
 
 @pytest.mark.parametrize("bad", [0, -1, "fewest", 2.0, True])
@@ -353,3 +355,14 @@ def test_runtime_value_merge_needs_the_pallas_attention():
   with pytest.raises(ValueError, match="value_merge='pallas'.*attention='pallas'"):
     Runtime(attention="sparse", value_merge="pallas")
   assert Runtime(attention="pallas", value_merge="pallas").value_merge == "pallas"
+
+
+def test_kernel_modules_import_before_glmjax():
+  """A kernel module imported first (pallas_kernels.topk and indexer_topk read glmjax, whose
+  Runtime reads their tuning at import) does not meet a half-initialised module."""
+  import subprocess
+  import sys
+  for module in ("topk", "indexer_topk", "indexer_scores", "sparse_mla"):
+    done = subprocess.run([sys.executable, "-c", f"from pallas_kernels import {module}"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -39,10 +39,10 @@ def _rng(seed: int) -> np.random.Generator:
   return np.random.default_rng(seed)
 
 
-def _page_table(rng, lengths, num_pages: int) -> jax.Array:
+def _page_table(rng, lengths, num_pages: int, max_pages: int = MAX_PAGES) -> jax.Array:
   """Shuffled, non-contiguous physical pages per sequence; unused slots -> null page 0."""
   free = rng.permutation(np.arange(1, num_pages))
-  table = np.zeros((len(lengths), MAX_PAGES), np.int32)
+  table = np.zeros((len(lengths), max_pages), np.int32)
   used = 0
   for b, length in enumerate(lengths):
     count = -(-length // PAGE)
@@ -344,6 +344,35 @@ def test_indexer_topk_matches_reference(t, fp8, fuse):
     assert len(np.intersect1d(g[g >= 0], r[r >= 0])) >= 0.95 * (r >= 0).sum()
 
 
+@pytest.mark.parametrize("t", [5, 11])
+def test_indexer_topk_reads_the_scoring_kernels_sample(t):
+  """The sampled top-k's threshold reads the sample the scoring kernel writes beside the scores
+  (sample_source="scores") or gathers it from the score rows ("row"): the kernel's sample is
+  topk.strided_sample of its scores, bit for bit (11 tokens: two query groups, padded), and the
+  two selections are the same exact top-k. A sample of the wrong shape is an error."""
+  rng = _rng(50 + t)
+  lengths, max_pages, k = (4000, 2500), 256, 64  # 4096 keys: long enough for a 256-score sample
+  num_keys = max_pages * PAGE
+  q = jnp.asarray(rng.standard_normal((2, t, 4, 32)), jnp.bfloat16)
+  weights = jnp.asarray(rng.standard_normal((2, t, 4)) * 0.5, jnp.float32)
+  index_k, index_scale = _cache(rng, (2 * max_pages, PAGE, 32), fp8=True)
+  args = (q, weights, index_k, index_scale, _page_table(rng, lengths, 2 * max_pages, max_pages),
+          _positions(lengths, t))
+  config = TopKConfig(sample=256, scan_block=64)
+  plan = topk.sample_plan(num_keys, k, config.sample)
+  assert plan is not None
+  scores, sample = indexer_scores(*args, num_keys=num_keys, config=SMALL_SCORES, sample=(plan.stride, config.sample))
+  assert sample.shape == (2, t, config.sample)
+  np.testing.assert_array_equal(np.asarray(sample), np.asarray(topk.strided_sample(scores, plan, config.sample)))
+  got = {source: np.asarray(indexer_topk(*args, num_keys=num_keys, k=k, scores_config=SMALL_SCORES,
+                                         topk_config=dataclasses.replace(config, sample_source=source)))
+         for source in topk.SAMPLE_SOURCES}
+  np.testing.assert_array_equal(got["scores"], got["row"])
+  _assert_same_sets(got["scores"], np.asarray(topk_indices_reference(scores, k)))
+  with pytest.raises(ValueError, match="sample must be float32"):
+    topk_indices(scores, k, config=config, sample=sample[..., :128])
+
+
 def test_indexer_topk_exactly_k_valid():
   args = _indexer_inputs(40, 1, fp8=True)
   positions = jnp.asarray([[63], [40], [6]], jnp.int32)  # first sequence: exactly k=64 valid
@@ -513,6 +542,7 @@ def test_invalid_inputs_raise():
     lambda: TopKConfig(num_splits=256), lambda: TopKConfig(method="sort"), lambda: TopKConfig(sample=100),
     lambda: TopKConfig(scan_block=24), lambda: TopKConfig(select_warps=3), lambda: TopKConfig(scan_lanes=3),
     lambda: TopKConfig(threshold_trials=6), lambda: TopKConfig(select_trials=64),
+    lambda: TopKConfig(sample_source="sorted"),
     lambda: IndexerScoresConfig(block_k=8),
     lambda: IndexerScoresConfig(num_warps=3), lambda: IndexerScoresConfig(orientation="rows"),
     lambda: IndexerScoresConfig(num_splits=2048), lambda: IndexerScoresConfig(num_splits=384),
