@@ -349,7 +349,8 @@ def test_indexer_topk_reads_the_scoring_kernels_sample(t):
   """The sampled top-k's threshold reads the sample the scoring kernel writes beside the scores
   (sample_source="scores") or gathers it from the score rows ("row"): the kernel's sample is
   topk.strided_sample of its scores, bit for bit (11 tokens: two query groups, padded), and the
-  two selections are the same exact top-k. A sample of the wrong shape is an error."""
+  two selections are the same exact top-k. A sample of the wrong shape or one past the row is
+  an error."""
   rng = _rng(50 + t)
   lengths, max_pages, k = (4000, 2500), 256, 64  # 4096 keys: long enough for a 256-score sample
   num_keys = max_pages * PAGE
@@ -371,6 +372,8 @@ def test_indexer_topk_reads_the_scoring_kernels_sample(t):
   _assert_same_sets(got["scores"], np.asarray(topk_indices_reference(scores, k)))
   with pytest.raises(ValueError, match="sample must be float32"):
     topk_indices(scores, k, config=config, sample=sample[..., :128])
+  with pytest.raises(ValueError, match=r"sample must be \(stride, count\) with 1 <= stride \* count <= num_keys"):
+    indexer_scores(*args, num_keys=num_keys, config=SMALL_SCORES, sample=(plan.stride + 1, num_keys // plan.stride))
 
 
 def test_indexer_topk_exactly_k_valid():
