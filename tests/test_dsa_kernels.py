@@ -263,15 +263,15 @@ def test_sampled_method_through_topk_indices():
 # --- indexer scores --------------------------------------------------------------------------
 
 def _indexer_inputs(seed: int, t: int, fp8: bool, q_dtype=jnp.bfloat16, heads: int = 4,
-                    dim: int = 32):
+                    dim: int = 32, lengths=LENGTHS, max_pages: int = MAX_PAGES):
   rng = _rng(seed)
-  num_pages = 1 + sum(-(-length // PAGE) for length in LENGTHS) + 3
-  q = jnp.asarray(rng.standard_normal((len(LENGTHS), t, heads, dim)), q_dtype)
-  weights = jnp.asarray(rng.standard_normal((len(LENGTHS), t, heads)) * heads ** -0.5,
+  num_pages = 1 + sum(-(-length // PAGE) for length in lengths) + 3
+  q = jnp.asarray(rng.standard_normal((len(lengths), t, heads, dim)), q_dtype)
+  weights = jnp.asarray(rng.standard_normal((len(lengths), t, heads)) * heads ** -0.5,
                         jnp.float32)
   index_k, index_scale = _cache(rng, (num_pages, PAGE, dim), fp8)
-  return (q, weights, index_k, index_scale, _page_table(rng, LENGTHS, num_pages),
-          _positions(LENGTHS, t))
+  return (q, weights, index_k, index_scale, _page_table(rng, lengths, num_pages, max_pages),
+          _positions(lengths, t))
 
 
 @pytest.mark.parametrize("t", [1, 5])
@@ -351,14 +351,9 @@ def test_indexer_topk_reads_the_scoring_kernels_sample(t):
   topk.strided_sample of its scores, bit for bit (11 tokens: two query groups, padded), and the
   two selections are the same exact top-k. A sample of the wrong shape or one past the row is
   an error."""
-  rng = _rng(50 + t)
-  lengths, max_pages, k = (4000, 2500), 256, 64  # 4096 keys: long enough for a 256-score sample
+  max_pages, k = 256, 64  # 4096 keys: long enough for a 256-score sample
   num_keys = max_pages * PAGE
-  q = jnp.asarray(rng.standard_normal((2, t, 4, 32)), jnp.bfloat16)
-  weights = jnp.asarray(rng.standard_normal((2, t, 4)) * 0.5, jnp.float32)
-  index_k, index_scale = _cache(rng, (2 * max_pages, PAGE, 32), fp8=True)
-  args = (q, weights, index_k, index_scale, _page_table(rng, lengths, 2 * max_pages, max_pages),
-          _positions(lengths, t))
+  args = _indexer_inputs(50 + t, t, fp8=True, lengths=(4000, 2500), max_pages=max_pages)
   config = TopKConfig(sample=256, scan_block=64)
   plan = topk.sample_plan(num_keys, k, config.sample)
   assert plan is not None
