@@ -7,12 +7,14 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --indexer_stages,
 --attention_warps, the folds' --fold_splits, --indexer_queries, --attention_queries,
 --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of those
-names."""
+names. `define` also defines --preset (configs/runs.py), which the experiment's main applies
+first (`apply_preset`)."""
 
 from typing import Callable
 
 from absl import flags
 
+from configs.runs import RUN_PRESETS, get_run_preset
 from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES
 from glmjax.runtime import FOLD_SWITCHES, FOLDS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES, TENSOR_PARALLEL
 from pallas_kernels.indexer_scores import ORIENTATIONS
@@ -71,8 +73,25 @@ class _SplitsParser(flags.ArgumentParser):
     return "string"
 
 
+def apply_preset(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Sets the flags of --preset (configs/runs.py) that the command line did not give; a preset
+  key the experiment does not define is a ValueError naming it. Call first in main."""
+  name = flag_values["preset"].value
+  if not name:
+    return
+  preset = get_run_preset(name)
+  missing = sorted(set(preset) - set(flag_values))
+  if missing:
+    raise ValueError(f"preset {name!r} sets --{', --'.join(missing)}, which this experiment does not define")
+  for flag, value in preset.items():
+    flag_values.set_default(flag, value)
+
+
 def define() -> Callable[[], dict[str, str | int]]:
-  """Defines the flags; returns a function reading them as `make_runtime` keyword arguments."""
+  """Defines the flags and --preset; returns a function reading the flags as `make_runtime`
+  keyword arguments."""
+  flags.DEFINE_enum("preset", "", ["", *RUN_PRESETS], "a run preset of configs/runs.py: its flags' values where "
+                    "the command line gives none ('': none)")
   switches = {
       "dense_matmul": flags.DEFINE_enum("dense_matmul", "xla", list(DENSE_IMPLS),
                                         "plain bf16 linears at decode: xla (einsum), pallas (the split-K GEMV) or "

@@ -57,6 +57,7 @@ def collective_us(times: dict[str, tuple[int, float, float]]) -> float:
 
 def main(argv: list[str]) -> None:
   del argv
+  kernel_flags.apply_preset()
   if _CPU_DEVICES.value:
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   full = get_model_config(_CONFIG.value)

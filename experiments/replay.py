@@ -65,6 +65,7 @@ flags.DEFINE_string("output", "", "write the JSON report here")
 
 
 def run(argv=None) -> dict:
+  kernel_flags.apply_preset()
   if FLAGS.coordinator_address:
     parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   dtype = jnp.dtype(FLAGS.dtype)

@@ -115,6 +115,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> None:
   del argv
+  kernel_flags.apply_preset()
   rank, full, tep = get_model_config(_CONFIG.value), get_model_config(_FULL.value), _TEP.value
   act_bytes = jnp.dtype(_DTYPE.value).itemsize
   if _RANK_STEP.value > 0:
