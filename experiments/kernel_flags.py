@@ -104,9 +104,9 @@ def define() -> Callable[[], dict[str, str | int]]:
       **{name: flags.DEFINE_enum(name, "xla", list(FOLDS), _FOLD_HELP[name]) for name in FOLD_SWITCHES},
       "topk_method": flags.DEFINE_enum("topk_method", "sampled", list(METHODS),
                                        "the Pallas top-k's algorithm (--attention=pallas)"),
-      "topk_sample": flags.DEFINE_enum("topk_sample", "row", list(SAMPLE_SOURCES),
-                                       "where the sampled top-k's threshold reads its sample: row (gathered from "
-                                       "the scores) or scores (written by the scoring kernel)"),
+      "topk_sample": flags.DEFINE_enum("topk_sample", "scores", list(SAMPLE_SOURCES),
+                                       "where the sampled top-k's threshold reads its sample: scores (written by "
+                                       "the scoring kernel) or row (gathered from the scores)"),
       "topk_trials": flags.DEFINE_integer("topk_trials", 0, "the keys the sampled top-k's threshold search "
                                           "counts at per step: 0 (its default, 4), or a power of two <= 32 (1: one "
                                           "guess a step)"),

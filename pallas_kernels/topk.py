@@ -138,13 +138,13 @@ class TopKConfig:
     k = 2048, threshold / select trials): 1/1 31.3 us (count 16.6, select 9.2), 4/4 24.8 (8.4,
     11.1), 8/8 29.1 (9.5, 14.2), 16/16 39.2, 4/1 22.6; threshold 2 is slower than 1 (36.5):
     the threshold's kernel gains most at 4, the select's loses with every trial it adds.
-  sample_source: where the sampled method's threshold reads its sample: "row" (the default: a
-    strided gather from the score row) or "scores" (a contiguous [rows, sample] array that the
-    indexer's scoring kernel writes beside the scores, indexer_topk; `topk_indices(sample=)`).
-    The same keys either way. Why: on an H200 the threshold launch took 11.2 us over the first
-    4096 scores of each row read contiguously against 14.5 for the strided sample (one trial a
-    step; 5.9 against 8.1 at 4 trials: BENCHMARKS.md run 37). The "scores" path itself has run
-    only in the interpreter: not yet compiled or timed on a GPU, so it is not the default.
+  sample_source: where the sampled method's threshold reads its sample: "scores" (the default:
+    a contiguous [rows, sample] array that the indexer's scoring kernel writes beside the
+    scores, indexer_topk; `topk_indices(sample=)`; rows given without it are gathered from) or
+    "row" (a strided gather from the score row). The same keys either way. On an H100
+    (BENCHMARKS.md run 38; 5 rows of 81,920 indexer scores, k = 2048, cold L2) the count launch,
+    which derives the threshold, went 8.68 -> 6.64 us with the scoring kernel unchanged (20.3
+    -> 20.2); in the rank's step 8.14 -> 6.25 us a layer.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
@@ -162,7 +162,7 @@ class TopKConfig:
   candidate_keys: bool = True
   threshold_trials: int = 4
   select_trials: int = 1
-  sample_source: str = "row"
+  sample_source: str = "scores"
 
   def __post_init__(self):
     check_tile("TopKConfig", "block", self.block)

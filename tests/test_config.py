@@ -287,7 +287,7 @@ def test_runtime_topk_trials_reach_the_topk_config():
     Runtime(topk_trials=3)
   assert Runtime().topk_config() == TopKConfig()
   assert Runtime(topk_trials=1, topk_method="radix").topk_config() == TopKConfig(threshold_trials=1, method="radix")
-  assert Runtime(topk_sample="scores").topk_config() == TopKConfig(sample_source="scores")
+  assert Runtime(topk_sample="row").topk_config() == TopKConfig(sample_source="row")
 
 
 @pytest.mark.parametrize("bad", [0, -1, "fewest", 2.0, True])

@@ -344,23 +344,24 @@ def test_indexer_topk_matches_reference(t, fp8, fuse):
     assert len(np.intersect1d(g[g >= 0], r[r >= 0])) >= 0.95 * (r >= 0).sum()
 
 
-@pytest.mark.parametrize("t", [5, 11])
-def test_indexer_topk_reads_the_scoring_kernels_sample(t):
+@pytest.mark.parametrize("t,orientation", [(5, "keys"), (11, "keys"), (5, "heads")])
+def test_indexer_topk_reads_the_scoring_kernels_sample(t, orientation):
   """The sampled top-k's threshold reads the sample the scoring kernel writes beside the scores
   (sample_source="scores") or gathers it from the score rows ("row"): the kernel's sample is
-  topk.strided_sample of its scores, bit for bit (11 tokens: two query groups, padded), and the
-  two selections are the same exact top-k. A sample of the wrong shape or one past the row is
-  an error."""
+  topk.strided_sample of its scores, bit for bit (11 tokens: two query groups, padded; either
+  orientation of the kernel's MMA), and the two selections are the same exact top-k. A sample
+  of the wrong shape or one past the row is an error."""
   max_pages, k = 256, 64  # 4096 keys: long enough for a 256-score sample
   num_keys = max_pages * PAGE
   args = _indexer_inputs(50 + t, t, fp8=True, lengths=(4000, 2500), max_pages=max_pages)
   config = TopKConfig(sample=256, scan_block=64)
+  scores_config = dataclasses.replace(SMALL_SCORES, orientation=orientation)
   plan = topk.sample_plan(num_keys, k, config.sample)
   assert plan is not None
-  scores, sample = indexer_scores(*args, num_keys=num_keys, config=SMALL_SCORES, sample=(plan.stride, config.sample))
+  scores, sample = indexer_scores(*args, num_keys=num_keys, config=scores_config, sample=(plan.stride, config.sample))
   assert sample.shape == (2, t, config.sample)
   np.testing.assert_array_equal(np.asarray(sample), np.asarray(topk.strided_sample(scores, plan, config.sample)))
-  got = {source: np.asarray(indexer_topk(*args, num_keys=num_keys, k=k, scores_config=SMALL_SCORES,
+  got = {source: np.asarray(indexer_topk(*args, num_keys=num_keys, k=k, scores_config=scores_config,
                                          topk_config=dataclasses.replace(config, sample_source=source)))
          for source in topk.SAMPLE_SOURCES}
   np.testing.assert_array_equal(got["scores"], got["row"])
