@@ -2,10 +2,12 @@
 runs 22-24): a tep_project arm per fold, each in its own process with XLA's optimized HLO dumped
 and one decoder layer's kernels mapped to the model's code (glmjax.hlo_stats, as layer_map).
 
-  python -m experiments.fold_chain --output_dir=/tmp/folds               # on the H200: run 24's arms
+  python -m experiments.fold_chain --output_dir=/tmp/folds               # on a GPU: every fold in turn
   python -m experiments.fold_chain --folds=mla_epilogue,residual_norm --output_dir=/tmp/folds
 
-Arm 0 runs tep_project with --base (the full stack, no folds); arm i adds the first i of --folds,
+Arm 0 runs tep_project with --base (by default the rank's k = 4 step at 80K with the preset
+rank_fastest's settings but none of its folds, configs/runs.py: the chain's arms then reach that
+preset and go on to the two slower folds); arm i adds the first i of --folds,
 each `switch` (set to "pallas": glmjax.runtime.FOLD_SWITCHES) or `switch=value`, or several
 joined by "+" for one arm (run 24's "index_epilogue+index_query"). Per arm: the fitted decoder
 layer (none when --base times the whole model: no --measure_layers) and rank step, the projected
@@ -29,13 +31,17 @@ import tempfile
 from absl import app, flags
 from tqdm import tqdm
 
+from configs.runs import RANK_FASTEST
 from experiments import study
 from glmjax import hlo_stats
+from glmjax.runtime import FOLD_SWITCHES
 
-_BASE = ("--config=tep8_shard --context=80000 --draft_steps=4 --accept_length=3.5 --attention=pallas "
-         "--weights=nvfp4_experts --kv_dtype=fp8 --indexer_queries=bfloat16 --attention_queries=bfloat16 "
-         "--cache_write=pallas --measure_layers=3,5,8 --dense_matmul=pallas_grouped --layer_kernels "
-         "--moe_routing=pairs --matmul=pallas_hfma2")
+_RANK_STEP = ("--config=tep8_shard --context=80000 --draft_steps=4 --accept_length=3.5 --measure_layers=3,5,8 "
+              "--layer_kernels")
+_UNFOLDED = {name: value for name, value in RANK_FASTEST.items() if name not in FOLD_SWITCHES} | dict(
+    moe_routing="pairs", cache_write="pallas")  # pairs_fused is a fold of the chain; the cache write's launch is
+                                                # its base's (runs 22-24)
+_BASE = " ".join([_RANK_STEP, *(f"--{name}={value}" for name, value in _UNFOLDED.items())])
 _FOLDS = ("router", "router_group", "value_merge", "moe_routing=pairs_fused", "query_absorb", "indexer_keys",
           "mla_epilogue", "index_epilogue", "index_query", "epilogue_write", "residual_norm", "swiglu", "moe_sum")
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from configs.runs import RANK_FASTEST
 from experiments import fold_chain
 from glmjax import hlo_stats
 from tests.test_hlo_stats import SCOPED
@@ -23,6 +24,18 @@ def test_each_arm_adds_one_fold_and_a_value_overrides():
   assert fold_chain.arm_flags(base, folds, 2) == ["--config=tiny", "--moe_routing=pairs", "--router=pallas",
                                                   "--moe_routing=pairs_fused"]
   assert fold_chain.arm_flags(base, folds, 3)[-2:] == ["--index_epilogue=pallas", "--index_query=pallas"]
+
+
+def test_the_default_chain_reaches_the_rank_fastest_preset():
+  """Arm 0 holds none of rank_fastest's folds; the arm after the last fold it holds is the
+  preset, every flag of it; the chain's two last arms add the folds it leaves out."""
+  def settings(arm):
+    flags = fold_chain.arm_flags(fold_chain._BASE, list(fold_chain._FOLDS), arm)
+    return dict(flag[2:].partition("=")[::2] for flag in flags)  # a later flag overrides
+  assert not {name for name, value in settings(0).items() if value == "pallas"} - {"attention", "cache_write"}
+  last = max(i for i, fold in enumerate(fold_chain._FOLDS, 1) if fold.split("=")[0] in RANK_FASTEST)
+  assert {name: settings(last)[name] for name in RANK_FASTEST} == RANK_FASTEST
+  assert list(fold_chain._FOLDS[last:]) == ["swiglu", "moe_sum"]
 
 
 def test_the_mapped_program_is_the_one_ending_at_the_layer(tmp_path):
