@@ -5,9 +5,9 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm, --swiglu,
 --moe_sum) with the DSA kernels' --topk_method, --topk_trials, --topk_sample,
 --indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --indexer_stages,
---attention_warps, the folds' --fold_splits, --indexer_queries, --attention_queries,
---tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of those
-names. `define` also defines --preset (configs/runs.py), which the experiment's main applies
+--indexer_prefetch, --attention_warps, the folds' --fold_splits, --indexer_queries,
+--attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's
+fields of those names. `define` also defines --preset (configs/runs.py), which the experiment's main applies
 first (`apply_preset`)."""
 
 from typing import Callable
@@ -121,6 +121,8 @@ def define() -> Callable[[], dict[str, str | int]]:
                                             "4), 1, 2, 4, 8 or 16"),
       "indexer_stages": flags.DEFINE_integer("indexer_stages", 0, "that kernel's software-pipeline stages: 0 (its "
                                              "default, 1) or a count >= 1"),
+      "indexer_prefetch": flags.DEFINE_bool("indexer_prefetch", False, "that kernel's programs issue all their key "
+                                            "blocks' loads before the first dot (the same scores)"),
       "attention_warps": flags.DEFINE_integer("attention_warps", 0, "the Pallas sparse MLA kernel's warps per "
                                               "program: 0 (its default, 4), 1, 2, 4, 8 or 16"),
       "fold_splits": flags.DEFINE(_SplitsParser(), "fold_splits", "fill", "the K splits of a bf16 GEMV whose "

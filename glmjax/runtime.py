@@ -121,6 +121,8 @@ class Runtime:
   256 programs of 4 warps over 64-key blocks, 1 stage). Any valid choice gives the same scores up
   to the order of the dot's fp32 sums (on an H100, 32-key blocks and 8 warps changed some bits,
   run 36); run 17's defaults were 128 programs, 128 keys, 8 warps, and 2 stages until run 36.
+  indexer_prefetch: that kernel's IndexerScoresConfig.prefetch (each program issues all its key
+  blocks' loads before its first dot); the same scores bit for bit.
   attention_warps: the Pallas sparse MLA kernel's warps per program (SparseMLAConfig.num_warps):
   0 for its default (4; 8 until run 26), the same result.
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
@@ -171,6 +173,7 @@ class Runtime:
   indexer_block_k: int = 0
   indexer_warps: int = 0
   indexer_stages: int = 0
+  indexer_prefetch: bool = False
   attention_warps: int = 0
   fold_splits: str | int = "fill"
   indexer_queries: str = "float32"
@@ -239,7 +242,8 @@ class Runtime:
     from pallas_kernels.indexer_scores import IndexerScoresConfig  # the kernels import glmjax: imported when needed
     fields = dict(indexer_splits="num_splits", indexer_block_k="block_k", indexer_warps="num_warps",
                   indexer_stages="num_stages")
-    return self._kernel_config(IndexerScoresConfig, fields, orientation=self.indexer_orientation)
+    return self._kernel_config(IndexerScoresConfig, fields, orientation=self.indexer_orientation,
+                               prefetch=self.indexer_prefetch)
 
   def attention_config(self):
     """The Pallas sparse MLA kernel's SparseMLAConfig, likewise."""

@@ -48,6 +48,7 @@ MAX_SPLITS = 1024
 TARGET_PROGRAMS = 256  # the default splits' aim: about two 4-warp programs per SM
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 ORIENTATIONS = ("heads", "keys")  # IndexerScoresConfig.orientation
+MAX_PREFETCH = 16  # key blocks a program may load ahead (IndexerScoresConfig.prefetch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +74,16 @@ class IndexerScoresConfig:
     shuffles; the key tile is the shared left operand of every token's dot. Measured
     (BENCHMARKS.md run 17, 80K keys, 5 tokens, bf16 queries, run 17's default tiles): 16.2 us
     against 18.5 over bf16 keys, 23.0 against 29.5 over FP8 keys.
+  prefetch: a program issues the loads of all its key blocks (at most MAX_PREFETCH; longer
+    chunks keep the loop) before its first dot, so it waits for memory once, not once a block
+    (at one stage, the default, Triton does not pipeline the loop's gathers). Not yet timed.
   """
   block_k: int = 64
   num_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 1
   orientation: str = "keys"
+  prefetch: bool = False
 
   def __post_init__(self):
     check_tile("IndexerScoresConfig", "block_k", self.block_k, _MIN_MMA)
@@ -89,7 +94,7 @@ class IndexerScoresConfig:
 
 def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, heads: int, n: int, chunk: int,
                    block_k: int, page_size: int, fp8: bool, histogram: bool, keys_major: bool,
-                   sample_stride: int):
+                   sample_stride: int, prefetch: bool):
   """Scores of one sequence's key chunk for a group of Tg query tokens (+ the top-k's strided
   sample of them, + digit-0 histograms)."""
   # q_ref [Tg, Hp, Di] bf16|f32 ; w_ref [Tg, Hp] f32: blocks of H heads, those past H read as 0
@@ -117,15 +122,20 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
   positions = [pos_ref[t] for t in range(num_t)]
   dims = jnp.arange(head_dim, dtype=jnp.int32)
 
-  def body(i, hists):
+  def load(i):  # key block i of the chunk: positions, codes [bk, Di] as stored, scales [bk] (FP8)
     tok = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    inside = tok < n
     page = pt_ref[jnp.minimum(tok // page_size, max_pages - 1)]
     slot = tok % page_size
-    keys = k_ref[page[:, None], slot[:, None], dims[None, :]].astype(jnp.bfloat16)  # [bk, Di]
+    codes = k_ref[page[:, None], slot[:, None], dims[None, :]]
+    return tok, codes, scale_ref[page, slot, jnp.zeros_like(slot)] if fp8 else None
+
+  def body(i, hists, block):
+    tok, codes, stored_scale = block
+    inside = tok < n
+    keys = codes.astype(jnp.bfloat16)  # [bk, Di]
     scale = head_dim ** -0.5
     if fp8:
-      scale = scale_ref[page, slot, jnp.zeros_like(slot)] * scale  # [bk] power of two * Di^-0.5
+      scale = stored_scale * scale  # [bk] power of two * Di^-0.5
     new_hists = []
     key_scale = jnp.expand_dims(scale, head_axis) if fp8 else scale  # broadcast over the heads
     for t in range(num_t):
@@ -143,7 +153,12 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
     return tuple(new_hists)
 
   init = tuple(topk.empty_histogram() for _ in range(num_t)) if histogram else ()
-  hists = lax.fori_loop(0, chunk // block_k, body, init)
+  blocks = chunk // block_k
+  if prefetch and blocks <= MAX_PREFETCH:  # every block's loads in flight before the first dot
+    loaded = [load(i) for i in range(blocks)]
+    hists = functools.reduce(lambda h, i: body(i, h, loaded[i]), range(blocks), init)
+  else:
+    hists = lax.fori_loop(0, blocks, lambda i, h: body(i, h, load(i)), init)
   if histogram:
     ge_ref, tot_ref = hist_refs
     for t in range(num_t):
@@ -224,7 +239,8 @@ def scores_call(q, weights, index_k, index_scale, page_table, q_positions, *, nu
                   jax.ShapeDtypeStruct(tot.shape, jnp.float32)]
   kernel = functools.partial(_scores_kernel, num_t=tg, heads=h, n=num_keys, chunk=chunk, block_k=block_k,
                              page_size=index_k.shape[1], fp8=fp8, histogram=tot is not None,
-                             keys_major=config.orientation == "keys", sample_stride=sample[0] if sample else 0)
+                             keys_major=config.orientation == "keys", sample_stride=sample[0] if sample else 0,
+                             prefetch=config.prefetch)
   out = pl.pallas_call(
       kernel,
       grid=(b, tp // tg, splits),

@@ -276,6 +276,7 @@ def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message,
   config = Runtime(**{field: good}, indexer_orientation="heads").indexer_scores_config()
   assert config == IndexerScoresConfig(**{name: good}, orientation="heads")
   assert Runtime().indexer_scores_config() == IndexerScoresConfig()
+  assert Runtime(indexer_prefetch=True).indexer_scores_config() == IndexerScoresConfig(prefetch=True)
 
 
 def test_runtime_topk_trials_reach_the_topk_config():

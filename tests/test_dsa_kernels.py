@@ -18,7 +18,7 @@ import pytest
 
 from glmjax.cache.kv_fp8 import fp8_block_size, quantize_fp8
 from pallas_kernels.checks import bf16_parts
-from pallas_kernels.indexer_scores import (ORIENTATIONS, IndexerScoresConfig, indexer_scores,
+from pallas_kernels.indexer_scores import (MAX_PREFETCH, ORIENTATIONS, IndexerScoresConfig, indexer_scores,
                                            indexer_scores_reference)
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
 from pallas_kernels.sparse_mla import (SparseMLAConfig, sparse_mla_decode, sparse_mla_decode_values,
@@ -284,6 +284,22 @@ def test_indexer_scores_matches_reference(t, fp8, orientation):
   ref = indexer_scores_reference(*args, num_keys=NUM_KEYS)
   assert got.shape == (len(LENGTHS), t, NUM_KEYS)
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp8,splits,block_k,t,max_pages", [(True, 2, 32, 5, MAX_PAGES), (False, 4, 16, 1, MAX_PAGES),
+                                                             (True, 1, 16, 11, 2 * MAX_PAGES)])
+def test_indexer_scores_prefetch_keeps_the_scores(fp8, splits, block_k, t, max_pages):
+  """prefetch: every key block's loads before the first dot, the same scores bit for bit (3
+  blocks a program; 24 blocks, past MAX_PREFETCH: the loop kept)."""
+  assert 2 * MAX_PAGES * PAGE // 16 > MAX_PREFETCH
+  num_keys = max_pages * PAGE
+  args = _indexer_inputs(17 + t, t, fp8, max_pages=max_pages)
+  config = IndexerScoresConfig(block_k=block_k, num_splits=splits)
+  looped = indexer_scores(*args, num_keys=num_keys, config=config)
+  prefetched = indexer_scores(*args, num_keys=num_keys, config=dataclasses.replace(config, prefetch=True))
+  np.testing.assert_array_equal(np.asarray(prefetched), np.asarray(looped))
+  np.testing.assert_allclose(np.asarray(prefetched), np.asarray(indexer_scores_reference(*args, num_keys=num_keys)),
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("splits,block_k", [(256, 16), (1024, 16)])

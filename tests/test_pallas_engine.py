@@ -340,9 +340,9 @@ def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch
 
 @fold_lane
 def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatch):
-  """indexer_splits=256, indexer_block_k=16, indexer_warps=8, indexer_stages=2, attention_warps=8:
-  every scores and sparse MLA launch runs with them; each computes what it did, so the tokens are
-  the default's."""
+  """indexer_splits=256, indexer_block_k=16, indexer_warps=8, indexer_stages=2, indexer_prefetch,
+  attention_warps=8: every scores and sparse MLA launch runs with them; each computes what it
+  did, so the tokens are the default's."""
   default = _baseline(tiny, "pallas", "fp8")
   seen = []
 
@@ -355,10 +355,10 @@ def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatc
   monkeypatch.setattr(indexer_topk, "indexer_scores", recording("scores", indexer_topk.indexer_scores))
   monkeypatch.setattr(sparse_mla, "sparse_mla_decode", recording("mla", sparse_mla.sparse_mla_decode))
   tuned = _generate(tiny, "pallas", "fp8", indexer_splits=256, indexer_block_k=16, indexer_warps=8, indexer_stages=2,
-                    attention_warps=8)
+                    indexer_prefetch=True, attention_warps=8)
   np.testing.assert_array_equal(tuned, default)
-  assert {(c.num_splits, c.block_k, c.num_warps, c.num_stages) for name, c in seen if name == "scores"} == {
-      (256, 16, 8, 2)}
+  assert {(c.num_splits, c.block_k, c.num_warps, c.num_stages, c.prefetch) for name, c in seen if name == "scores"} == {
+      (256, 16, 8, 2, True)}
   assert {c.num_warps for name, c in seen if name == "mla"} == {8}
 
 
