@@ -122,7 +122,8 @@ class Runtime:
   to the order of the dot's fp32 sums (on an H100, 32-key blocks and 8 warps changed some bits,
   run 36); run 17's defaults were 128 programs, 128 keys, 8 warps, and 2 stages until run 36.
   indexer_prefetch: that kernel's IndexerScoresConfig.prefetch (each program issues all its key
-  blocks' loads before its first dot); the same scores bit for bit.
+  blocks' loads before its first dot); the same scores bit for bit; off (run 38, H100: slower
+  for 5 query tokens, 26.1 against 18.9 us at 80K, faster for 1, 10.4 against 11.5).
   attention_warps: the Pallas sparse MLA kernel's warps per program (SparseMLAConfig.num_warps):
   0 for its default (4; 8 until run 26), the same result.
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas

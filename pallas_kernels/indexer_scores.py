@@ -76,7 +76,10 @@ class IndexerScoresConfig:
     against 18.5 over bf16 keys, 23.0 against 29.5 over FP8 keys.
   prefetch: a program issues the loads of all its key blocks (at most MAX_PREFETCH; longer
     chunks keep the loop) before its first dot, so it waits for memory once, not once a block
-    (at one stage, the default, Triton does not pipeline the loop's gathers). Not yet timed.
+    (at one stage, the default, Triton does not pipeline the loop's gathers). Off: on an H100
+    (BENCHMARKS.md run 38, 80K FP8 keys, cold L2) it is slower for 5 query tokens (26.1 against
+    18.9 us; 128 programs 69.6, 32-key blocks 345, 8 warps 40.2; in the rank's step 24.6 against
+    18.6 a layer), faster for 1 (10.4 against 11.5).
   """
   block_k: int = 64
   num_splits: int | None = None
