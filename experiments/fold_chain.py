@@ -92,7 +92,8 @@ def run_arm(flags_list: list[str], arm_dir: pathlib.Path, layer: int, timeout: i
   """tep_project with flags_list in its own process, its decode program's HLO dumped; its row."""
   arm_dir.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory() as hlo_dir:
-    dump = f"--xla_dump_to={hlo_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*spec_decode.*|.*decode_loop.*"
+    # the timed programs: jit_decode (plain steps) or jit_spec_decode (speculative ones)
+    dump = f"--xla_dump_to={hlo_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {dump}".strip())
     report_path = arm_dir / "tep.json"
     with open(arm_dir / "tep.log", "w") as log:

@@ -77,12 +77,14 @@ def test_a_rerun_measures_only_new_or_changed_arms(tmp_path, monkeypatch):
   assert (tmp_path / "fold_chain.png").stat().st_size > 1000
 
 
-@pytest.mark.side_lane  # 80 s on 2 cores: beside the multi-device tests (Makefile)
+@pytest.mark.side_lane  # about a minute on 2 cores: beside the multi-device tests (Makefile)
 def test_two_arms_of_tep_project_end_to_end(tmp_path):
   # The whole 4-layer model timed (no --measure_layers): a quick fit of 1 and 2 layers on a busy
-  # CPU can come out negative, and tep_project rightly refuses a negative step.
-  base = ("--config=tiny --full_config=tiny --tep=2 --context=256 --quick --draft_steps=2 "
-          "--accept_length=2 --attention=pallas --dense_matmul=pallas_grouped")
+  # CPU can come out negative, and tep_project rightly refuses a negative step. A plain decode
+  # step, whose program (jit_decode) the chain must find too: the speculative one also compiles
+  # the MTP layer and the draft loop.
+  base = ("--config=tiny --full_config=tiny --tep=2 --context=256 --quick --attention=pallas "
+          "--dense_matmul=pallas_grouped")
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
   proc = subprocess.run([sys.executable, "-m", "experiments.fold_chain", f"--base={base}", "--folds=query_absorb",
                          "--map_layer=3", f"--output_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
