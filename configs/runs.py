@@ -24,8 +24,8 @@ _FASTER_FOLDS = dict.fromkeys(sorted(set(FOLD_SWITCHES) - {"swiglu", "moe_sum"})
 KERNELS_BF16 = dict(attention="pallas", dense_matmul="pallas_grouped", weights="bf16", kv_dtype="bf16",
                     indexer_queries="float32", attention_queries="float32", **_FASTER_FOLDS)
 
-# The fastest stack timed on a TEP=8 rank (docs/BENCHMARKS.md run 37: 22.0 launches and 189 us of
-# kernels a layer on an H100): NVFP4 experts on the CUDA cores from fragment-ordered weights, FP8
+# The fastest stack timed on a TEP=8 rank (docs/BENCHMARKS.md run 38: 22.0 launches and 184-185 us
+# of kernels a layer on an H100): NVFP4 experts on the CUDA cores from fragment-ordered weights, FP8
 # KV pages, bf16 queries into the DSA kernels (FlashMLA's numerics), every faster fold.
 RANK_FASTEST = dict(KERNELS_BF16, weights="nvfp4_experts", kv_dtype="fp8", indexer_queries="bfloat16",
                     attention_queries="bfloat16", matmul="pallas_fragments", moe_routing="pairs_fused")

@@ -7,8 +7,8 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --indexer_stages,
 --indexer_prefetch, --attention_warps, the folds' --fold_splits, --indexer_queries,
 --attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's
-fields of those names. `define` also defines --preset (configs/runs.py), which the experiment's main applies
-first (`apply_preset`)."""
+fields of those names. `define` also defines --preset (configs/runs.py), which the experiment's
+main applies first (`apply_preset`)."""
 
 from typing import Callable
 
