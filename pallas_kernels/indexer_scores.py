@@ -119,7 +119,8 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
   hp = q_ref.shape[1]
   heads_ok = jnp.arange(hp) < heads
   masked = lambda view, ok: view[...] if heads == hp else pltriton.load(view, mask=ok, other=0.0)
-  queries = [bf16_parts(masked(q_ref.at[jnp.int32(t)], heads_ok[:, None])) for t in range(num_t)]
+  fp8_queries = q_ref.dtype == jnp.float8_e4m3fn
+  queries = [query_terms(masked(q_ref.at[jnp.int32(t)], heads_ok[:, None]), fp8) for t in range(num_t)]
   head_axis = 1 if keys_major else 0  # logits [bk, Hp] or [Hp, bk]
   weights = [jnp.expand_dims(masked(w_ref.at[jnp.int32(t)], heads_ok), 1 - head_axis) for t in range(num_t)]
   positions = [pos_ref[t] for t in range(num_t)]
@@ -135,7 +136,7 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
   def body(i, hists, block):
     tok, codes, stored_scale = block
     inside = tok < n
-    keys = codes.astype(jnp.bfloat16)  # [bk, Di]
+    keys = codes if fp8_queries and fp8 else codes.astype(jnp.bfloat16)  # [bk, Di]: an e4m3 x e4m3 dot, or bf16
     scale = head_dim ** -0.5
     if fp8:
       scale = stored_scale * scale  # [bk] power of two * Di^-0.5
@@ -168,11 +169,19 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
       topk.publish_histogram(hists[t], ge_ref, (t,), tot_ref, (0, t))
 
 
+def query_terms(q: jax.Array, fp8_keys: bool) -> list[jax.Array]:
+  """The query operand of the scores dot as terms that sum to it exactly: e4m3 codes as they are
+  against e4m3 keys (the tensor cores' FP8 MMA), else as bf16 (exact); else `bf16_parts`."""
+  if q.dtype == jnp.float8_e4m3fn:
+    return [q if fp8_keys else q.astype(jnp.bfloat16)]
+  return bf16_parts(q)
+
+
 def check_indexer_args(q, weights, index_k, index_scale, page_table, q_positions,
                        num_keys: int) -> None:
   """ValueError unless the arguments form a valid indexer call (shared with the reference)."""
-  if q.ndim != 4 or q.dtype not in (jnp.bfloat16, jnp.float32):
-    raise ValueError(f"q must be bf16/f32 [B, T, H, Di], got {q.dtype}{list(q.shape)}")
+  if q.ndim != 4 or q.dtype not in (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn):
+    raise ValueError(f"q must be bf16/f32/float8_e4m3fn [B, T, H, Di], got {q.dtype}{list(q.shape)}")
   b, t, h, di = q.shape
   if weights.shape != (b, t, h) or weights.dtype != jnp.float32:
     raise ValueError(f"weights must be f32 {[b, t, h]}, got {weights.dtype}{list(weights.shape)}")
@@ -267,7 +276,9 @@ def indexer_scores(q: jax.Array, weights: jax.Array, index_k: jax.Array,
   """DSA indexer scores of T query tokens per sequence against its paged key cache.
 
   Args:
-    q: [B, T, H, Di] bf16 or f32, roped indexer queries (Di a power of two >= 16).
+    q: [B, T, H, Di] bf16 or f32, roped indexer queries (Di a power of two >= 16), or their
+      float8_e4m3fn codes, whose per-(token, head) scales the caller has folded into `weights`
+      (relu(c * x) = c * relu(x) for c > 0): against FP8 keys the dot is then FP8 x FP8.
     weights: [B, T, H] f32 head weights (weights_proj(x) * H^-0.5).
     index_k: [P, page_size, Di] bf16 or float8_e4m3fn key pages (page 0: null page).
     index_scale: [P, page_size, 1] f32 power-of-two scales for FP8 keys, else None.
