@@ -286,6 +286,18 @@ def test_indexer_scores_matches_reference(t, fp8, orientation):
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t,fp8,orientation", [(5, True, "keys"), (1, False, "heads")])
+def test_indexer_scores_of_e4m3_query_codes(t, fp8, orientation):
+  """float8_e4m3fn queries (codes whose scales the weights carry): an FP8 x FP8 dot against FP8
+  keys, bf16 against bf16 keys; both exact products, so the reference's scores within fp32 sums."""
+  args = _indexer_inputs(20 + t, t, fp8, q_dtype=jnp.float8_e4m3fn)
+  assert len(np.unique(np.asarray(args[0], np.float32))) > 50  # real codes, not a few values
+  config = dataclasses.replace(SMALL_SCORES, orientation=orientation)
+  got = indexer_scores(*args, num_keys=NUM_KEYS, config=config)
+  ref = indexer_scores_reference(*args, num_keys=NUM_KEYS)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fp8,splits,block_k,t,max_pages", [(True, 2, 32, 5, MAX_PAGES), (False, 4, 16, 1, MAX_PAGES),
                                                              (True, 1, 16, 11, 2 * MAX_PAGES)])
 def test_indexer_scores_prefetch_keeps_the_scores(fp8, splits, block_k, t, max_pages):
@@ -440,9 +452,10 @@ def _assert_attention_close(got, ref, rtol: float):
   assert np.abs(got - ref).max() <= rtol * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("t", [1, 5])
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("q_dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+# Every pair of (query tokens, FP8 pages, query dtype) values once: the three are independent in
+# the kernel (its rows, its page decode, its query load).
+@pytest.mark.parametrize("t,fp8,q_dtype,rtol", [(1, False, jnp.float32, 1e-5), (5, True, jnp.float32, 1e-5),
+                                                (1, True, jnp.bfloat16, 1e-2), (5, False, jnp.bfloat16, 1e-2)])
 def test_sparse_mla_matches_reference(t, fp8, q_dtype, rtol):
   args = _mla_inputs(50 + t, t, fp8, q_dtype=q_dtype)
   scale = (64 + 16) ** -0.5
