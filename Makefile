@@ -23,14 +23,15 @@ demo: $(STAMP)
 # The main suite, and beside it a second process: the multi-device tests (8 simulated CPU
 # devices, fixed when JAX's backend starts) and the tests marked side_lane (long smoke tests that
 # run entry points or the notebook in their own subprocesses, which would otherwise lengthen the
-# main suite, and the Pallas folds' token tests and the training tests, which even out the two
-# processes' times; each file holding one is listed below); its log follows the main suite's.
+# main suite, and the Pallas folds' token tests, the training tests and a few more of the
+# longest, which even out the two processes' times; each file holding one is listed below); its
+# log follows the main suite's.
 # Either failing fails the target; pytest exits 5 when it collected nothing, and that is a
 # failure here, not a pass.
 test: $(STAMP)
 	@$(PY) -m pytest -q -m "multidevice or side_lane" tests/test_multidevice_*.py tests/test_study.py tests/test_notebook.py \
 	  tests/test_engine.py tests/test_analysis.py tests/test_pallas_engine.py tests/test_training.py \
-	  tests/test_fold_chain.py tests/test_quant_model.py \
+	  tests/test_fold_chain.py tests/test_quant_model.py tests/test_mini_checkpoint.py tests/test_bench.py \
 	  > .multidevice.log 2>&1 & multi=$$!; \
 	$(PY) -m pytest -q -m "not multidevice and not side_lane" --ignore-glob='tests/test_multidevice_*.py' tests; \
 	main=$$?; wait $$multi; multi_rc=$$?; echo "== multi-device and side-lane tests =="; cat .multidevice.log; \

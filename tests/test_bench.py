@@ -95,6 +95,7 @@ def test_agreement_compares_index_sets_and_float_errors():
   assert agreement(want[:2], want) == dict(exact=False, max_rel_err=float("inf"))
 
 
+@pytest.mark.side_lane  # 15-20 s on 2 cores: beside the multi-device tests (Makefile)
 def test_quant_sweep_covers_the_stacks_kernels():
   """kernels_bench --sweep's quant rows: the NVFP4 GEMV on the CUDA cores beside the tensor
   cores' default, the routed experts as pairs at a rank's view, the FP8 and bf16 GEMVs and the
@@ -128,6 +129,7 @@ def test_dsa_sweep_times_each_kernel_at_the_stacks_case():
   assert len({r["config"] for r in rows[:2]}) == 2
 
 
+@pytest.mark.side_lane  # 15-20 s on 2 cores: beside the multi-device tests (Makefile)
 def test_gemv_rows_time_every_impl_against_xla_bf16():
   """A GEMV case's rows: XLA bf16 first (the speedup reference), the bf16 split-K kernel and
   each format's kernels checked against XLA on the timed inputs, bytes by format."""

@@ -4,6 +4,7 @@ import pathlib
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import glmjax
 from glmjax.data import load_corpus
@@ -21,6 +22,7 @@ def test_card_and_size():
   assert (CHECKPOINT / "tokenizer.json").exists()
 
 
+@pytest.mark.side_lane  # 20 s on 2 cores: beside the multi-device tests (Makefile)
 def test_mtp_acceptance_on_held_out_text():
   """Greedy, k = 4 drafts, held-out stdlib text within the trained context (512): at least 3.0
   tokens per verify step (measured 3.55 when written), and exactly the plain greedy tokens."""

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import glmjax
 from configs import get_model_config
+from experiments.step_timing import with_layers
 from glmjax import parallel
 from glmjax.cache.paged import init_cache
 from glmjax.checkpoint import TensorFiles, load_params, save_pretrained
@@ -63,6 +64,13 @@ def model():
   config = dataclasses.replace(get_model_config("tiny"), num_attention_heads=8, num_key_value_heads=8,
                                n_routed_experts=8)
   return config, init_params(config, jax.random.key(7), param_dtype=jnp.float32)
+
+
+def _first_layers(model, n: int):
+  """The model cut to its first n decoder layers (their params as they are): compiles faster."""
+  config, params = model
+  return with_layers(config, n, mtp=True), {k: v for k, v in params.items()
+                                            if not k.startswith("layers_") or int(k[7:]) < n}
 
 
 def _prompt(config, key: int, shape: tuple[int, int]) -> np.ndarray:
@@ -121,11 +129,8 @@ def test_fragment_matmul_under_the_mesh(model):
   """bf16 NVFP4 params sharded, then put in fragment order by forward (runtime.arrange: weights
   split over the mesh stay in ModelOpt's order for the TEP shard_maps, a split FragmentWeight
   there is a clear error): the logits of one device up to bf16 rounding of the row-parallel sums."""
-  config, params = model
-  config = dataclasses.replace(config, num_hidden_layers=2, mlp_layer_types=config.mlp_layer_types[:2],
-                               indexer_types=config.indexer_types[:2])  # a dense and an MoE layer
+  config, params = _first_layers(model, 2)  # a dense and an MoE layer
   q = quantize_params(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), "nvfp4")
-  q = {k: v for k, v in q.items() if not k.startswith("layers_") or int(k[7:]) < 2}
   ids, runtime, mesh = _prompt(config, 5, (1, 5)), Runtime(matmul="pallas_fragments"), parallel.make_mesh(2)
   want = glmjax.forward(config, q, ids, runtime=runtime)
   sharded = parallel.shard_params(config, q, mesh)
@@ -282,10 +287,11 @@ PALLAS_STACK = dict(attention="pallas", dense_matmul="pallas_grouped", cache_wri
 def test_pallas_stack_under_the_mesh_gathers_no_weight(model):
   """The Pallas stack in bf16 at TEP=2: the compiled decode step's collectives are the XLA path's
   (two bf16 all-reduces of [tokens, hidden] a layer, the residual norm's too), and its greedy
-  tokens are one device's. With
-  tensor_parallel="gspmd" the same tokens, but every layer gathers weights (GSPMD cannot split a
-  Pallas call: q_b, kv_b, o_proj, the dense MLP)."""
-  config, params = model
+  tokens are one device's. With tensor_parallel="gspmd" the same tokens, but every layer gathers
+  weights (GSPMD cannot split a Pallas call: q_b, kv_b, o_proj, the dense MLP). Three layers:
+  the dense one, an MoE layer with its indexer and one reusing that top-k."""
+  config, params = _first_layers(model, 3)
+  assert config.mlp_layer_types == ("dense", "sparse", "sparse") and config.indexer_types[1:] == ("full", "shared")
   params = jax.tree_util.tree_map_with_path(  # the router's bias stays fp32, as checkpoints keep it
     lambda path, a: a if "e_score_correction_bias" in jax.tree_util.keystr(path) else a.astype(jnp.bfloat16), params)
   prompt = jnp.asarray(_prompt(config, 4, (1, 6)))

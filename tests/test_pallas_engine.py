@@ -24,9 +24,11 @@ from jax.experimental.pallas import fuser  # noqa: F401
 
 import glmjax
 from configs import get_model_config
+from configs.runs import RANK_FASTEST
+from experiments.step_timing import with_layers
 from glmjax import attention, dsa, layers, quant
 from glmjax.model import init_params
-from glmjax.runtime import Runtime
+from glmjax.runtime import FOLD_SWITCHES, Runtime
 from pallas_kernels import bf16_matmul as bf16_matmul_module
 from pallas_kernels import indexer_keys as indexer_keys_module
 from pallas_kernels import indexer_topk
@@ -40,7 +42,10 @@ PROMPT, NEW = 30, 10
 
 @pytest.fixture(scope="module")
 def tiny():
-  config = get_model_config("tiny")
+  """tiny's first three layers: the dense one, an MoE layer with its indexer and one reusing that
+  top-k (every kind of layer the kernels and folds meet; a fourth would only compile longer)."""
+  config = with_layers(get_model_config("tiny"), 3)
+  assert config.mlp_layer_types == ("dense", "sparse", "sparse") and config.indexer_types == ("full", "full", "shared")
   return config, init_params(config, jax.random.key(0))
 
 
@@ -98,9 +103,9 @@ def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
   calls = _record_pallas_calls(monkeypatch)
   pallas = _generate(tiny, "pallas", kv_dtype)
   jax.effects_barrier()
-  # NEW model calls (the prefill chunk, NEW - 1 decode steps) of 7 kernel calls: layers 0, 1
-  # and 3 run their indexer, all 4 attend.
-  assert len(calls) == 7 * NEW, "no kernel ran: a program compiled earlier served the call"
+  # NEW model calls (the prefill chunk, NEW - 1 decode steps) of 5 kernel calls: layers 0 and 1
+  # run their indexer, all 3 attend.
+  assert len(calls) == 5 * NEW, "no kernel ran: a program compiled earlier served the call"
   for i, (kind, ref, static, got, inputs) in enumerate(calls):
     want = np.asarray(ref(*inputs, *static))
     if kind == "topk":  # the same set per query token, exactly
@@ -111,9 +116,19 @@ def test_pallas_generates_sparse_tokens(tiny, kv_dtype, monkeypatch):
   np.testing.assert_array_equal(pallas, sparse)
 
 
-# The folds' token tests, two decodes each (~20 s apiece): in the side lane beside the
-# multi-device tests (Makefile), which keeps the main suite's time in bounds.
+def test_sparse_selection_path_equals_dense_reference(tiny):
+  """--attention=sparse (gather of the selected tokens, the kernels' jnp references) generates
+  the tokens of the dense masked reference, past index_topk, from FP8 pages (their scales
+  applied alike on both paths)."""
+  np.testing.assert_array_equal(_baseline(tiny, "sparse", "fp8"), _baseline(tiny, "dense", "fp8"))
+
+
+# The folds' tests (a decode of 10-20 s each): in the side lane beside the multi-device tests
+# (Makefile), which keeps the main suite's time in bounds. One unfolded run is the reference of
+# those comparing tokens here: the split-K GEMVs grouped, the router and the cache write in their
+# kernels.
 fold_lane = pytest.mark.side_lane
+UNFOLDED = dict(dense_matmul="pallas_grouped", router="pallas", cache_write="pallas")
 
 
 def _fail_in_decode_steps(monkeypatch, module, name: str) -> None:
@@ -121,155 +136,93 @@ def _fail_in_decode_steps(monkeypatch, module, name: str) -> None:
   first argument); the prefill's calls go through."""
   original = getattr(module, name)
 
-  def prefill_only(x, *args):
+  def prefill_only(x, *args, **kwargs):
     if x.shape[1] <= 8:
       pytest.fail(f"a decode step called {name}")
-    return original(x, *args)
+    return original(x, *args, **kwargs)
 
   monkeypatch.setattr(module, name, prefill_only)
 
 
-@fold_lane
-def test_value_merge_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
-  """value_merge="pallas": decode steps run the split merge and the value product in one launch
-  (their two-step path fails here); tokens equal to the two steps'."""
-  two_steps = _baseline(tiny, "pallas", "fp8")
-  _fail_in_decode_steps(monkeypatch, dsa, "cached_attention")
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", value_merge="pallas"), two_steps)
+# The rank_fastest preset's folds over UNFOLDED, each with the unfolded step it replaces.
+RANK_FOLDS = {"value_merge": "the two-step merge and value product (dsa.cached_attention)",
+              "query_absorb": "XLA's absorbed query (dsa.query_absorption)",
+              "indexer_keys": "k_norm's XLA path (layers.layer_norm)",
+              "mla_epilogue": "k_pe's XLA rotation (attention.apply_rope)",
+              "index_epilogue": "indexer_keys' own launch",
+              "epilogue_write": "paged_write's own launch",
+              "router_group": "the Router module's own GEMV",
+              "index_query": "the indexer query's XLA rotation (attention.apply_rope_leading)",
+              "residual_norm": "XLA's residual add and norm"}
 
 
 @fold_lane
-def test_query_absorb_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
-  """query_absorb="pallas": decode steps build the absorbed query in one launch from q_b's
-  partials (the XLA product fails for them here); tokens equal to the XLA path's."""
-  xla = _baseline(tiny, "pallas", "fp8")
-  _fail_in_decode_steps(monkeypatch, dsa, "query_absorption")
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas"), xla)
-
-
-def _record_group_sizes(monkeypatch) -> list[int]:
-  """The number of weights in each quant.linear_group_partials call from now on."""
-  groups, original = [], quant.linear_group_partials
-  record = lambda x, weights, **kw: groups.append(len(weights)) or original(x, weights, **kw)
-  monkeypatch.setattr(quant, "linear_group_partials", record)
-  return groups
-
-
-@fold_lane
-def test_query_absorb_groups_q_b_with_the_indexers_wq_b(tiny, monkeypatch):
-  """Under dense_matmul="pallas_grouped", query_absorb="pallas" runs the indexer's wq_b in q_b's
-  GEMV launch (both read q_resid): decode steps hand both weights to one group; tokens equal."""
-  ungrouped = _baseline(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
-  groups = _record_group_sizes(monkeypatch)
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped", query_absorb="pallas"),
-                                ungrouped)
-  assert 2 in groups and set(groups) <= {1, 2}  # 1: a layer reusing a preceding top-k runs no wq_b
-
-
-@fold_lane
-def test_indexer_keys_in_the_kernel_generate_the_same_tokens(tiny, monkeypatch):
-  """indexer_keys="pallas": decode steps finish the indexer's key and head weights in one launch
-  from their GEMV's partials (k_norm's XLA path fails for them here); tokens equal."""
-  xla = _baseline(tiny, "pallas", "fp8")
-  _fail_in_decode_steps(monkeypatch, layers, "layer_norm")
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", indexer_keys="pallas"), xla)
-
-
-@fold_lane
-def test_mla_epilogue_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
-  """mla_epilogue="pallas": decode steps normalise q_a and kv_a and rotate k_pe in one launch from
-  their GEMV's partials (attention's XLA rotation fails for them here, the query's RoPE being in
-  the absorbed-query kernel); tokens equal."""
-  xla = _baseline(tiny, "pallas", "fp8", query_absorb="pallas")
-  _fail_in_decode_steps(monkeypatch, attention, "apply_rope")
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", query_absorb="pallas", mla_epilogue="pallas"), xla)
-
-
-@fold_lane
-def test_index_epilogue_joins_the_indexers_keys_to_mlas_launch(tiny, monkeypatch):
-  """index_epilogue="pallas": decode steps run the indexer's wk and weights_proj in q_a's and
-  kv_a's GEMV group and its key epilogue in MLA's launch (indexer_keys' own launch fails here);
-  tokens equal to the separate launches'."""
-  switches = dict(dense_matmul="pallas_grouped", query_absorb="pallas", indexer_keys="pallas", mla_epilogue="pallas")
-  separate = _baseline(tiny, "pallas", "fp8", **switches)
-  groups = _record_group_sizes(monkeypatch)
+def test_the_rank_stacks_folds_generate_the_unfolded_tokens(tiny, monkeypatch):
+  """Every fold of configs/runs.RANK_FASTEST at once, each unfolded step failing where a decode
+  step would take it (prefill keeps them; RANK_FOLDS names them): tokens equal to the unfolded
+  run's. Recorded besides: q_b shares its GEMV launch with the indexer's wq_b, the router with the
+  shared expert's gate and up, q_a and kv_a with the indexer's wk and weights_proj; residual_norm
+  runs once a layer and decode step; every GEMV the folds read (q_a, kv_a, q_b, o_proj) takes
+  Runtime.fold_splits (here a cap of 3; tiny's K takes 1 anyway)."""
+  assert {k for k in RANK_FASTEST if k in FOLD_SWITCHES} == set(RANK_FOLDS) | set(UNFOLDED) - {"dense_matmul"}
+  unfolded = _baseline(tiny, "pallas", "fp8", **UNFOLDED)
+  for module, name in ((dsa, "cached_attention"), (dsa, "query_absorption"), (layers, "layer_norm"),
+                       (attention, "apply_rope"), (attention, "apply_rope_leading")):
+    _fail_in_decode_steps(monkeypatch, module, name)
   monkeypatch.setattr(indexer_keys_module, "indexer_keys", lambda *a, **kw: pytest.fail("indexer_keys' own launch ran"))
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", index_epilogue="pallas", **switches), separate)
-  assert 4 in groups  # q_a, kv_a, wk, weights_proj
+  own_write = paged_write_module.paged_write
 
-
-@fold_lane
-def test_epilogue_write_moves_the_cache_write_into_mlas_launch(tiny, monkeypatch):
-  """epilogue_write="pallas": MLA's joined epilogue launch writes the decode step's new rows into
-  the pages (paged_write's own launch fails for decode steps here; prefill keeps it); tokens
-  equal to the separate write's."""
-  switches = dict(dense_matmul="pallas_grouped", indexer_keys="pallas", mla_epilogue="pallas", index_epilogue="pallas",
-                  cache_write="pallas")
-  separate = _baseline(tiny, "pallas", "fp8", **switches)
-  own_launch = paged_write_module.paged_write
-
-  def prefill_only(layer, page_table, positions, *rows, **kw):
+  def write_at_prefill_only(layer, page_table, positions, *rows, **kw):
     if positions.shape[1] <= 8:
       pytest.fail("a decode step called paged_write")
-    return own_launch(layer, page_table, positions, *rows, **kw)
+    return own_write(layer, page_table, positions, *rows, **kw)
 
-  monkeypatch.setattr(paged_write_module, "paged_write", prefill_only)
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", epilogue_write="pallas", **switches), separate)
+  monkeypatch.setattr(paged_write_module, "paged_write", write_at_prefill_only)
+  c = tiny[0]
+  groups, splits, norms = [], {}, []
+  own_gemv, own_group = quant.linear_partials, quant.linear_group_partials
+
+  def gemv(x, w, **kw):
+    if w.shape == (c.n_routed_experts, c.hidden_size) and quant.decode_sized(x):
+      pytest.fail("a decode step ran the router's GEMV")
+    splits.setdefault((1, w.shape), set()).add(kw.get("gemv_splits"))
+    return own_gemv(x, w, **kw)
+
+  def group(x, weights, **kw):
+    groups.append(len(weights))
+    for w in weights:
+      splits.setdefault((len(weights), w.shape), set()).add(kw.get("gemv_splits"))
+    return own_group(x, weights, **kw)
+
+  monkeypatch.setattr(quant, "linear_partials", gemv)
+  monkeypatch.setattr(quant, "linear_group_partials", group)
+  own_norm = residual_norm_module.residual_norm
+  monkeypatch.setattr(residual_norm_module, "residual_norm",
+                      lambda *a, **kw: norms.append(a[1].shape) or own_norm(*a, **kw))
+  folded = _generate(tiny, "pallas", "fp8", **UNFOLDED, **dict.fromkeys(RANK_FOLDS, "pallas"), fold_splits=3)
+  np.testing.assert_array_equal(folded, unfolded)
+  assert {2, 3, 4} <= set(groups)  # q_b + wq_b; router + gate + up; q_a + kv_a + wk + weights_proj
+  assert norms and all(shape[1] <= 8 for shape in norms)  # decode steps' partials [S, tokens, D]; none at prefill
+  gemvs = [(4, (c.q_lora_rank, c.hidden_size)), (4, (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size)),
+           (2, (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank)),
+           (1, (c.hidden_size, c.num_attention_heads * c.v_head_dim))]  # (launch's weights, shape)
+  assert {gemv: splits.get(gemv) for gemv in gemvs} == {gemv: {3} for gemv in gemvs}
 
 
 @fold_lane
-def test_router_group_runs_the_router_in_the_shared_experts_launch(tiny, monkeypatch):
-  """router_group="pallas": decode steps run the MoE router's GEMV in the shared expert's gate/up
-  launch (the Router module's own GEMV fails for them here) and choose from its partials; tokens
-  equal to the separate launches'."""
-  switches = dict(dense_matmul="pallas_grouped", router="pallas")
-  separate = _baseline(tiny, "pallas", "fp8", **switches)
-  groups = _record_group_sizes(monkeypatch)
-  own_gemv = quant.linear_partials
-  router = (tiny[0].n_routed_experts, tiny[0].hidden_size)
-  monkeypatch.setattr(quant, "linear_partials", lambda x, w, **kw: pytest.fail("a decode step ran the router's GEMV")
-                      if w.shape == router and quant.decode_sized(x) else own_gemv(x, w, **kw))
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", router_group="pallas", **switches), separate)
-  assert 3 in groups  # the router, the shared expert's gate and up
-
-
-@fold_lane
-def test_index_query_finishes_the_indexers_query_in_the_absorbed_query_launch(tiny, monkeypatch):
-  """index_query="pallas": decode steps sum and rotate the indexer's query in the absorbed-query
-  launch (the XLA rotation fails for decode steps here, the key's being in indexer_keys' launch);
-  tokens equal to the XLA path's."""
-  switches = dict(dense_matmul="pallas_grouped", query_absorb="pallas", indexer_keys="pallas")
-  separate = _baseline(tiny, "pallas", "fp8", **switches)
-  _fail_in_decode_steps(monkeypatch, attention, "apply_rope_leading")
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", index_query="pallas", **switches), separate)
-
-
-@fold_lane
-def test_swiglu_in_the_down_gemv_generates_the_same_tokens(tiny, monkeypatch):
+def test_swiglu_and_moe_sum_run_in_the_down_gemvs_launches(tiny, monkeypatch):
   """swiglu="pallas": decode steps' MLPs (dense layers and shared experts) take silu(gate) * up
-  in the down GEMV's launch from the gate/up partials (the launches recorded: decode rows, both
-  kinds of MLP); tokens equal to the XLA path's."""
-  xla = _baseline(tiny, "pallas", "fp8", dense_matmul="pallas_grouped")
-  calls, original = [], bf16_matmul_module.swiglu_matmul
-  monkeypatch.setattr(bf16_matmul_module, "swiglu_matmul", lambda g, u, w: calls.append(g.shape) or original(g, u, w))
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", dense_matmul="pallas_grouped", swiglu="pallas"), xla)
-  config = tiny[0]
-  assert {shape[-1] for shape in calls} == {config.intermediate_size, config.shared_intermediate}
-  assert all(shape[1] <= 2 * 8 for shape in calls)  # decode steps' rows (2 sequences); none at prefill
-
-
-@fold_lane
-def test_moe_sum_in_the_shared_experts_launch_generates_the_same_tokens(tiny, monkeypatch):
-  """moe_sum="pallas": decode steps' MoE layers end in the shared expert's down GEMV launch
-  (residual + routed + shared; the launches recorded with the routed partials, one per MoE
-  layer and step); tokens equal to the XLA sum's."""
-  switches = dict(dense_matmul="pallas_grouped", swiglu="pallas")
-  xla = _baseline(tiny, "pallas", "fp8", **switches)
+  in the down GEMV's launch from the gate/up partials; moe_sum="pallas": the MoE layers end in
+  the shared expert's down launch (residual + routed + shared; one per MoE layer and step). The
+  launches recorded: decode rows only, both kinds of MLP. (Their tokens: the next test, where
+  XLA rounds as the model is written.)"""
   calls, original = [], bf16_matmul_module.swiglu_matmul
   monkeypatch.setattr(bf16_matmul_module, "swiglu_matmul",
                       lambda g, u, w, **kw: calls.append((g.shape, *kw)) or original(g, u, w, **kw))
-  np.testing.assert_array_equal(_generate(tiny, "pallas", "fp8", moe_sum="pallas", **switches), xla)
+  _generate(tiny, "pallas", "fp8", **UNFOLDED, swiglu="pallas", moe_sum="pallas")
   config = tiny[0]
+  assert {shape[-1] for shape, *kw in calls} == {config.intermediate_size, config.shared_intermediate}
+  assert all(shape[1] <= 2 * 8 for shape, *kw in calls)  # decode steps' rows (2 sequences); none at prefill
   summed = [shape for shape, *kw in calls if kw == ["residual", "routed"]]
   assert summed and {shape[-1] for shape in summed} == {config.shared_intermediate}
   assert len(summed) == len([c for c in calls if c[0][-1] == config.shared_intermediate])
@@ -279,16 +232,18 @@ _BF16_STREAM_SCRIPT = """
 import json, sys
 import numpy as np, jax
 from configs import get_model_config
+from experiments.step_timing import with_layers
 from glmjax.engine.engine import Engine
 from glmjax.engine.speculative import SpecConfig
 from glmjax.model import init_params
 from glmjax.runtime import Runtime
-config = get_model_config("tiny")
+config = with_layers(get_model_config("tiny"), 2, mtp=True)  # a dense layer, an MoE layer, the MTP layer
 params = init_params(config, jax.random.key(0))
 prompt = np.random.default_rng(1).integers(2, config.vocab_size, 30).tolist()
 out = {}
-for name, switches in (("xla", {}), ("folded", {"moe_sum": "pallas"})):
-  engine = Engine(config, params, runtime=Runtime(dense_matmul="pallas_grouped", swiglu="pallas", **switches),
+arms = (("xla", {}), ("swiglu", {"swiglu": "pallas"}), ("folded", {"swiglu": "pallas", "moe_sum": "pallas"}))
+for name, switches in arms:
+  engine = Engine(config, params, runtime=Runtime(dense_matmul="pallas_grouped", **switches),
                   page_size=8, max_seq_len=64, prefill_chunk=16, num_pages=32, kv_dtype="fp8", mtp_cache=True)
   stats = engine.run_round([engine.open_session()], [prompt], 10, ignore_eos=True,
                            spec=SpecConfig(num_draft=2, threshold=0.0))[0]
@@ -298,52 +253,30 @@ print(json.dumps(out))
 
 
 @fold_lane
-def test_moe_sum_on_a_bf16_residual_stream_keeps_the_tokens():
-  """moe_sum="pallas" where the residual stream is bf16: 16-token prefill chunks (decode-sized,
-  so the fold applies; the stream is still the bf16 embedding) and the MTP layer under
-  speculative decoding (a TEP rank's step failed there, BENCHMARKS.md run 27). The fold rounds as
-  the model is written, op by op: (routed + shared) to bf16, then the residual add. XLA's default
-  excess precision may drop that intermediate rounding in a bf16 fusion (this case's tokens
-  then differ from the fourth on), so both run in a process with xla_allow_excess_precision off,
-  where the emitted tokens must be equal."""
+def test_swiglu_and_moe_sum_keep_the_tokens_on_a_bf16_residual_stream():
+  """swiglu="pallas", then moe_sum="pallas" too, where the residual stream is bf16: 16-token
+  prefill chunks (decode-sized, so the folds apply; the stream is still the bf16 embedding) and
+  the MTP layer under speculative decoding (a TEP rank's step failed there, BENCHMARKS.md run
+  27). The folds round as the model is written, op by op (moe_sum: (routed + shared) to bf16,
+  then the residual add). XLA's default excess precision may drop such an intermediate rounding
+  in a bf16 fusion (the 4-layer tiny model's tokens then differed from the fourth on), so all
+  three run in a process with xla_allow_excess_precision off, where the emitted tokens must be
+  equal."""
   env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip())
   done = subprocess.run([sys.executable, "-c", _BF16_STREAM_SCRIPT], env=env, capture_output=True, text=True,
                         cwd=pathlib.Path(__file__).resolve().parents[1])
   assert done.returncode == 0, done.stderr[-2000:]
   out = json.loads(done.stdout.strip().splitlines()[-1])
-  assert out["folded"]["verify_steps"] > 0 and out["folded"]["output"] == out["xla"]["output"]
-
-
-@fold_lane
-def test_residual_norm_in_the_kernel_generates_the_same_tokens(tiny, monkeypatch):
-  """residual_norm="pallas": decode steps add attention's output to the residual and normalise
-  it in one launch from o_proj's partials (the launches counted: one a layer and step). With
-  MLA's epilogue and absorbed query folded too, every GEMV those folds read (q_a, kv_a, q_b,
-  o_proj) takes Runtime.fold_splits (here a cap of 3; tiny's K takes 1 anyway); tokens equal to
-  the XLA path's."""
-  xla = _baseline(tiny, "pallas", "fp8", dense_matmul="pallas")
-  calls, original = [], residual_norm_module.residual_norm
-  record = lambda *args, **kw: calls.append(args[1].shape) or original(*args, **kw)
-  monkeypatch.setattr(residual_norm_module, "residual_norm", record)
-  splits, partials = {}, quant.linear_partials
-  monkeypatch.setattr(quant, "linear_partials",
-                      lambda x, w, **kw: splits.setdefault(w.shape, set()).add(kw.get("gemv_splits")) or partials(x, w, **kw))
-  folded = _generate(tiny, "pallas", "fp8", dense_matmul="pallas", residual_norm="pallas", mla_epilogue="pallas",
-                     query_absorb="pallas", fold_splits=3)
-  np.testing.assert_array_equal(folded, xla)
-  assert calls and all(shape[1] <= 8 for shape in calls)  # decode steps' partials [S, tokens, D]; none at prefill
-  c = tiny[0]
-  gemvs = [(c.q_lora_rank, c.hidden_size), (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size),
-           (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank), (c.hidden_size, c.num_attention_heads * c.v_head_dim)]
-  assert {shape: splits.get(shape) for shape in gemvs} == {shape: {3} for shape in gemvs}
+  assert out["folded"]["verify_steps"] > 0
+  assert out["folded"]["output"] == out["swiglu"]["output"] == out["xla"]["output"]
 
 
 @fold_lane
 def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatch):
   """indexer_splits=256, indexer_block_k=16, indexer_warps=8, indexer_stages=2, indexer_prefetch,
   attention_warps=8: every scores and sparse MLA launch runs with them; each computes what it
-  did, so the tokens are the default's."""
-  default = _baseline(tiny, "pallas", "fp8")
+  did, so the tokens are the untuned run's."""
+  default = _baseline(tiny, "pallas", "fp8", **UNFOLDED)
   seen = []
 
   def recording(name, fn):
@@ -354,8 +287,8 @@ def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatc
 
   monkeypatch.setattr(indexer_topk, "indexer_scores", recording("scores", indexer_topk.indexer_scores))
   monkeypatch.setattr(sparse_mla, "sparse_mla_decode", recording("mla", sparse_mla.sparse_mla_decode))
-  tuned = _generate(tiny, "pallas", "fp8", indexer_splits=256, indexer_block_k=16, indexer_warps=8, indexer_stages=2,
-                    indexer_prefetch=True, attention_warps=8)
+  tuned = _generate(tiny, "pallas", "fp8", **UNFOLDED, indexer_splits=256, indexer_block_k=16, indexer_warps=8,
+                    indexer_stages=2, indexer_prefetch=True, attention_warps=8)
   np.testing.assert_array_equal(tuned, default)
   assert {(c.num_splits, c.block_k, c.num_warps, c.num_stages, c.prefetch) for name, c in seen if name == "scores"} == {
       (256, 16, 8, 2, True)}
