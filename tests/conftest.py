@@ -16,10 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-# Imported before anything is traced: the first interpret-mode pallas_call lowering imports the
-# Pallas fuser, whose tracing-context flag changes every jit cache key, so a program compiled
-# before it would compile again when called after it (a tiny model's decode: 7.5 s, not 0.2).
-from jax.experimental.pallas import fuser  # noqa: F401
 
 import glmjax
 

@@ -17,6 +17,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+# Imported before anything is traced: the first interpret-mode pallas_call lowering imports the
+# Pallas fuser, whose tracing-context flag changes every jit cache key (so programs compiled
+# before it would compile again).
+from jax.experimental.pallas import fuser  # noqa: F401
 
 import glmjax
 from configs import get_model_config
