@@ -119,7 +119,6 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
   hp = q_ref.shape[1]
   heads_ok = jnp.arange(hp) < heads
   masked = lambda view, ok: view[...] if heads == hp else pltriton.load(view, mask=ok, other=0.0)
-  fp8_queries = q_ref.dtype == jnp.float8_e4m3fn
   queries = [query_terms(masked(q_ref.at[jnp.int32(t)], heads_ok[:, None]), fp8) for t in range(num_t)]
   head_axis = 1 if keys_major else 0  # logits [bk, Hp] or [Hp, bk]
   weights = [jnp.expand_dims(masked(w_ref.at[jnp.int32(t)], heads_ok), 1 - head_axis) for t in range(num_t)]
@@ -136,7 +135,7 @@ def _scores_kernel(q_ref, w_ref, pos_ref, pt_ref, k_ref, *refs, num_t: int, head
   def body(i, hists, block):
     tok, codes, stored_scale = block
     inside = tok < n
-    keys = codes if fp8_queries and fp8 else codes.astype(jnp.bfloat16)  # [bk, Di]: an e4m3 x e4m3 dot, or bf16
+    keys = codes.astype(queries[0][0].dtype)  # [bk, Di] in the query terms' dtype: e4m3 x e4m3, or bf16
     scale = head_dim ** -0.5
     if fp8:
       scale = stored_scale * scale  # [bk] power of two * Di^-0.5

@@ -131,15 +131,15 @@ fold_lane = pytest.mark.side_lane
 UNFOLDED = dict(dense_matmul="pallas_grouped", router="pallas", cache_write="pallas")
 
 
-def _fail_in_decode_steps(monkeypatch, module, name: str) -> None:
+def _fail_in_decode_steps(monkeypatch, module, name: str, arg: int = 0) -> None:
   """Makes module.name fail where a decode step calls it (at most 8 query tokens on axis 1 of its
-  first argument); the prefill's calls go through."""
+  positional argument `arg`); the prefill's calls go through."""
   original = getattr(module, name)
 
-  def prefill_only(x, *args, **kwargs):
-    if x.shape[1] <= 8:
+  def prefill_only(*args, **kwargs):
+    if args[arg].shape[1] <= 8:
       pytest.fail(f"a decode step called {name}")
-    return original(x, *args, **kwargs)
+    return original(*args, **kwargs)
 
   monkeypatch.setattr(module, name, prefill_only)
 
@@ -169,15 +169,8 @@ def test_the_rank_stacks_folds_generate_the_unfolded_tokens(tiny, monkeypatch):
   for module, name in ((dsa, "cached_attention"), (dsa, "query_absorption"), (layers, "layer_norm"),
                        (attention, "apply_rope"), (attention, "apply_rope_leading")):
     _fail_in_decode_steps(monkeypatch, module, name)
+  _fail_in_decode_steps(monkeypatch, paged_write_module, "paged_write", arg=2)  # (layer, page_table, positions, ...)
   monkeypatch.setattr(indexer_keys_module, "indexer_keys", lambda *a, **kw: pytest.fail("indexer_keys' own launch ran"))
-  own_write = paged_write_module.paged_write
-
-  def write_at_prefill_only(layer, page_table, positions, *rows, **kw):
-    if positions.shape[1] <= 8:
-      pytest.fail("a decode step called paged_write")
-    return own_write(layer, page_table, positions, *rows, **kw)
-
-  monkeypatch.setattr(paged_write_module, "paged_write", write_at_prefill_only)
   c = tiny[0]
   groups, splits, norms = [], {}, []
   own_gemv, own_group = quant.linear_partials, quant.linear_group_partials
