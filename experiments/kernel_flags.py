@@ -16,7 +16,8 @@ from absl import flags
 
 from configs.runs import RUN_PRESETS, get_run_preset
 from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES
-from glmjax.runtime import FOLD_SWITCHES, FOLDS, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES, TENSOR_PARALLEL
+from glmjax.runtime import (FOLD_SWITCHES, FOLDS, INDEXER_QUERY_DTYPES, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES,
+                            TENSOR_PARALLEL)
 from pallas_kernels.indexer_scores import ORIENTATIONS
 from pallas_kernels.topk import METHODS, SAMPLE_SOURCES
 
@@ -128,8 +129,9 @@ def define() -> Callable[[], dict[str, str | int]]:
       "fold_splits": flags.DEFINE(_SplitsParser(), "fold_splits", "fill", "the K splits of a bf16 GEMV whose "
                                   "partials a fold reads (o_proj, the q_a and q_b groups): fill (the fewest that "
                                   "cover the SMs), rule (the GEMV's own) or a cap >= 1"),
-      "indexer_queries": flags.DEFINE_enum("indexer_queries", "float32", list(QUERY_DTYPES),
-                                           "precision of the indexer's queries"),
+      "indexer_queries": flags.DEFINE_enum("indexer_queries", "float32", list(INDEXER_QUERY_DTYPES),
+                                           "precision of the indexer's queries (float8_e4m3fn: codes, their "
+                                           "scales folded into the head weights)"),
       "attention_queries": flags.DEFINE_enum("attention_queries", "float32", list(QUERY_DTYPES),
                                              "precision of the decode attention's queries (bfloat16: FlashMLA's "
                                              "numerics)"),

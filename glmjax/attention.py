@@ -137,13 +137,14 @@ class MLAttention(nn.Module):
 
   def _index(self, indexer, x, q_resid, cos, sin, runtime, **finished):
     """The indexer's (q, weights, k), q in Runtime.indexer_queries (bfloat16: one MMA term in the
-    scores kernel, not three); None without an indexer to run (the layer reuses a top-k).
+    scores kernel, not three; float8_e4m3fn: codes, their scales in the weights,
+    dsa.index_query_operands); None without an indexer to run (the layer reuses a top-k).
     finished: the Indexer's q_partials, finished_q, finished_keys where fused launches made them."""
     if indexer is None:
       return None
     q, weights, k = indexer(x, q_resid, cos, sin, matmul=runtime.matmul, dense=runtime.dense_matmul,
                             keys=runtime.indexer_keys, **finished)
-    return q.astype(runtime.indexer_queries), weights, k
+    return *dsa.index_query_operands(q, weights, runtime.indexer_queries), k
 
   def _projections(self, x, cos, sin, runtime, indexer, write=None):
     """x through q_a_proj and kv_a_proj_with_mqa (one launch under dense="pallas_grouped") and
@@ -201,10 +202,12 @@ class MLAttention(nn.Module):
                                                        gemv_splits=runtime.fold_splits)
       angles = [a.reshape(b * t, -1) for a in (cos, sin)]
       joined = runtime.index_query == "pallas" and index_wq is not None
+      # e4m3 codes are cut from the fp32 query in _index (dsa.index_query_operands)
+      index_dtype = "float32" if runtime.indexer_queries == "float8_e4m3fn" else runtime.indexer_queries
       q_latent, q_pe, *finished_q = mla_query.absorbed_query(
           partials, kv_b, *angles, nope=c.qk_nope_head_dim, q_dtype=self.dtype, out_dtype=queries,
           index_partials=index_q[0] if joined else None, index_heads=c.index_n_heads,
-          index_dtype=jnp.dtype(runtime.indexer_queries))
+          index_dtype=jnp.dtype(index_dtype))
       index_args = (dict(finished_q=finished_q[0].reshape(b, t, *finished_q[0].shape[1:])) if joined
                     else dict(q_partials=index_q[0]) if index_q else {})
       return q_latent.reshape(b, t, *q_latent.shape[1:]), q_pe.reshape(b, t, *q_pe.shape[1:]), index_args

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from glmjax import torch_topk
-from glmjax.cache import paged
+from glmjax.cache import kv_fp8, paged
 
 NEG_INF = float("-inf")
 
@@ -27,6 +27,18 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, valid: jax.A
   scores = jnp.einsum("bths,bth->bts", jax.nn.relu(dots * q.shape[-1] ** -0.5), weights,
                       precision=jax.lax.Precision.HIGHEST)
   return jnp.where(valid, scores, NEG_INF)
+
+
+def index_query_operands(q: jax.Array, weights: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
+  """The indexer's (q, head weights) in Runtime.indexer_queries' precision: q rounded to float32
+  or bfloat16, or float8_e4m3fn codes of one power-of-two scale per (token, head) (the FP8
+  cache's rule, kv_fp8.quantize_block) with that scale folded into the head weights:
+  relu(s q.k) w = relu(q.k) (s w) for s > 0, and s w is exact, so every implementation scores
+  the same codes and the scores kernel needs no scale operand."""
+  if dtype != "float8_e4m3fn":
+    return q.astype(dtype), weights
+  codes, scale = kv_fp8.quantize_block(q)
+  return codes, weights * scale
 
 
 def select_topk(scores: jax.Array, k: int, *, ties: str = "index", lengths: jax.Array | None = None) -> jax.Array:

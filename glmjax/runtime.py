@@ -14,6 +14,7 @@ Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
 MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2, pallas_fragments (glmjax.quant)
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
+INDEXER_QUERY_DTYPES = (*QUERY_DTYPES, "float8_e4m3fn")  # ... and the indexer's e4m3 codes (dsa.index_query_operands)
 TENSOR_PARALLEL = ("shard_map", "gspmd")  # how a TEP mesh splits a layer's attention and dense MLP
 MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
@@ -22,7 +23,7 @@ FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_
                  "index_epilogue", "epilogue_write", "index_query", "residual_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
-            "indexer_queries": QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
+            "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
             "fragment_operands": FRAGMENT_OPERAND_CHOICES}
 
 
@@ -129,7 +130,10 @@ class Runtime:
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
-  rounds the same way, so they still select alike).
+  rounds the same way, so they still select alike) or "float8_e4m3fn" (e4m3 codes with a
+  power-of-two scale per token and head, folded into the head weights: against FP8 key pages
+  the scores kernel's dot is e4m3 x e4m3, half the query bytes; every implementation scores the
+  same codes: dsa.index_query_operands).
   attention_queries: the decode attention's absorbed queries, "float32" (the sparse MLA kernel
   splits them, and the softmax weights, into three bf16 MMA terms) or "bfloat16" (FlashMLA's
   numerics: one term, softmax weights in bf16; the jnp sparse path rounds its weights to bf16

@@ -141,7 +141,7 @@ def test_shared_layer_reuses_previous_full_selection():
 
 
 @pytest.mark.parametrize("indexer,attention", [("bfloat16", "float32"), ("float32", "bfloat16"),
-                                               ("float32", "float32")])
+                                               ("float32", "float32"), ("float8_e4m3fn", "float32")])
 def test_query_precision_switches_reach_their_kernels(monkeypatch, indexer, attention):
   """Runtime.indexer_queries rounds the indexer queries before scoring, on the no-cache forward
   (index_scores) and on the cached path (cached_topk) alike; Runtime.attention_queries rounds
@@ -164,6 +164,32 @@ def test_query_precision_switches_reach_their_kernels(monkeypatch, indexer, atte
   assert dtypes("index_scores", "cached_topk") == {jnp.dtype(indexer)}
   assert dtypes("cached_attention") == {jnp.dtype(attention)}
   assert {name for name, _ in seen} == {"index_scores", "cached_topk", "cached_attention"}
+
+
+def test_indexer_query_codes_score_as_their_scaled_values():
+  """float8_e4m3fn indexer queries: e4m3 codes of one power-of-two scale per (token, head), that
+  scale in the head weights; the scores equal those of the dequantized queries bit for bit (the
+  scale is exact), and stay within e4m3's rounding of the fp32 queries' scores."""
+  kq, kw, kk = jax.random.split(jax.random.key(5), 3)
+  magnitude = 10.0 ** jax.random.uniform(kw, (2, 3, 4, 1), minval=-3, maxval=3)  # heads far apart in size
+  q = jax.random.normal(kq, (2, 3, 4, 32)) * magnitude
+  weights = jax.random.normal(kw, (2, 3, 4))
+  keys = jax.random.normal(kk, (2, 11, 32))
+  valid = dsa.causal_valid(jnp.array([[7, 8, 10], [2, 3, -1]]), 11)
+  codes, folded = dsa.index_query_operands(q, weights, "float8_e4m3fn")
+  assert codes.dtype == jnp.float8_e4m3fn
+  scale = folded / weights
+  np.testing.assert_array_equal(np.frexp(np.asarray(scale))[0], 0.5)  # powers of two
+  assert float(jnp.max(jnp.abs(codes.astype(jnp.float32)))) > 224  # each head's largest code near the range's top
+  dequantized = codes.astype(jnp.float32) * scale[..., None]
+  got = dsa.index_scores(codes, folded, keys, valid)
+  np.testing.assert_array_equal(got, dsa.index_scores(dequantized, weights, keys, valid))
+  exact = dsa.index_scores(q, weights, keys, valid)
+  finite = np.isfinite(exact)
+  np.testing.assert_array_equal(np.isfinite(got), finite)
+  assert 0 < np.max(np.abs(got - exact)[finite]) < 2 ** -4 * np.max(np.abs(exact)[finite])
+  rounded, same = dsa.index_query_operands(q, weights, "bfloat16")
+  assert rounded.dtype == jnp.bfloat16 and same is weights
 
 
 def test_index_share_override_needs_indexer_weights():
