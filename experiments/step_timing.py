@@ -249,7 +249,14 @@ def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels
   multiplies their noise by the layers it extends to: two calls of run 12 and 13 put one layer
   at 274 and 189 us where the profiled kernels differed by 17 us). kernels: also profile each
   program once after its timing; `layer_kernels` lists one decoder layer's (family, launches,
-  us, idle us) from the fewest and most layers' difference, else `step_kernels` the step's."""
+  us, idle us) from the fewest and most layers' difference, else `step_kernels` the step's.
+
+  Where the layers past the fewest count mix indexer kinds (IndexShare: "full" layers run their
+  indexer, "shared" ones reuse its top-k), each kind gets its own line: programs whose layers
+  past the fewest count are all of that kind, sharing the fewest count's program. The step is
+  that program's time on the lines plus each later layer at its kind's slope; `per_layer_s` and
+  `layer_kernels` are the average layer of the config's pattern past the fewest count, and
+  `per_layer_by_indexer` gives each kind's slope."""
   if not measure_layers:
     (seconds, per_step), = _timed_counts([config], kernels, **kw)
     out = dict(rank_step_s=seconds, measured_layers=[config.num_hidden_layers])
@@ -259,13 +266,34 @@ def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels
   if len(counts) < 2 or not 0 < counts[0] < counts[-1] <= config.num_hidden_layers or len(set(types[counts[0]:])) != 1:
     raise ValueError(f"measure_layers {measure_layers}: need two or more counts in 1..{config.num_hidden_layers}, "
                      f"the layers from the fewest on all of one MLP type (got {sorted(set(types[counts[0]:]))})")
-  timed = _timed_counts([with_layers(config, n, mtp=kw.get("draft_steps", 0) > 0) for n in counts], kernels, **kw)
-  seconds = [t for t, _ in timed]
-  (per_layer, base), residuals = np.polyfit(counts, seconds, 1, full=True)[:2]
-  out = dict(rank_step_s=float(base + config.num_hidden_layers * per_layer), measured_layers=counts,
-             measured_s=seconds, per_layer_s=float(per_layer))
+  first, later = counts[0], config.indexer_types[counts[0]:]
+  share = {kind: later.count(kind) / len(later) for kind in sorted(set(later))}
+  mtp = kw.get("draft_steps", 0) > 0
+
+  def program(n: int, kind: str) -> ModelConfig:
+    layers = with_layers(config, n, mtp=mtp)
+    return dataclasses.replace(layers, indexer_types=config.indexer_types[:first] + (kind,) * (n - first))
+
+  configs = [with_layers(config, first, mtp=mtp)] + [program(n, kind) for kind in share for n in counts[1:]]
+  timed = _timed_counts(configs, kernels, **kw)
+  lines = {kind: [timed[0]] + timed[1 + i * (len(counts) - 1):1 + (i + 1) * (len(counts) - 1)]
+           for i, kind in enumerate(share)}
+  fits = {kind: np.polyfit(counts, [t for t, _ in line], 1, full=True)[:2] for kind, line in lines.items()}
+  at_first = np.mean([base + first * slope for (slope, base), _ in fits.values()])
+  slopes = {kind: float(fit[0][0]) for kind, fit in fits.items()}
+  per_layer = sum(share[kind] * slopes[kind] for kind in share)
+  out = dict(rank_step_s=float(at_first + len(later) * per_layer), measured_layers=counts,
+             measured_s=[t for t, _ in timed], per_layer_s=per_layer)
+  if len(share) > 1:
+    out |= dict(per_layer_by_indexer=slopes, measured_indexers=[None] + [k for k in share for _ in counts[1:]])
   if len(counts) > 2:
     spread = np.sum(np.subtract(counts, np.mean(counts)) ** 2)
-    out["per_layer_stderr_s"] = float(np.sqrt(np.sum(residuals) / (len(counts) - 2) / spread))
-  fewest, most = timed[0][1], timed[-1][1]
-  return out | (dict(layer_kernels=layer_difference(fewest, most, counts[-1] - counts[0])) if kernels else {})
+    variance = {kind: np.sum(residuals) / (len(counts) - 2) / spread for kind, (_, residuals) in fits.items()}
+    out["per_layer_stderr_s"] = float(np.sqrt(sum(share[kind] ** 2 * variance[kind] for kind in share)))
+  if not kernels:
+    return out
+  average = collections.defaultdict(lambda: np.zeros(3))
+  for kind, line in lines.items():
+    for name, *values in layer_difference(line[0][1], line[-1][1], counts[-1] - first):
+      average[name] += share[kind] * np.asarray(values)
+  return out | dict(layer_kernels=slowest_first({name: tuple(map(float, v)) for name, v in average.items()}))

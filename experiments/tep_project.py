@@ -4,6 +4,7 @@
   python -m experiments.tep_project --config=tep8_shard --context=80000 --measure_layers=4,8  # on a GPU
   python -m experiments.tep_project --config=tep8_shard --context=80000 --measure_layers=4,8 \
       --draft_steps=4 --accept_length=3.5                      # the speculative step, k = 4
+  python -m experiments.tep_project --config=tep8_shard --indexer_types_of=glm5_2 ...  # with IndexShare
   python -m experiments.tep_project --config=tiny --full_config=tiny --tep=2 --context=256 --quick
 
 `--config` is the model one rank runs (tep8_shard: 8 of 64 heads, 32 of 256 experts, 1/8 of the
@@ -17,7 +18,9 @@ difference of their step counts, so dispatch drops out. (On random weights the d
 rejected, so a speculative step emits ~1 token here; its time does not depend on acceptance,
 which --accept_length supplies.) tep8_shard does not fit one H200 in bf16
 (~197 GB): --measure_layers=a,b[,c...] times models of those layer counts and extends a least-squares
-line through them to every layer (three or more counts also give the slope's standard error).
+line through them to every layer (three or more counts also give the slope's standard error;
+with --indexer_types_of, IndexShare's full and shared layers each get their own line:
+step_timing.measure_rank_step).
 --layer_kernels also profiles both programs once after timing them and prints what one decoder
 layer launches (kernel families by device time: the two programs' difference over their layer
 counts; experiments.step_timing.layer_difference). The collectives come from
@@ -26,6 +29,7 @@ shows several latencies. The printout also compares the weights the rank config 
 one device holds in the rules' layout (glmjax.parallel.rules).
 """
 
+import dataclasses
 import math
 from typing import Any
 
@@ -47,6 +51,8 @@ from glmjax.runtime import ATTENTION_IMPLS
 _CONFIG = flags.DEFINE_string("config", "tep8_shard", "the model one rank runs (timed here)")
 _FULL = flags.DEFINE_string("full_config", "glm5", "the whole model, for the layout comparison")
 _TEP = flags.DEFINE_integer("tep", 8, "TEP degree (GPUs)")
+_INDEXERS_OF = flags.DEFINE_string("indexer_types_of", "", "a config whose IndexShare schedule the rank takes "
+                                   "(glm5_2: 21 of 78 layers run their indexer); '' keeps --config's")
 _RANK_STEP = flags.DEFINE_float("rank_step_ms", 0.0, "measured per-rank step; 0: time it here")
 _CONTEXT = flags.DEFINE_integer("context", 80_000, "cached tokens of the timed decode")
 _LAYERS = flags.DEFINE_list("measure_layers", [], "a,b[,c...]: time models of these layer counts, fit a line, "
@@ -87,6 +93,18 @@ def layout_comparison(rank: ModelConfig, full: ModelConfig, tep: int, dtype: str
               bandwidth_ms=(layout - held) / H200_BANDWIDTH * 1e3)
 
 
+def with_indexer_types_of(rank: ModelConfig, name: str) -> ModelConfig:
+  """rank with config `name`'s per-layer IndexShare schedule (its shared layers hold no indexer
+  weights and reuse the nearest preceding full layer's top-k); name "": rank as it is."""
+  if not name:
+    return rank
+  types = get_model_config(name).indexer_types
+  if len(types) != rank.num_hidden_layers:
+    raise ValueError(f"--indexer_types_of={name}: its {len(types)} layers' schedule does not fit the rank's "
+                     f"{rank.num_hidden_layers} layers")
+  return dataclasses.replace(rank, indexer_types=types)
+
+
 def format_report(report: dict[str, Any]) -> str:
   rows = report["projection"]
   lines = ["assumptions:"] + [f"  {a}" for a in report["assumptions"]]
@@ -104,6 +122,11 @@ def format_report(report: dict[str, Any]) -> str:
                   + (f" +- {1e6 * stderr:.1f} (slope's standard error)" if stderr is not None else "")
                   + f", fitted to the step times of {measured['measured_layers']} layers: "
                   + ", ".join(f"{1e3 * t:.3f}" for t in measured["measured_s"]) + " ms"]
+    if "per_layer_by_indexer" in measured:
+      lines[-1] += (" (the fewest, then each count's programs with all later layers of one indexer kind: "
+                    + ", ".join(f"{kind} {1e6 * seconds:.1f} us a layer"
+                                for kind, seconds in measured["per_layer_by_indexer"].items())
+                    + ")")
   kernels = measured.get("layer_kernels")
   if kernels:
     launches, own, idle = (sum(row[i] for row in kernels) for i in (1, 2, 3))
@@ -117,6 +140,7 @@ def main(argv: list[str]) -> None:
   del argv
   kernel_flags.apply_preset()
   rank, full, tep = get_model_config(_CONFIG.value), get_model_config(_FULL.value), _TEP.value
+  rank, full = (with_indexer_types_of(c, _INDEXERS_OF.value) for c in (rank, full))
   act_bytes = jnp.dtype(_DTYPE.value).itemsize
   if _RANK_STEP.value > 0:
     measured = dict(rank_step_s=_RANK_STEP.value / 1e3, source="--rank_step_ms")
@@ -126,7 +150,8 @@ def main(argv: list[str]) -> None:
                                  dtype=_DTYPE.value, steps_apart=_STEPS.value, quick=_QUICK.value,
                                  draft_steps=_DRAFT.value, weights=_WEIGHTS.value,
                                  kernel_switches=_KERNEL_SWITCHES(), kernels=_LAYER_KERNELS.value)
-    measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}, context "
+    schedule = f" with {_INDEXERS_OF.value}'s IndexShare schedule" if _INDEXERS_OF.value else ""
+    measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}{schedule}, context "
                             f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_WEIGHTS.value} weights, {_MATMUL.value} matmuls, "
                             f"{_KV.value} KV, {_DTYPE.value}, {_DRAFT.value} draft step(s), "
                             + ", ".join(f"{k}={v}" for k, v in _KERNEL_SWITCHES().items()))

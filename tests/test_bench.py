@@ -254,6 +254,48 @@ def test_rank_step_fits_a_line_through_the_layer_counts(monkeypatch):
     step_timing.measure_rank_step(config, [0, 2])
 
 
+def test_rank_step_fits_each_indexer_kind_its_own_line(monkeypatch):
+  """IndexShare layers past the fewest count: one line per indexer kind (programs whose later
+  layers are all full, or all shared, beside the shared fewest-count program; stubbed: 1 ms, 0.3
+  ms a full layer, 0.1 ms a shared one), the step at the config's pattern, and the average
+  layer's kernels weighted by the pattern."""
+  from configs import get_model_config
+  from experiments import step_timing
+  seen = []
+
+  def timed(configs, kernels, **kw):
+    seen.extend(c.indexer_types for c in configs)
+    full = [c.indexer_types.count("full") for c in configs]
+    layers = [c.num_hidden_layers for c in configs]
+    return [(1e-3 + 3e-4 * f + 1e-4 * (n - f), {"indexer_scores": (float(f), 10.0 * f, 0.0), "moe": (float(n), 5.0 * n, 0.0)})
+            for n, f in zip(layers, full)]
+
+  monkeypatch.setattr(step_timing, "_timed_counts", timed)
+  config = get_model_config("tiny")
+  assert config.indexer_types == ("full", "full", "shared", "full")
+  out = step_timing.measure_rank_step(config, [1, 4], kernels=True)
+  assert seen == [("full",), ("full",) * 4, ("full",) + ("shared",) * 3]
+  assert out["rank_step_s"] == pytest.approx(1e-3 + 3 * 3e-4 + 1e-4)
+  assert out["per_layer_by_indexer"] == pytest.approx({"full": 3e-4, "shared": 1e-4})
+  assert out["per_layer_s"] == pytest.approx((2 * 3e-4 + 1e-4) / 3)
+  kernels = {name: rest for name, *rest in out["layer_kernels"]}
+  assert kernels["indexer_scores"] == pytest.approx([2 / 3, 20 / 3, 0.0])
+  assert kernels["moe"] == pytest.approx([1.0, 5.0, 0.0])
+
+
+def test_tep_project_takes_another_configs_indexshare_schedule():
+  """--indexer_types_of=glm5_2: the rank keeps its shapes and takes GLM-5.2's 21 full indexer
+  layers of 78; a schedule of another depth is refused by name."""
+  from configs import get_model_config
+  from experiments.tep_project import with_indexer_types_of
+  rank = get_model_config("tep8_shard")
+  shared = with_indexer_types_of(rank, "glm5_2")
+  assert shared.indexer_types.count("full") == 21 and rank.indexer_types.count("full") == 78
+  assert shared.num_attention_heads == rank.num_attention_heads and with_indexer_types_of(rank, "") is rank
+  with pytest.raises(ValueError, match="indexer_types_of=tiny: its 4 layers' schedule does not fit the rank's 78"):
+    with_indexer_types_of(rank, "tiny")
+
+
 def test_step_times_interleave_the_programs():
   """All lengths run twice first (compiling; a program compiled first may compile again after
   the others), then every program's lengths are timed in turn, round after round; each step
