@@ -11,6 +11,7 @@ import pytest
 
 from configs import get_model_config
 from glmjax import dsa, footprint, torch_topk
+from glmjax.cache import kv_fp8
 from glmjax.layers import apply_rope, rope_cos_sin
 from glmjax.model import abstract_params, init_params, CausalLM
 from glmjax.moe import experts_reference, route
@@ -178,8 +179,9 @@ def test_indexer_query_codes_score_as_their_scaled_values():
   valid = dsa.causal_valid(jnp.array([[7, 8, 10], [2, 3, -1]]), 11)
   codes, folded = dsa.index_query_operands(q, weights, "float8_e4m3fn")
   assert codes.dtype == jnp.float8_e4m3fn
-  scale = folded / weights
+  scale = kv_fp8.quantize_block(q)[1]
   np.testing.assert_array_equal(np.frexp(np.asarray(scale))[0], 0.5)  # powers of two
+  np.testing.assert_array_equal(folded, weights * scale)
   assert float(jnp.max(jnp.abs(codes.astype(jnp.float32)))) > 224  # each head's largest code near the range's top
   dequantized = codes.astype(jnp.float32) * scale[..., None]
   got = dsa.index_scores(codes, folded, keys, valid)
