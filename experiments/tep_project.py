@@ -29,7 +29,6 @@ shows several latencies. The printout also compares the weights the rank config 
 one device holds in the rules' layout (glmjax.parallel.rules).
 """
 
-import dataclasses
 import math
 from typing import Any
 
@@ -38,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from configs import get_model_config
+from configs import get_model_config, with_indexer_types_of
 from experiments import kernel_flags, write_json
 from experiments.step_timing import measure_rank_step
 from glmjax import parallel
@@ -91,18 +90,6 @@ def layout_comparison(rank: ModelConfig, full: ModelConfig, tep: int, dtype: str
   layout = device_weight_bytes(full, tep, dtype)
   return dict(rank_config_gb=held / 1e9, layout_gb=layout / 1e9,
               bandwidth_ms=(layout - held) / H200_BANDWIDTH * 1e3)
-
-
-def with_indexer_types_of(rank: ModelConfig, name: str) -> ModelConfig:
-  """rank with config `name`'s per-layer IndexShare schedule (its shared layers hold no indexer
-  weights and reuse the nearest preceding full layer's top-k); name "": rank as it is."""
-  if not name:
-    return rank
-  types = get_model_config(name).indexer_types
-  if len(types) != rank.num_hidden_layers:
-    raise ValueError(f"--indexer_types_of={name}: its {len(types)} layers' schedule does not fit the rank's "
-                     f"{rank.num_hidden_layers} layers")
-  return dataclasses.replace(rank, indexer_types=types)
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -286,8 +286,7 @@ def test_rank_step_fits_each_indexer_kind_its_own_line(monkeypatch):
 def test_tep_project_takes_another_configs_indexshare_schedule():
   """--indexer_types_of=glm5_2: the rank keeps its shapes and takes GLM-5.2's 21 full indexer
   layers of 78; a schedule of another depth is refused by name."""
-  from configs import get_model_config
-  from experiments.tep_project import with_indexer_types_of
+  from configs import get_model_config, with_indexer_types_of
   rank = get_model_config("tep8_shard")
   shared = with_indexer_types_of(rank, "glm5_2")
   assert shared.indexer_types.count("full") == 21 and rank.indexer_types.count("full") == 78
