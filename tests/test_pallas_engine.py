@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 # Imported before anything is traced: the first interpret-mode pallas_call lowering imports the
@@ -286,6 +287,27 @@ def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatc
   assert {(c.num_splits, c.block_k, c.num_warps, c.num_stages, c.prefetch) for name, c in seen if name == "scores"} == {
       (256, 16, 8, 2, True)}
   assert {c.num_warps for name, c in seen if name == "mla"} == {8}
+
+
+@fold_lane
+def test_e4m3_indexer_queries_select_alike_on_every_path(tiny, monkeypatch):
+  """indexer_queries="float8_e4m3fn": the Pallas scores kernel gets e4m3 codes (also where the
+  absorbed-query launch finishes the indexer's query) and generates the sparse path's tokens,
+  which the codes change against fp32 queries."""
+  sparse = _generate(tiny, "sparse", "fp8", indexer_queries="float8_e4m3fn")
+  queries = []
+
+  def scores(q, *args, **kwargs):
+    queries.append(q.dtype)
+    return original(q, *args, **kwargs)
+
+  original = indexer_topk.indexer_scores
+  monkeypatch.setattr(indexer_topk, "indexer_scores", scores)
+  pallas = _generate(tiny, "pallas", "fp8", query_absorb="pallas", index_query="pallas",
+                     indexer_queries="float8_e4m3fn")
+  assert set(queries) == {jnp.dtype(jnp.float8_e4m3fn)}
+  np.testing.assert_array_equal(pallas, sparse)
+  assert not np.array_equal(sparse, _baseline(tiny, "sparse", "fp8"))
 
 
 @pytest.mark.side_lane  # an entry point in its own process: beside the multi-device tests (Makefile)
