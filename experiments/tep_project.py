@@ -21,9 +21,10 @@ which --accept_length supplies.) tep8_shard does not fit one H200 in bf16
 line through them to every layer (three or more counts also give the slope's standard error;
 with --indexer_types_of, IndexShare's full and shared layers each get their own line:
 step_timing.measure_rank_step).
---layer_kernels also profiles both programs once after timing them and prints what one decoder
-layer launches (kernel families by device time: the two programs' difference over their layer
-counts; experiments.step_timing.layer_difference). The collectives come from
+--layer_kernels also profiles each program once after timing it and prints what one decoder
+layer launches (kernel families by device time: the fewest and most layers' difference over
+their layer counts, experiments.step_timing.layer_difference; under a mixed IndexShare
+schedule, each kind's averaged by the schedule). The collectives come from
 glmjax.parallel.comm_model (its docstring states the link and latency assumptions); the table
 shows several latencies. The printout also compares the weights the rank config holds with what
 one device holds in the rules' layout (glmjax.parallel.rules).
