@@ -276,8 +276,8 @@ def measure_rank_step(config: ModelConfig, measure_layers: list[int], *, kernels
 
   configs = [with_layers(config, first, mtp=mtp)] + [program(n, kind) for kind in share for n in counts[1:]]
   timed = _timed_counts(configs, kernels, **kw)
-  lines = {kind: [timed[0]] + timed[1 + i * (len(counts) - 1):1 + (i + 1) * (len(counts) - 1)]
-           for i, kind in enumerate(share)}
+  fewest, more = timed[0], iter(timed[1:])
+  lines = {kind: [fewest] + [next(more) for _ in counts[1:]] for kind in share}
   fits = {kind: np.polyfit(counts, [t for t, _ in line], 1, full=True)[:2] for kind, line in lines.items()}
   at_first = np.mean([base + first * slope for (slope, base), _ in fits.values()])
   slopes = {kind: float(fit[0][0]) for kind, fit in fits.items()}

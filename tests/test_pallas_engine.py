@@ -295,13 +295,12 @@ def test_e4m3_indexer_queries_select_alike_on_every_path(tiny, monkeypatch):
   absorbed-query launch finishes the indexer's query) and generates the sparse path's tokens,
   which the codes change against fp32 queries."""
   sparse = _generate(tiny, "sparse", "fp8", indexer_queries="float8_e4m3fn")
-  queries = []
+  queries, original = [], indexer_topk.indexer_scores
 
   def scores(q, *args, **kwargs):
     queries.append(q.dtype)
     return original(q, *args, **kwargs)
 
-  original = indexer_topk.indexer_scores
   monkeypatch.setattr(indexer_topk, "indexer_scores", scores)
   pallas = _generate(tiny, "pallas", "fp8", query_absorb="pallas", index_query="pallas",
                      indexer_queries="float8_e4m3fn")
