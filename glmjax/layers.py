@@ -148,7 +148,10 @@ class MLP(nn.Module):
   residual, residual + (bf16(sum of the routed partials) + the MLP's output), in that launch
   where its down GEMV takes the whole K in one program, else in XLA's kernels. partials: the
   gate and up projections' split-K partials [S, rows, I] where the caller ran them in a launch
-  of its own (the MoE's router GEMV, Runtime.router_group): summed as linear_group sums them."""
+  of its own (the MoE's router GEMV, Runtime.router_group): summed as linear_group sums them.
+  down_partials: the output as fp32 terms [S, rows, D] that sum to it (quant.linear_partials;
+  swiglu="pallas": its output [1, rows, D]), for a launch that adds them up itself
+  (Runtime.next_norm)."""
   hidden_size: int
   intermediate_size: int
   dtype: jnp.dtype = jnp.float32
@@ -157,7 +160,7 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla", swiglu: str = "xla",
                residual: jax.Array | None = None, routed: jax.Array | None = None,
-               partials: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+               partials: tuple[jax.Array, jax.Array] | None = None, down_partials: bool = False) -> jax.Array:
     impls = dict(impl=matmul, dense=dense)
     gate_up = [Weight((self.intermediate_size, x.shape[-1]), ("mlp", "embed"), self.param_dtype, name=name)()
                for name in ("gate_proj", "up_proj")]
@@ -167,7 +170,8 @@ class MLP(nn.Module):
       from pallas_kernels.bf16_matmul import swiglu_config, swiglu_matmul  # the kernels import the formats
       g, u = partials or quant.linear_group_partials(x, gate_up, **impls)
       if residual is None:
-        return swiglu_matmul(g, u, down).reshape(out_shape)
+        out = swiglu_matmul(g, u, down)
+        return out[None] if down_partials else out.reshape(out_shape)
       if swiglu_config(*down.shape, *g.shape[:2]).split_k == 1:
         return swiglu_matmul(g, u, down, residual=residual.reshape(-1, self.hidden_size),
                              routed=routed).reshape(out_shape)
@@ -178,6 +182,8 @@ class MLP(nn.Module):
         gate, up = (summed_splits(p, self.dtype).reshape(*x.shape[:-1], -1) for p in partials)
       else:
         gate, up = quant.linear_group(x, gate_up, **impls, dtype=self.dtype)
+      if down_partials:
+        return quant.linear_partials(nn.silu(gate) * up, down, **impls, dtype=self.dtype)
       out = linear(nn.silu(gate) * up, down, **impls, dtype=self.dtype)
     if residual is None:
       return out

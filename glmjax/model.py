@@ -35,7 +35,13 @@ class Embed(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the MLP dense or MoE."""
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the MLP dense or MoE.
+
+  Returns (x, the next norm's output or None, top-k, layer cache). Given `closing_norm` (the
+  weight of the norm that follows the layer, Runtime.next_norm) at decode, the layer's last add
+  and that norm run in one launch and it returns the norm's output, which the next layer takes
+  as `normed` instead of running its input_layernorm.
+  """
   config: ModelConfig
   layer_id: int
   sparse_mlp: bool
@@ -44,12 +50,14 @@ class DecoderLayer(nn.Module):
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x, cos, sin, prev_topk, *, positions, runtime, cache, cache_slot):
+  def __call__(self, x, cos, sin, prev_topk, *, positions, runtime, cache, cache_slot, normed=None,
+               closing_norm=None):
     from glmjax.parallel import tensor_parallel  # the parallel package imports the model
     c = self.config
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     with jax.named_scope(f"layer{self.layer_id}_attn"):
-      normed = RMSNorm(c.hidden_size, c.rms_norm_eps, name="input_layernorm", **kw)(x)
+      input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, name="input_layernorm", **kw)
+      normed = input_norm(x) if normed is None else normed
       fused = runtime.residual_norm == "pallas" and quant.decode_sized(normed)
       call = dict(positions=positions, runtime=runtime, layer_id=self.layer_id, cache=cache, cache_slot=cache_slot,
                   o_partials=fused)
@@ -71,15 +79,25 @@ class DecoderLayer(nn.Module):
         h = post_norm(x)
       if self.sparse_mlp and runtime.moe_sum == "pallas" and quant.decode_sized(h) and _tep_mesh() is None:
         # the layer's sum in the shared expert's launch: the MoE returns the new residual
-        return MoE(c, name="mlp", **kw)(h, runtime=runtime, residual=x), topk, layer_cache
+        return MoE(c, name="mlp", **kw)(h, runtime=runtime, residual=x), None, topk, layer_cache
+      closing = closing_norm is not None and quant.decode_sized(h)
+      term = None  # with closing: the output as partials [S, rows, D] and a term [rows, D]
       if self.sparse_mlp:
-        h = MoE(c, name="mlp", **kw)(h, runtime=runtime)
+        h = MoE(c, name="mlp", **kw)(h, runtime=runtime, terms=closing)
+        if closing:
+          h, term = h
       elif specs := self._split_specs("mlp", tensor_parallel.MLP_SPECS, runtime):
         h = tensor_parallel.mlp(self.variables["params"]["mlp"], specs, h, hidden_size=c.hidden_size,
                                 intermediate_size=c.intermediate_size, **kw, **runtime.mlp_impls)
+        h = h.reshape(1, -1, c.hidden_size) if closing else h
       else:
-        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.mlp_impls)
-    return x + h.astype(x.dtype), topk, layer_cache
+        h = MLP(c.hidden_size, c.intermediate_size, name="mlp", **kw)(h, **runtime.mlp_impls, down_partials=closing)
+    if closing:  # the add and the next norm in one launch
+      from pallas_kernels.residual_norm import residual_norm  # the kernels import the model
+      x, normed = (a.reshape(x.shape) for a in residual_norm(
+          x.reshape(-1, x.shape[-1]), h, closing_norm, eps=c.rms_norm_eps, dtype=self.dtype, term=term))
+      return x, normed, topk, layer_cache
+    return x + h.astype(x.dtype), None, topk, layer_cache
 
   def _split_specs(self, name: str, table: dict, runtime: Runtime) -> dict | None:
     """The in_specs of submodule `name`'s shard_map over the TEP mesh
@@ -113,9 +131,11 @@ class MTPBlock(nn.Module):
     joined = jnp.concatenate([RMSNorm(c.hidden_size, c.rms_norm_eps, name="enorm", **kw)(embedded),
                               RMSNorm(c.hidden_size, c.rms_norm_eps, name="hnorm", **kw)(hidden)], axis=-1)
     x = Linear(c.hidden_size, ("embed", None), name="eh_proj", **kw)(joined, **runtime.linear_impls)
-    x, topk, layer_cache = DecoderLayer(c, c.num_hidden_layers, True, True, name="block", **kw)(
-        x, cos, sin, prev_topk, positions=positions, runtime=runtime, cache=cache, cache_slot=0)
-    return x, RMSNorm(c.hidden_size, c.rms_norm_eps, name="shared_head_norm", **kw)(x), topk, layer_cache
+    head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, name="shared_head_norm", **kw)
+    closing = None if runtime.next_norm != "pallas" or self.is_initializing() else head_norm.weight
+    x, normed, topk, layer_cache = DecoderLayer(c, c.num_hidden_layers, True, True, name="block", **kw)(
+        x, cos, sin, prev_topk, positions=positions, runtime=runtime, cache=cache, cache_slot=0, closing_norm=closing)
+    return x, head_norm(x) if normed is None else normed, topk, layer_cache
 
 
 class CausalLM(nn.Module):
@@ -147,17 +167,27 @@ class CausalLM(nn.Module):
     cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta)
     # The residual stream stays fp32 whatever the compute dtype: it carries 78 layers' sums.
     x = self.embed_tokens(jnp.clip(tokens, 0, c.vocab_size - 1)).astype(jnp.float32)
-    topk, new_layers = None, []
+    topk, normed, new_layers = None, None, []
     for i, layer in enumerate(self.layers):
-      x, topk, layer_cache = layer(x, cos, sin, topk, positions=positions, runtime=runtime, cache=cache,
-                                   cache_slot=i)
+      x, normed, topk, layer_cache = layer(x, cos, sin, topk, positions=positions, runtime=runtime, cache=cache,
+                                           cache_slot=i, normed=normed, closing_norm=self._closing_norm(i, runtime))
       new_layers.append(layer_cache)
-    hidden = self.norm(x)
+    hidden = self.norm(x) if normed is None else normed
     logits = self.lm_head(hidden).astype(jnp.float32)
     if init_mtp and c.num_nextn_predict_layers:  # only so that `init` creates the MTP params
       self.mtp_step(tokens, hidden, positions)
     new_cache = None if cache is None else cache.replace(layers=tuple(new_layers))
     return logits, hidden, new_cache
+
+  def _closing_norm(self, i: int, runtime: Runtime) -> jax.Array | None:
+    """Runtime.next_norm: the weight of the norm after layer i (layer i + 1's input_layernorm,
+    after the last the final norm), which layer i applies in its closing launch; None where the
+    fold is off, or while the params are being created."""
+    if runtime.next_norm != "pallas" or self.is_initializing():
+      return None
+    if i + 1 == len(self.layers):
+      return self.norm.weight
+    return self.variables["params"][f"layers_{i + 1}"]["input_layernorm"]["weight"]
 
   def mtp_step(self, next_tokens, hidden, positions, *, cache: paged.KVCache | None = None,
                runtime: Runtime = DEFAULT_RUNTIME, prev_topk: jax.Array | None = None):

@@ -153,10 +153,13 @@ class MoE(nn.Module):
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, runtime=None, residual: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, *, runtime=None, residual: jax.Array | None = None,
+               terms: bool = False) -> jax.Array | tuple[jax.Array, jax.Array | None]:
     """The experts' output [..., D] in dtype; given the layer's residual stream (Runtime.moe_sum,
     on one device or one rank's program), the layer's new residual, residual + output, summed
-    in the shared expert's launch (MLP)."""
+    in the shared expert's launch (MLP). terms (Runtime.next_norm): the output unsummed, (the
+    shared expert's down partials [S, rows, D], the routed experts' [rows, D] in dtype), or under
+    a TEP mesh (the all-reduced output [1, rows, D], None)."""
     from glmjax.parallel import expert_parallel, mesh  # the parallel package imports the model
 
     c = self.config
@@ -176,7 +179,7 @@ class MoE(nn.Module):
     if tep_mesh is not None and params is not None:
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
                                 mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, router=router, **impls, **kw)
-      return out.reshape(x.shape)
+      return (out.reshape(1, *flat.shape), None) if terms else out.reshape(x.shape)
     if router is not None:
       ids, weights, gate_up = shared_route(flat, router, params["shared_experts"], c, impls["dense"])
     routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing,
@@ -184,4 +187,6 @@ class MoE(nn.Module):
     shared_mlp = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)
     if residual is not None:
       return shared_mlp(x, **runtime.mlp_impls, residual=residual, routed=routed, partials=gate_up)
+    if terms:
+      return shared_mlp(x, **runtime.mlp_impls, partials=gate_up, down_partials=True), routed.astype(self.dtype)
     return routed.reshape(x.shape).astype(self.dtype) + shared_mlp(x, **runtime.mlp_impls, partials=gate_up)

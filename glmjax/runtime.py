@@ -20,7 +20,7 @@ MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
-                 "index_epilogue", "epilogue_write", "index_query", "residual_norm", "swiglu", "moe_sum")
+                 "index_epilogue", "epilogue_write", "index_query", "residual_norm", "next_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
@@ -81,6 +81,11 @@ class Runtime:
   XLA's two kernels or one Pallas launch from o_proj's partials at decode (under a TEP mesh, from
   the all-reduced output, in the activations' dtype as without it) (pallas_kernels/residual_norm.py;
   equal up to the fp32 statistics' order).
+  next_norm: a decoder layer's closing residual add (its MLP's output) and the next layer's
+  input_layernorm (after the last layer the final norm; after the MTP layer's its
+  shared_head_norm), XLA's two kernels or one Pallas launch at decode, from the MLP's down
+  partials and the routed experts' output (under a TEP mesh, the all-reduced output)
+  (pallas_kernels/residual_norm.py; equal up to the fp32 statistics' order).
   fold_splits: the K splits of a split-K bf16 GEMV whose partials a fold reads whole (o_proj's
   under residual_norm, q_a's group under mla_epilogue, q_b's under query_absorb; the folds run
   a program per token or head, each reading every split): "fill" (the default: the fewest
@@ -168,6 +173,7 @@ class Runtime:
   epilogue_write: str = "xla"
   index_query: str = "xla"
   residual_norm: str = "xla"
+  next_norm: str = "xla"
   swiglu: str = "xla"
   moe_sum: str = "xla"
   topk_ties: str = "index"
@@ -217,6 +223,9 @@ class Runtime:
     if self.moe_sum == "pallas" and self.swiglu != "pallas":
       raise ValueError(f"moe_sum='pallas' sums the MoE layer in the shared expert's swiglu launch: it needs "
                        f"swiglu='pallas', got {self.swiglu!r}")
+    if self.next_norm == "pallas" and self.moe_sum == "pallas":
+      raise ValueError("next_norm='pallas' and moe_sum='pallas' both close an MoE layer in their own launch: "
+                       "choose one")
     if self.index_query == "pallas" and self.query_absorb != "pallas":
       raise ValueError(f"index_query='pallas' finishes the indexer's query in the absorbed-query launch: it needs "
                        f"query_absorb='pallas', got {self.query_absorb!r}")

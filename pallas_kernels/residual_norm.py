@@ -1,4 +1,4 @@
-"""A decoder layer's residual add and post-attention RMSNorm in one launch, from o_proj's partials.
+"""A residual add and the RMSNorm after it in one launch, from a GEMV's partials.
 
 glmjax.model.DecoderLayer adds attention's output to the residual stream, x + o_proj(attn), and
 normalises the sum for the MLP (post_attention_layernorm). On the H200 that is two XLA kernels of
@@ -12,10 +12,17 @@ all-reduce; 8 warps the fastest of 4-32). So o_proj's GEMV takes the fewest K sp
 cover the SMs under this fold, 2 at a TEP=8 rank (`Runtime.fold_splits`; run 35, H100: GEMV +
 norm 17.5 -> 13.4 us, the norm in the step 5.36 -> 3.51).
 
-Numerics: as the model computes them: the o_proj sum rounded to dtype, the add in the residual's
-dtype, RMSNorm's statistics in fp32 and its scale in dtype. Equal to the XLA path wherever the
-partials' sums round alike (split order here, XLA's there) and the fp32 statistics do. Switch:
-`Runtime.residual_norm` ("xla" | "pallas").
+The same launch closes a decoder layer (`Runtime.next_norm`): the MLP's output added to the
+residual stream with the next layer's input_layernorm (after the last layer, the final norm),
+from the shared expert's down GEMV partials and, as `term`, the routed experts' output. In XLA
+that is the add (with the split sum) and then the norm, two kernels a layer (1.7 and 2.0 us in
+a TEP=8 rank's layer on an H100, run 39).
+
+Numerics: as the model computes them: the partials' sum rounded to dtype (and the term added in
+dtype), the add in the residual's dtype, RMSNorm's statistics in fp32 and its scale in dtype.
+Equal to the XLA path wherever the partials' sums round alike (split order here, XLA's there)
+and the fp32 statistics do. Switches: `Runtime.residual_norm`, `Runtime.next_norm` ("xla" |
+"pallas").
 
 Lowering: Triton: one row of a few thousand values a program (6144 at GLM-5), a reduction and
 elementwise work in registers; eight warps keep the padded row at 32 values a thread.
@@ -33,22 +40,28 @@ from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.partials import check_partials, rms_normed, split_sum
 
 
-def _residual_norm_kernel(residual_ref, partials_ref, weight_ref, x_out_ref, h_out_ref, *, eps: float):
-  # residual_ref [n, D] ; partials_ref f32 [S, n, D] (or bf16 [1, n, D]) ; weight_ref [D] ;
-  # x_out_ref [n, D] (the residual's dtype) ; h_out_ref [n, D] (dtype): all whole, each program its row.
+def _residual_norm_kernel(residual_ref, partials_ref, *refs, eps: float, has_term: bool):
+  # residual_ref [n, D] ; partials_ref f32 [S, n, D] (or bf16 [1, n, D]) ; term_ref [n, D] (has_term) ;
+  # weight_ref [D] ; x_out_ref [n, D] (the residual's dtype) ; h_out_ref [n, D] (dtype): all whole,
+  # each program its row.
+  term_ref, weight_ref, x_out_ref, h_out_ref = refs if has_term else (None, *refs)
   row = pl.program_id(0)
   width = residual_ref.shape[-1]
   pad = pl.next_power_of_2(width)
   ok = jnp.arange(pad) < width
-  attn = split_sum(partials_ref, row, 0, pad, ok).astype(h_out_ref.dtype)
-  residual = pltriton.load(residual_ref.at[row, pl.ds(0, pad)], mask=ok, other=0.0)
-  x = (residual.astype(jnp.float32) + attn.astype(jnp.float32)).astype(x_out_ref.dtype)
+  load_row = lambda ref: pltriton.load(ref.at[row, pl.ds(0, pad)], mask=ok, other=0.0).astype(jnp.float32)
+  out = split_sum(partials_ref, row, 0, pad, ok).astype(h_out_ref.dtype)
+  if has_term:  # term + the partials' output, a sum in dtype
+    term = load_row(term_ref).astype(h_out_ref.dtype).astype(jnp.float32)
+    out = (term + out.astype(jnp.float32)).astype(h_out_ref.dtype)
+  x = (load_row(residual_ref) + out.astype(jnp.float32)).astype(x_out_ref.dtype)
   pltriton.store(x_out_ref.at[row, pl.ds(0, pad)], x, mask=ok)
   h = rms_normed(x.astype(jnp.float32), weight_ref, ok, width, eps, h_out_ref.dtype)
   pltriton.store(h_out_ref.at[row, pl.ds(0, pad)], h, mask=ok)
 
 
-def check_residual_norm_args(residual: jax.Array, partials: jax.Array, weight: jax.Array) -> None:
+def check_residual_norm_args(residual: jax.Array, partials: jax.Array, weight: jax.Array,
+                             term: jax.Array | None = None) -> None:
   """ValueError naming the argument whose shape or dtype does not fit."""
   if residual.ndim != 2 or residual.dtype not in (jnp.bfloat16, jnp.float32):
     raise ValueError(f"residual_norm: residual must be bf16 or f32 [tokens, D], got {residual.dtype}"
@@ -62,30 +75,36 @@ def check_residual_norm_args(residual: jax.Array, partials: jax.Array, weight: j
                      f"{partials.shape[0]}")
   if weight.shape != residual.shape[1:]:
     raise ValueError(f"residual_norm: weight must be [{residual.shape[1]}], got {list(weight.shape)}")
+  if term is not None and (term.shape != residual.shape or term.dtype not in (jnp.bfloat16, jnp.float32)):
+    raise ValueError(f"residual_norm: term must be bf16 or f32 {list(residual.shape)}, got {term.dtype}"
+                     f"{list(term.shape)}")
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "num_warps", "interpret"))
 def residual_norm(residual: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: float, dtype=jnp.bfloat16,
-                  num_warps: int = 8, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                  term: jax.Array | None = None, num_warps: int = 8,
+                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """residual_norm_reference in one launch (module docstring).
 
   Args:
     residual: [n, D], bf16 or f32: the residual stream's rows.
     partials: f32 [S, n, D]: o_proj's split-K partial outputs (S = 1: the output); or bf16
       [1, n, D], the output already rounded (a TEP rank's after the all-reduce).
-    weight: post_attention_layernorm's [D].
+    weight: the norm's [D] (post_attention_layernorm's; the next layer's input_layernorm's).
     eps: its epsilon.
-    dtype: the activations' dtype (the model's; o_proj's output and the norm's).
+    dtype: the activations' dtype (the model's; the partials' output and the norm's).
+    term: [n, D] or None: another output the residual gains, added to the partials' in dtype
+      (the routed experts' beside the shared expert's).
     num_warps: a program's warps (Triton).
   Returns:
     (the new residual [n, D] in residual's dtype, its norm [n, D] in dtype).
   """
-  check_residual_norm_args(residual, partials, weight)
+  check_residual_norm_args(residual, partials, weight, term)
   n, width = residual.shape
   whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-  inputs = (residual, partials, weight)
+  inputs = (residual, partials, *(() if term is None else (term,)), weight)
   return pl.pallas_call(
-      functools.partial(_residual_norm_kernel, eps=eps),
+      functools.partial(_residual_norm_kernel, eps=eps, has_term=term is not None),
       grid=(n,),
       in_specs=[whole(a.shape) for a in inputs],
       out_specs=[whole((n, width))] * 2,
@@ -97,9 +116,12 @@ def residual_norm(residual: jax.Array, partials: jax.Array, weight: jax.Array, *
 
 
 def residual_norm_reference(residual: jax.Array, partials: jax.Array, weight: jax.Array, *, eps: float,
-                            dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
-  """The XLA path (DecoderLayer's): o_proj's partials summed and rounded to dtype, added to the
-  residual in its dtype, then post_attention_layernorm."""
-  check_residual_norm_args(residual, partials, weight)
-  x = residual + jnp.sum(partials, axis=0).astype(dtype).astype(residual.dtype)
+                            dtype=jnp.bfloat16, term: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """The XLA path (DecoderLayer's, MoE's): the partials summed and rounded to dtype, the term
+  added in dtype, the sum added to the residual in its dtype, then the norm."""
+  check_residual_norm_args(residual, partials, weight, term)
+  out = jnp.sum(partials, axis=0).astype(dtype)
+  if term is not None:
+    out = term.astype(dtype) + out
+  x = residual + out.astype(residual.dtype)
   return x, layers.rms_norm(x, weight, eps, dtype)

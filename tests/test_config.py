@@ -245,7 +245,7 @@ def test_a_rank_config_is_not_a_mesh_config():
                                          ("value_merge", "atomic"), ("query_absorb", "triton"),
                                          ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("index_epilogue", "on"),
                                          ("index_query", "fused"), ("residual_norm", "fused"), ("swiglu", "fused"),
-                                         ("moe_sum", "on"),
+                                         ("moe_sum", "on"), ("next_norm", "fused"),
                                          ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("topk_sample", "sorted"),
                                          ("indexer_orientation", "rows"),
@@ -307,6 +307,13 @@ def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
     Runtime(matmul="pallas", moe_routing="pairs_fused")
   assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"
   assert Runtime(matmul="pallas_fragments", moe_routing="pairs_fused").moe_routing == "pairs_fused"
+
+
+def test_runtime_closes_a_layer_in_one_fold_only():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="next_norm='pallas' and moe_sum='pallas' both close an MoE layer"):
+    Runtime(swiglu="pallas", moe_sum="pallas", next_norm="pallas")
+  assert Runtime(swiglu="pallas", next_norm="pallas").next_norm == "pallas"
 
 
 def test_runtime_moe_sum_needs_the_swiglu_launch():

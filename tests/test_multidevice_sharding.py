@@ -280,7 +280,7 @@ PALLAS_STACK = dict(attention="pallas", dense_matmul="pallas_grouped", cache_wri
               router_group="pallas",
               value_merge="pallas", query_absorb="pallas", indexer_keys="pallas", mla_epilogue="pallas",
               index_epilogue="pallas", epilogue_write="pallas", index_query="pallas", residual_norm="pallas",
-              swiglu="pallas",
+              next_norm="pallas", swiglu="pallas",
               indexer_queries="bfloat16", attention_queries="bfloat16")
 
 

@@ -204,6 +204,28 @@ def test_the_rank_stacks_folds_generate_the_unfolded_tokens(tiny, monkeypatch):
 
 
 @fold_lane
+def test_next_norm_closes_each_layer_with_the_next_norm(tiny, monkeypatch):
+  """next_norm="pallas": a decode step's layers each end in one residual_norm launch, the MoE
+  layers' with the routed experts' output as its term, and no hidden-width RMSNorm runs in XLA
+  but the post-attention ones and the first layer's (the other input norms and the final norm
+  are those launches: 4 where the unfolded step runs 7). Its
+  tokens: the bf16-stream test's, where XLA rounds as the model is written (here, with XLA's
+  excess precision, the unfolded run skips the rounding of routed + shared to bf16, and one of
+  these 20 tokens differs)."""
+  config = tiny[0]
+  closes, xla_norms = [], []
+  own_close, own_norm = residual_norm_module.residual_norm, layers.rms_norm
+  monkeypatch.setattr(residual_norm_module, "residual_norm", lambda *a, term=None, **kw: closes.append(
+      (a[1].shape, term is not None)) or own_close(*a, term=term, **kw))
+  monkeypatch.setattr(layers, "rms_norm", lambda x, *a: xla_norms.append(x.shape) or own_norm(x, *a))
+  _generate(tiny, "pallas", "fp8", **UNFOLDED, next_norm="pallas")
+  assert sorted(term for _, term in closes) == sorted(kind == "sparse" for kind in config.mlp_layer_types)
+  assert all(shape[1] <= 8 for shape, _ in closes)  # decode steps' rows; none at prefill
+  decode_norms = [shape for shape in xla_norms if shape[1] <= 8 and shape[-1] == config.hidden_size]
+  assert len(decode_norms) == config.num_hidden_layers + 1  # post_attention_layernorm, layer 0's input_layernorm
+
+
+@fold_lane
 def test_swiglu_and_moe_sum_run_in_the_down_gemvs_launches(tiny, monkeypatch):
   """swiglu="pallas": decode steps' MLPs (dense layers and shared experts) take silu(gate) * up
   in the down GEMV's launch from the gate/up partials; moe_sum="pallas": the MoE layers end in
@@ -235,7 +257,8 @@ config = with_layers(get_model_config("tiny"), 2, mtp=True)  # a dense layer, an
 params = init_params(config, jax.random.key(0))
 prompt = np.random.default_rng(1).integers(2, config.vocab_size, 30).tolist()
 out = {}
-arms = (("xla", {}), ("swiglu", {"swiglu": "pallas"}), ("folded", {"swiglu": "pallas", "moe_sum": "pallas"}))
+arms = (("xla", {}), ("swiglu", {"swiglu": "pallas"}), ("folded", {"swiglu": "pallas", "moe_sum": "pallas"}),
+        ("next_norm", {"swiglu": "pallas", "next_norm": "pallas"}))
 for name, switches in arms:
   engine = Engine(config, params, runtime=Runtime(dense_matmul="pallas_grouped", **switches),
                   page_size=8, max_seq_len=64, prefill_chunk=16, num_pages=32, kv_dtype="fp8", mtp_cache=True)
@@ -248,7 +271,8 @@ print(json.dumps(out))
 
 @fold_lane
 def test_swiglu_and_moe_sum_keep_the_tokens_on_a_bf16_residual_stream():
-  """swiglu="pallas", then moe_sum="pallas" too, where the residual stream is bf16: 16-token
+  """swiglu="pallas", then moe_sum="pallas" or next_norm="pallas" too (its MTP layer closing
+  with shared_head_norm), where the residual stream is bf16: 16-token
   prefill chunks (decode-sized, so the folds apply; the stream is still the bf16 embedding) and
   the MTP layer under speculative decoding (a TEP rank's step failed there, BENCHMARKS.md run
   27). The folds round as the model is written, op by op (moe_sum: (routed + shared) to bf16,
@@ -262,7 +286,7 @@ def test_swiglu_and_moe_sum_keep_the_tokens_on_a_bf16_residual_stream():
   assert done.returncode == 0, done.stderr[-2000:]
   out = json.loads(done.stdout.strip().splitlines()[-1])
   assert out["folded"]["verify_steps"] > 0
-  assert out["folded"]["output"] == out["swiglu"]["output"] == out["xla"]["output"]
+  assert out["folded"]["output"] == out["swiglu"]["output"] == out["xla"]["output"] == out["next_norm"]["output"]
 
 
 @fold_lane
