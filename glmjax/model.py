@@ -81,7 +81,7 @@ class DecoderLayer(nn.Module):
         # the layer's sum in the shared expert's launch: the MoE returns the new residual
         return MoE(c, name="mlp", **kw)(h, runtime=runtime, residual=x), None, topk, layer_cache
       closing = closing_norm is not None and quant.decode_sized(h)
-      term = None  # with closing: the output as partials [S, rows, D] and a term [rows, D]
+      term = None  # with closing: the output as partials [S, rows, D], the routed experts' as a term
       if self.sparse_mlp:
         h = MoE(c, name="mlp", **kw)(h, runtime=runtime, terms=closing)
         if closing:

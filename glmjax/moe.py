@@ -158,8 +158,9 @@ class MoE(nn.Module):
     """The experts' output [..., D] in dtype; given the layer's residual stream (Runtime.moe_sum,
     on one device or one rank's program), the layer's new residual, residual + output, summed
     in the shared expert's launch (MLP). terms (Runtime.next_norm): the output unsummed, (the
-    shared expert's down partials [S, rows, D], the routed experts' [rows, D] in dtype), or under
-    a TEP mesh (the all-reduced output [1, rows, D], None)."""
+    shared expert's down partials [S, rows, D], the routed experts' [S', rows, D]: each sum
+    rounded to dtype, then added in dtype), or under a TEP mesh (the all-reduced output
+    [1, rows, D], None)."""
     from glmjax.parallel import expert_parallel, mesh  # the parallel package imports the model
 
     c = self.config
@@ -183,10 +184,10 @@ class MoE(nn.Module):
     if router is not None:
       ids, weights, gate_up = shared_route(flat, router, params["shared_experts"], c, impls["dense"])
     routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing,
-                                              partials=residual is not None)
+                                              partials=residual is not None or terms)
     shared_mlp = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)
     if residual is not None:
       return shared_mlp(x, **runtime.mlp_impls, residual=residual, routed=routed, partials=gate_up)
     if terms:
-      return shared_mlp(x, **runtime.mlp_impls, partials=gate_up, down_partials=True), routed.astype(self.dtype)
+      return shared_mlp(x, **runtime.mlp_impls, partials=gate_up, down_partials=True), routed
     return routed.reshape(x.shape).astype(self.dtype) + shared_mlp(x, **runtime.mlp_impls, partials=gate_up)

@@ -14,9 +14,10 @@ norm 17.5 -> 13.4 us, the norm in the step 5.36 -> 3.51).
 
 The same launch closes a decoder layer (`Runtime.next_norm`): the MLP's output added to the
 residual stream with the next layer's input_layernorm (after the last layer, the final norm),
-from the shared expert's down GEMV partials and, as `term`, the routed experts' output. In XLA
-that is the add (with the split sum) and then the norm, two kernels a layer (1.7 and 2.0 us in
-a TEP=8 rank's layer on an H100, run 39).
+from the shared expert's down GEMV partials and, as `term`, the routed experts' down partials. In
+XLA that is the add (with the split sums) and then the norm, two kernels a layer (1.7 and 2.0 us
+in a TEP=8 rank's layer on an H100, run 39); given the routed experts' output summed, XLA kept
+their sum as a kernel of its own (1.5 us; session 33, call 1).
 
 Numerics: as the model computes them: the partials' sum rounded to dtype (and the term added in
 dtype), the add in the residual's dtype, RMSNorm's statistics in fp32 and its scale in dtype.
@@ -41,7 +42,7 @@ from pallas_kernels.partials import check_partials, rms_normed, split_sum
 
 
 def _residual_norm_kernel(residual_ref, partials_ref, *refs, eps: float, has_term: bool):
-  # residual_ref [n, D] ; partials_ref f32 [S, n, D] (or bf16 [1, n, D]) ; term_ref [n, D] (has_term) ;
+  # residual_ref [n, D] ; partials_ref, term_ref (has_term) f32 [S, n, D] (or bf16 [1, n, D]) ;
   # weight_ref [D] ; x_out_ref [n, D] (the residual's dtype) ; h_out_ref [n, D] (dtype): all whole,
   # each program its row.
   term_ref, weight_ref, x_out_ref, h_out_ref = refs if has_term else (None, *refs)
@@ -49,12 +50,12 @@ def _residual_norm_kernel(residual_ref, partials_ref, *refs, eps: float, has_ter
   width = residual_ref.shape[-1]
   pad = pl.next_power_of_2(width)
   ok = jnp.arange(pad) < width
-  load_row = lambda ref: pltriton.load(ref.at[row, pl.ds(0, pad)], mask=ok, other=0.0).astype(jnp.float32)
   out = split_sum(partials_ref, row, 0, pad, ok).astype(h_out_ref.dtype)
   if has_term:  # term + the partials' output, a sum in dtype
-    term = load_row(term_ref).astype(h_out_ref.dtype).astype(jnp.float32)
-    out = (term + out.astype(jnp.float32)).astype(h_out_ref.dtype)
-  x = (load_row(residual_ref) + out.astype(jnp.float32)).astype(x_out_ref.dtype)
+    term = split_sum(term_ref, row, 0, pad, ok).astype(h_out_ref.dtype)
+    out = (term.astype(jnp.float32) + out.astype(jnp.float32)).astype(h_out_ref.dtype)
+  residual = pltriton.load(residual_ref.at[row, pl.ds(0, pad)], mask=ok, other=0.0)
+  x = (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(x_out_ref.dtype)
   pltriton.store(x_out_ref.at[row, pl.ds(0, pad)], x, mask=ok)
   h = rms_normed(x.astype(jnp.float32), weight_ref, ok, width, eps, h_out_ref.dtype)
   pltriton.store(h_out_ref.at[row, pl.ds(0, pad)], h, mask=ok)
@@ -66,18 +67,18 @@ def check_residual_norm_args(residual: jax.Array, partials: jax.Array, weight: j
   if residual.ndim != 2 or residual.dtype not in (jnp.bfloat16, jnp.float32):
     raise ValueError(f"residual_norm: residual must be bf16 or f32 [tokens, D], got {residual.dtype}"
                      f"{list(residual.shape)}")
-  check_partials("residual_norm", "partials", partials, str(residual.shape[1]), dtypes=("float32", "bfloat16"))
-  if partials.shape[1:] != residual.shape:
-    raise ValueError(f"residual_norm: partials must be [splits, {residual.shape[0]}, {residual.shape[1]}], "
-                     f"got {list(partials.shape)}")
-  if partials.dtype != jnp.float32 and partials.shape[0] != 1:
-    raise ValueError(f"residual_norm: bf16 partials must be one split (a sum already rounded), got "
-                     f"{partials.shape[0]}")
+  for name, terms in (("partials", partials), ("term", term)):
+    if terms is None:
+      continue
+    check_partials("residual_norm", name, terms, str(residual.shape[1]), dtypes=("float32", "bfloat16"))
+    if terms.shape[1:] != residual.shape:
+      raise ValueError(f"residual_norm: {name} must be [splits, {residual.shape[0]}, {residual.shape[1]}], "
+                       f"got {list(terms.shape)}")
+    if terms.dtype != jnp.float32 and terms.shape[0] != 1:
+      raise ValueError(f"residual_norm: bf16 {name} must be one split (a sum already rounded), got "
+                       f"{terms.shape[0]}")
   if weight.shape != residual.shape[1:]:
     raise ValueError(f"residual_norm: weight must be [{residual.shape[1]}], got {list(weight.shape)}")
-  if term is not None and (term.shape != residual.shape or term.dtype not in (jnp.bfloat16, jnp.float32)):
-    raise ValueError(f"residual_norm: term must be bf16 or f32 {list(residual.shape)}, got {term.dtype}"
-                     f"{list(term.shape)}")
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "num_warps", "interpret"))
@@ -93,8 +94,9 @@ def residual_norm(residual: jax.Array, partials: jax.Array, weight: jax.Array, *
     weight: the norm's [D] (post_attention_layernorm's; the next layer's input_layernorm's).
     eps: its epsilon.
     dtype: the activations' dtype (the model's; the partials' output and the norm's).
-    term: [n, D] or None: another output the residual gains, added to the partials' in dtype
-      (the routed experts' beside the shared expert's).
+    term: None, or the partials of another output the residual gains (as `partials`), their
+      sum rounded to dtype and added to the partials' in dtype (the routed experts' beside the
+      shared expert's).
     num_warps: a program's warps (Triton).
   Returns:
     (the new residual [n, D] in residual's dtype, its norm [n, D] in dtype).
@@ -122,6 +124,6 @@ def residual_norm_reference(residual: jax.Array, partials: jax.Array, weight: ja
   check_residual_norm_args(residual, partials, weight, term)
   out = jnp.sum(partials, axis=0).astype(dtype)
   if term is not None:
-    out = term.astype(dtype) + out
+    out = jnp.sum(term, axis=0).astype(dtype) + out
   x = residual + out.astype(residual.dtype)
   return x, layers.rms_norm(x, weight, eps, dtype)

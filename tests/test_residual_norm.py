@@ -51,21 +51,21 @@ def test_rounded_output_matches_the_xla_path(tokens, width):
   assert np.abs(np.asarray(h, np.float32)).max() > 0.5
 
 
-@pytest.mark.parametrize("shape, term_dtype", [((1, 5, 6144), jnp.bfloat16), ((2, 1, 6144), jnp.bfloat16),
-                                               ((3, 7, 40), jnp.float32)])
-def test_layer_close_with_a_term_matches_the_xla_path(shape, term_dtype):
-  """Runtime.next_norm's case: the shared expert's down partials (one split at a TEP=8 rank), the
-  routed experts' output as the term (an f32 term is rounded to dtype first, as the MoE casts it)."""
+@pytest.mark.parametrize("shape, term_splits", [((1, 5, 6144), 4), ((2, 1, 6144), 1), ((3, 7, 40), 2)])
+def test_layer_close_with_a_term_matches_the_xla_path(shape, term_splits):
+  """Runtime.next_norm's case: the shared expert's down partials (one split at a TEP=8 rank) and
+  the routed experts' down partials as the term (4 at the rank), each sum rounded to dtype."""
   residual, partials, weight = draw(shape, jnp.float32, seed=shape[1])
-  term = jnp.asarray(np.random.default_rng(shape[2]).integers(-2**12, 2**12, size=shape[1:]) / 256, term_dtype)
-  if term_dtype == jnp.float32:
-    term = term + 2.0 ** -12  # not a bf16 value: the rounding to dtype shows
+  term = draw((term_splits, *shape[1:]), jnp.float32, seed=shape[2])[1] / 3  # sums off the bf16 grid
   (x, h), (want_x, want_h) = (fn(residual, partials, weight, eps=1e-5, term=term)
                               for fn in (residual_norm, residual_norm_reference))
   np.testing.assert_array_equal(np.asarray(x), np.asarray(want_x))
   np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32), rtol=2.0 ** -7, atol=0)
   (without, _) = residual_norm_reference(residual, partials, weight, eps=1e-5)
   assert np.abs(np.asarray(x - without)).max() > 1  # the term reached the residual
+  bf16_term = jnp.sum(term, axis=0).astype(jnp.bfloat16)[None]  # a TEP rank's: one split, rounded
+  np.testing.assert_array_equal(*(np.asarray(fn(residual, partials, weight, eps=1e-5, term=bf16_term)[0])
+                                  for fn in (residual_norm, residual_norm_reference)))
 
 
 def test_bad_inputs_are_named():
@@ -80,8 +80,10 @@ def test_bad_inputs_are_named():
     residual_norm(residual, partials.astype(jnp.bfloat16), weight, eps=1e-5)
   with pytest.raises(ValueError, match=r"weight must be \[40\]"):
     residual_norm(residual, partials, weight[:8], eps=1e-5)
-  with pytest.raises(ValueError, match=r"term must be bf16 or f32 \[7, 40\], got float32\[7, 39\]"):
-    residual_norm(residual, partials, weight, eps=1e-5, term=residual[:, :39])
+  with pytest.raises(ValueError, match=r"term must be \[splits, 7, 40\], got \[3, 5, 40\]"):
+    residual_norm(residual, partials, weight, eps=1e-5, term=partials[:, :5])
+  with pytest.raises(ValueError, match="bf16 term must be one split"):
+    residual_norm(residual, partials, weight, eps=1e-5, term=partials.astype(jnp.bfloat16))
 
 
 def test_residual_norm_lowers_to_triton_for_h200():
@@ -89,5 +91,5 @@ def test_residual_norm_lowers_to_triton_for_h200():
   for (splits, tokens, width), partials in [*((shape, jnp.float32) for shape in SHAPES), ((1, 5, 6144), jnp.bfloat16)]:
     args = (s((tokens, width), jnp.float32), s((splits, tokens, width), partials), s((width,), jnp.bfloat16))
     assert TRITON_CALL in h200_text(lambda *a: residual_norm(*a, eps=1e-5, interpret=False), *args)
-  args = (s((5, 6144), jnp.float32), s((1, 5, 6144), jnp.float32), s((6144,), jnp.bfloat16), s((5, 6144), jnp.bfloat16))
+  args = (s((5, 6144), jnp.float32), s((1, 5, 6144), jnp.float32), s((6144,), jnp.bfloat16), s((4, 5, 6144), jnp.float32))
   assert TRITON_CALL in h200_text(lambda r, p, w, t: residual_norm(r, p, w, eps=1e-5, term=t, interpret=False), *args)
