@@ -15,8 +15,8 @@ from glmjax.runtime import FOLD_SWITCHES
 # The flags a preset may set besides Runtime's fields: the experiments' own weight and KV formats.
 EXPERIMENT_FLAGS = ("weights", "kv_dtype")
 
-# Every fold measured faster (or no slower) in the rank's step; swiglu and moe_sum stay off, each
-# measured slower there (docs/STUDY.md, run 27); next_norm is not yet timed there.
+# Every fold measured faster (or no slower) in the rank's step; swiglu, moe_sum and next_norm stay
+# off, each measured slower there (docs/STUDY.md, runs 27 and 40).
 _FASTER_FOLDS = dict.fromkeys(sorted(set(FOLD_SWITCHES) - {"swiglu", "moe_sum", "next_norm"}), "pallas")
 
 # The Pallas kernels with the reference's numerics: bf16 weights and KV pages, fp32 queries into
