@@ -79,21 +79,33 @@ def expected_local_experts(config: ModelConfig, tokens: int) -> float:
 
 class Router(nn.Module):
   """Router weight [E, D] and the choice-only correction bias [E], kept in fp32. select="pallas"
-  chooses in one kernel from the GEMV's partial logits (pallas_kernels/moe_route.py), else `route`."""
+  chooses in one kernel from the GEMV's partial logits (pallas_kernels/moe_route.py), else `route`;
+  given planes_of (Runtime.route_planes), that launch also builds those rows' fp16 planes for the
+  routed experts, returned third (`select_route`)."""
   config: ModelConfig
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, dense: str = "xla", select: str = "xla") -> tuple[jax.Array, jax.Array]:
+  def __call__(self, x: jax.Array, *, dense: str = "xla", select: str = "xla", planes_of: jax.Array | None = None):
     c = self.config
     weight = self.param("weight", nn.with_logical_partitioning(init_normal(0.02), (None, "embed")),
                         (c.n_routed_experts, c.hidden_size), self.param_dtype)
     bias = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                       (c.n_routed_experts,), jnp.float32)
     if select == "pallas":
-      from pallas_kernels.moe_route import route_select  # the kernels import the model
-      return route_select(quant.linear_partials(x, weight, dense=dense), bias, c)
+      return select_route(quant.linear_partials(x, weight, dense=dense), bias, c, planes_of)
     return route(quant.linear(x, weight, dense=dense, dtype=jnp.float32), bias, c)
+
+
+def select_route(partials: jax.Array, bias: jax.Array, config: ModelConfig, planes_of: jax.Array | None):
+  """The router's choice from its GEMV's partials in one launch (moe_route.route_select): (ids,
+  weights), and with planes_of, (ids, weights, (planes_of's fp16 planes, their row maxima)) from
+  that launch (route_select_planes)."""
+  from pallas_kernels import moe_route  # the kernels import the model
+  if planes_of is None:
+    return moe_route.route_select(partials, bias, config)
+  ids, weights, planes, amax = moe_route.route_select_planes(partials, bias, config, planes_of)
+  return ids, weights, (planes, amax)
 
 
 def _router_group(router: dict, shared: dict) -> list:
@@ -109,14 +121,15 @@ def groups_router(x: jax.Array, router: dict, shared: dict, dense: str) -> bool:
                                            for w in _router_group(router, shared))
 
 
-def shared_route(x: jax.Array, router: dict, shared: dict, config: ModelConfig, dense: str):
+def shared_route(x: jax.Array, router: dict, shared: dict, config: ModelConfig, dense: str,
+                 planes_of: jax.Array | None = None):
   """Runtime.router_group (where groups_router): the router's choice and the shared expert's
   gate/up partials from one split-K launch, the three weights reading the same x: (ids, weights,
-  (gate partials, up partials)) for MLP(partials=...). At GLM-5's TEP=8 shapes the launch takes
-  each weight's own split count (8), so every output is the separate launches' bit for bit."""
-  from pallas_kernels.moe_route import route_select  # the kernels import the model
+  [x's planes as select_route gives them,] (gate partials, up partials)) for MLP(partials=...).
+  At GLM-5's TEP=8 shapes the launch takes each weight's own split count (8), so every output is
+  the separate launches' bit for bit."""
   logits, gate, up = quant.linear_group_partials(x, _router_group(router, shared), dense=dense)
-  return (*route_select(logits, router["e_score_correction_bias"], config), (gate, up))
+  return (*select_route(logits, router["e_score_correction_bias"], config, planes_of), (gate, up))
 
 
 class Experts(nn.Module):
@@ -127,8 +140,9 @@ class Experts(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, *, matmul: str = "xla",
-               routing: str = "table", partials: bool = False) -> jax.Array:
-    """[T, D] in dtype, or with partials fp32 terms [S, T, D] that sum to it (quant.moe_experts)."""
+               routing: str = "table", partials: bool = False, x_planes=None) -> jax.Array:
+    """[T, D] in dtype, or with partials fp32 terms [S, T, D] that sum to it (quant.moe_experts;
+    x_planes: x's fp16 planes where the router's launch built them)."""
     c = self.config
     e, i, d = c.num_local_experts, c.moe_intermediate_size, c.hidden_size
     make = lambda name, shape, axes: quant.param(
@@ -137,7 +151,8 @@ class Experts(nn.Module):
     up = make("up_proj", (e, i, d), ("expert_mlp", "embed"))
     down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
     return quant.moe_experts(x.astype(self.dtype), ids, weights, gate, up, down, impl=matmul, routing=routing,
-                             chosen=expected_local_experts(c, ids.shape[0]), partials=partials)
+                             chosen=expected_local_experts(c, ids.shape[0]), partials=partials,
+                             x_planes=x_planes)
 
 
 class MoE(nn.Module):
@@ -173,18 +188,26 @@ class MoE(nn.Module):
     if (params is not None and runtime.router_group == "pallas"
         and groups_router(flat, params["gate"], params["shared_experts"], impls["dense"])):
       router = params["gate"]
-    ids = weights = gate_up = None
-    if router is None:
-      ids, weights = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"], select=runtime.router)
     tep_mesh = mesh.active_mesh()
+    planes_of = None  # x, where the router's launch builds its fp16 planes for the experts (Runtime.route_planes)
+    if (runtime.route_planes == "pallas" and params is not None and tep_mesh is None
+        and quant.builds_x_planes(flat.astype(self.dtype), impls["matmul"], routing)):
+      planes_of = flat.astype(self.dtype)
+    ids = weights = gate_up = None
+    x_planes = []  # (planes, maxima) from the router's launch, where it built them
+    if router is None:
+      ids, weights, *x_planes = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"],
+                                                                          select=runtime.router, planes_of=planes_of)
     if tep_mesh is not None and params is not None:
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
                                 mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, router=router, **impls, **kw)
       return (out.reshape(1, *flat.shape), None) if terms else out.reshape(x.shape)
     if router is not None:
-      ids, weights, gate_up = shared_route(flat, router, params["shared_experts"], c, impls["dense"])
+      ids, weights, *x_planes, gate_up = shared_route(flat, router, params["shared_experts"], c, impls["dense"],
+                                                      planes_of)
     routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing,
-                                              partials=residual is not None or terms)
+                                              partials=residual is not None or terms,
+                                              x_planes=x_planes[0] if x_planes else None)
     shared_mlp = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)
     if residual is not None:
       return shared_mlp(x, **runtime.mlp_impls, residual=residual, routed=routed, partials=gate_up)

@@ -20,7 +20,8 @@ MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
-                 "index_epilogue", "epilogue_write", "index_query", "residual_norm", "next_norm", "swiglu", "moe_sum")
+                 "index_epilogue", "epilogue_write", "index_query", "residual_norm", "route_planes", "next_norm", "swiglu",
+                 "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
@@ -81,6 +82,11 @@ class Runtime:
   XLA's two kernels or one Pallas launch from o_proj's partials at decode (under a TEP mesh, from
   the all-reduced output, in the activations' dtype as without it) (pallas_kernels/residual_norm.py;
   equal up to the fp32 statistics' order).
+  route_planes: with router="pallas" and moe_routing="pairs_fused", the routed experts' fp16
+  activation planes of x in their own launch (hfma2_planes.rows_planes: "xla", as every fold's
+  unfolded choice) or "pallas": as more programs of the router's choice launch, side by side
+  with it (pallas_kernels/moe_route.route_select_planes; the same bits), at decode on one device
+  or one rank's program.
   next_norm: a decoder layer's closing residual add (its MLP's output) and the next layer's
   input_layernorm (after the last layer the final norm; after the MTP layer's its
   shared_head_norm), XLA's two kernels or one Pallas launch at decode, from the MLP's down
@@ -174,6 +180,7 @@ class Runtime:
   epilogue_write: str = "xla"
   index_query: str = "xla"
   residual_norm: str = "xla"
+  route_planes: str = "xla"
   next_norm: str = "xla"
   swiglu: str = "xla"
   moe_sum: str = "xla"
@@ -224,6 +231,10 @@ class Runtime:
     if self.moe_sum == "pallas" and self.swiglu != "pallas":
       raise ValueError(f"moe_sum='pallas' sums the MoE layer in the shared expert's swiglu launch: it needs "
                        f"swiglu='pallas', got {self.swiglu!r}")
+    if self.route_planes == "pallas" and (self.router, self.moe_routing) != ("pallas", "pairs_fused"):
+      raise ValueError(f"route_planes='pallas' builds the pairs_fused experts' planes in the router's launch: it "
+                       f"needs router='pallas' and moe_routing='pairs_fused', got router={self.router!r}, "
+                       f"moe_routing={self.moe_routing!r}")
     if self.next_norm == "pallas" and self.moe_sum == "pallas":
       raise ValueError("next_norm='pallas' and moe_sum='pallas' both close an MoE layer in their own launch: "
                        "choose one")

@@ -26,6 +26,7 @@ Lowering: Triton: a few KB a row, lane selections and integer packing in registe
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,10 +70,9 @@ def _store_planes(a: jax.Array, amax: jax.Array, lines_ok: jax.Array, planes_ref
     pltriton.store(planes_ref.at[jnp.int32(plane)], words, mask=lines_ok)
 
 
-def _row_planes(load, planes_ref, amax_ref, *, blocks: int, chunk: int) -> None:
+def _row_planes(load, planes_ref, amax_ref, row, c, *, blocks: int, chunk: int) -> None:
   """Program (row, c): the row's maximum from load(0, Bp) (the whole row, f32 [Bp, 16]), and
   its chunk c of `chunk` lines packed from load(c * chunk, chunk); chunk 0 stores the maximum."""
-  row, c = pl.program_id(0), pl.program_id(1)
   a = load(0, pl.next_power_of_2(blocks))
   amax = _amax(a)
   if chunk < a.shape[0]:
@@ -81,12 +81,18 @@ def _row_planes(load, planes_ref, amax_ref, *, blocks: int, chunk: int) -> None:
   pltriton.store(amax_ref.at[pl.ds(row, 1)], jnp.full((1,), amax), mask=jnp.full((1,), c == 0))
 
 
-def _rows_kernel(a_ref, planes_ref, amax_ref, *, blocks: int, chunk: int):
-  # a_ref [Bp, 16] bf16 of the [M, K/16, 16] rows; planes_ref u32 [8, chunk] of [M * 8, K/16];
-  # amax_ref f32 [M], whole.
+def rows_program(a_ref, planes_ref, amax_ref, row, c, *, blocks: int, chunk: int):
+  """rows_planes' program (row, c) (ids given, for a launch that runs it beside other work:
+  pallas_kernels/moe_route.route_select_planes). a_ref [Bp, 16] bf16: the row's block of the
+  [M, K/16, 16] rows; planes_ref u32 [8, chunk] of [M * 8, K/16]; amax_ref f32 [M], whole:
+  rows_launch's blocks."""
   load = lambda start, count: load_tile(a_ref.at[pl.ds(start, count)], _lines_ok(start, count, blocks),
                                         None).astype(jnp.float32)
-  _row_planes(load, planes_ref, amax_ref, blocks=blocks, chunk=chunk)
+  _row_planes(load, planes_ref, amax_ref, row, c, blocks=blocks, chunk=chunk)
+
+
+def _rows_kernel(a_ref, planes_ref, amax_ref, *, blocks: int, chunk: int):
+  rows_program(a_ref, planes_ref, amax_ref, pl.program_id(0), pl.program_id(1), blocks=blocks, chunk=chunk)
 
 
 def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, chunk: int, slots: int,
@@ -101,25 +107,60 @@ def _swiglu_kernel(ids_ref, g_ref, u_ref, planes_ref, amax_ref, *, blocks: int, 
     g, u = (split_tile_sum(ref, ok, None, pl.ds(start, count)) for ref in (g_ref, u_ref))
     return (jax.nn.silu(g) * u).astype(jnp.bfloat16).astype(jnp.float32)
 
-  _row_planes(load, planes_ref, amax_ref, blocks=blocks, chunk=chunk)
+  _row_planes(load, planes_ref, amax_ref, row, pl.program_id(1), blocks=blocks, chunk=chunk)
+
+
+def _chunk(lines: tuple[int, int], chunk_lines: int | None, name: str) -> int:
+  """Lines a program packs: chunk_lines (a power of two; None: the whole padded row), at most the row's."""
+  if chunk_lines is not None:
+    check_tile(name, "chunk_lines", chunk_lines, minimum=1)
+  return lines[1] if chunk_lines is None else min(chunk_lines, lines[1])
+
+
+def _planes_outputs(rows: int, lines: tuple[int, int], chunk: int, row_chunk):
+  """(out_specs, out_shape) of the planes u32 [rows * 8, K/16] and maxima f32 [rows];
+  row_chunk maps the grid's ids to a program's (row, chunk)."""
+  return ([pl.BlockSpec((PLANES, chunk), row_chunk),
+           pl.BlockSpec((pl.next_power_of_2(rows),), lambda *ids: (0,))],
+          [jax.ShapeDtypeStruct((rows * PLANES, lines[0]), jnp.uint32), jax.ShapeDtypeStruct((rows,), jnp.float32)])
+
+
+class RowsLaunch(NamedTuple):
+  """rows_planes' pieces for a launch that runs its programs (rows_program) among others."""
+  lines: jax.Array  # a as [M, K/16, 16]
+  in_spec: pl.BlockSpec  # its block: the program's row
+  out_specs: list  # the planes' and the maxima's blocks
+  out_shape: list
+  rows: int
+  chunks: int  # programs a row
+  blocks: int  # K/16
+  chunk: int  # lines a program packs
+
+
+def rows_launch(a: jax.Array, chunk_lines: int | None, row_chunk) -> RowsLaunch:
+  """rows_planes(a)'s RowsLaunch for a grid whose ids map to programs (row, chunk) by row_chunk."""
+  if a.ndim != 2 or a.dtype != jnp.bfloat16:
+    raise ValueError(f"rows_planes: a must be bf16 [M, K], got {a.dtype}{list(a.shape)}")
+  m, lines = a.shape[0], _lines(a.shape[1])
+  chunk = _chunk(lines, chunk_lines, "rows_planes")
+  in_spec = pl.BlockSpec((None, lines[1], BLOCK), lambda *ids: (row_chunk(*ids)[0], 0, 0))
+  out_specs, out_shape = _planes_outputs(m, lines, chunk, row_chunk)
+  return RowsLaunch(a.reshape(m, lines[0], BLOCK), in_spec, out_specs, out_shape, m, pl.cdiv(lines[0], chunk),
+                    lines[0], chunk)
 
 
 def _launch(kernel, inputs, in_specs, rows: int, lines: tuple[int, int], chunk_lines: int | None, num_warps: int,
             interpret: bool | None, name: str):
   """Programs (row, chunk of lines); lines: `_lines` of the rows' K."""
-  if chunk_lines is not None:
-    check_tile(name, "chunk_lines", chunk_lines, minimum=1)
   check_launch(name, num_warps)
-  blocks, padded = lines
-  chunk = padded if chunk_lines is None else min(chunk_lines, padded)
+  chunk = _chunk(lines, chunk_lines, name)
+  out_specs, out_shape = _planes_outputs(rows, lines, chunk, lambda r, c: (r, c))
   return pl.pallas_call(
-      functools.partial(kernel, blocks=blocks, chunk=chunk),
-      grid=(rows, pl.cdiv(blocks, chunk)),
+      functools.partial(kernel, blocks=lines[0], chunk=chunk),
+      grid=(rows, pl.cdiv(lines[0], chunk)),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((PLANES, chunk), lambda r, c: (r, c)),
-                 pl.BlockSpec((pl.next_power_of_2(rows),), lambda r, c: (0,))],
-      out_shape=[jax.ShapeDtypeStruct((rows * PLANES, blocks), jnp.uint32),
-                 jax.ShapeDtypeStruct((rows,), jnp.float32)],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=resolve_interpret(interpret),
       name=name,
@@ -139,11 +180,8 @@ def rows_planes(a: jax.Array, *, chunk_lines: int | None = 128, num_warps: int =
   """activation_planes(f16_rows(a)[0]) flattened to [M * 8, K/16] u32, and f16_rows(a)[1]
   (the row maxima, f32 [M]), in one launch. a: bf16 [M, K], K divisible by 16. chunk_lines:
   16-column lines a program packs (a power of two; None: the whole row); num_warps: Triton's."""
-  if a.ndim != 2 or a.dtype != jnp.bfloat16:
-    raise ValueError(f"rows_planes: a must be bf16 [M, K], got {a.dtype}{list(a.shape)}")
-  m, lines = a.shape[0], _lines(a.shape[1])
-  return _launch(_rows_kernel, [a.reshape(m, lines[0], BLOCK)],
-                 [pl.BlockSpec((None, lines[1], BLOCK), lambda r, c: (r, 0, 0))], m, lines,
+  rows = rows_launch(a, chunk_lines, lambda r, c: (r, c))
+  return _launch(_rows_kernel, [rows.lines], [rows.in_spec], rows.rows, _lines(a.shape[1]),
                  chunk_lines=chunk_lines, num_warps=num_warps, interpret=interpret, name="hfma2_rows_planes")
 
 

@@ -191,10 +191,23 @@ def check_nvfp4_experts(owner: str, weights: dict) -> None:
                        f"{name} is {type(w).__name__}")
 
 
+def check_given_planes(x_planes: tuple[jax.Array, jax.Array], x: jax.Array, config: PairsConfig) -> None:
+  """ValueError unless x_planes are rows_planes' outputs for x [T, D], where config builds x's
+  planes in one launch (fused_planes)."""
+  if not config.fused_planes:
+    raise ValueError("moe_hfma2: x_planes replace the fused planes launch: they need PairsConfig.fused_planes")
+  (t, d), (planes, amax) = x.shape, x_planes
+  want = ((t * PLANES, d // BLOCK), jnp.uint32), ((t,), jnp.float32)
+  if ((planes.shape, planes.dtype), (amax.shape, amax.dtype)) != want:
+    raise ValueError(f"moe_hfma2: x_planes must be u32 [{t * PLANES}, {d // BLOCK}] and f32 [{t}], got "
+                     f"{planes.dtype}{list(planes.shape)} and {amax.dtype}{list(amax.shape)}")
+
+
 @functools.partial(jax.jit, static_argnames=("config", "keep_partials", "interpret"))
 def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj: NVFP4Weight,
               up_proj: NVFP4Weight, down_proj: NVFP4Weight, *, config: PairsConfig | None = None,
-              keep_partials: bool = False, interpret: bool | None = None) -> jax.Array:
+              keep_partials: bool = False, x_planes: tuple[jax.Array, jax.Array] | None = None,
+              interpret: bool | None = None) -> jax.Array:
   """Routed-expert MLP of a decode step, each (token, local expert) pair on the CUDA cores.
 
   Args:
@@ -205,6 +218,9 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
     config: tiling; default PairsConfig().
     keep_partials: return the down launch's fp32 partials [S, T, D] unsummed (their sum rounded
       to bf16 is the result), for a kernel that sums them itself (bf16_matmul.swiglu_matmul).
+    x_planes: x's planes and row maxima as rows_planes(x, chunk_lines=config.planes_chunk_lines)
+      gives them, built in another launch (moe_route.route_select_planes); with
+      config.fused_planes only.
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
     bf16 [T, D], or the partials.
@@ -227,7 +243,10 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*inputs)
 
   up_cfg = config.gate_up
-  if config.fused_planes:
+  if x_planes is not None:
+    check_given_planes(x_planes, x, config)
+    x_planes, x_amax = x_planes
+  elif config.fused_planes:
     x_planes, x_amax = rows_planes(x, chunk_lines=config.planes_chunk_lines, interpret=interpret)
   else:
     x16, x_amax = f16_rows(x)

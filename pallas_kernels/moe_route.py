@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 from glmjax.config import ModelConfig
 from glmjax.moe import route
 from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.hfma2_planes import rows_launch, rows_program
 from pallas_kernels.partials import split_sum
 
 
@@ -61,11 +62,10 @@ def _group_mask(choice: jax.Array, col: jax.Array, *, n_group: int, topk_group: 
   return keep
 
 
-def _route_kernel(partials_ref, bias_ref, ids_ref, weights_ref, *, experts: int, k: int,
-                  n_group: int, topk_group: int, normalize: bool, scaling: float):
+def _route_row(row, partials_ref, bias_ref, ids_ref, weights_ref, *, experts: int, k: int,
+               n_group: int, topk_group: int, normalize: bool, scaling: float):
   # partials_ref [S, n, E] f32 and bias_ref [E] f32, whole; ids_ref [n, k] i32 and weights_ref
-  # [n, k] f32, whole: this program (token `row`) writes its row.
-  row = pl.program_id(0)
+  # [n, k] f32, whole: the program of token `row` writes its row.
   width = _pow2(experts)
   col = jnp.arange(width, dtype=jnp.int32)
   valid = col < experts
@@ -91,6 +91,25 @@ def _route_kernel(partials_ref, bias_ref, ids_ref, weights_ref, *, experts: int,
   pltriton.store(weights_ref.at[row, pl.ds(0, slot.shape[0])], weights * scaling, mask=used)
 
 
+def _route_kernel(*refs, **route):
+  _route_row(pl.program_id(0), *refs, **route)
+
+
+def _route_planes_kernel(partials_ref, bias_ref, a_ref, ids_ref, weights_ref, planes_ref, amax_ref, *,
+                         tokens: int, chunks: int, blocks: int, chunk: int, **route):
+  # Programs 0..tokens-1: _route_row's; the rest: x's planes programs (row, chunk) in row order.
+  pid = pl.program_id(0)
+
+  @pl.when(pid < tokens)
+  def _():
+    _route_row(pid, partials_ref, bias_ref, ids_ref, weights_ref, **route)
+
+  @pl.when(pid >= tokens)
+  def _():
+    rows_program(a_ref, planes_ref, amax_ref, (pid - tokens) // chunks, (pid - tokens) % chunks, blocks=blocks,
+                 chunk=chunk)
+
+
 def check_route_args(partials: jax.Array, bias: jax.Array, config: ModelConfig) -> None:
   """ValueError unless partials are f32 [S, n, E] and bias f32 [E] for the config's E experts."""
   e = config.n_routed_experts
@@ -99,6 +118,12 @@ def check_route_args(partials: jax.Array, bias: jax.Array, config: ModelConfig) 
                      f"{partials.dtype}{list(partials.shape)}")
   if bias.shape != (e,) or bias.dtype != jnp.float32:
     raise ValueError(f"route_select: bias must be f32 [{e}], got {bias.dtype}{list(bias.shape)}")
+
+
+def _route_fields(config: ModelConfig) -> dict:
+  return dict(experts=config.n_routed_experts, k=config.num_experts_per_tok, n_group=config.n_group,
+              topk_group=config.topk_group, normalize=config.norm_topk_prob,
+              scaling=float(config.routed_scaling_factor))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -116,14 +141,10 @@ def route_select(partials: jax.Array, bias: jax.Array, config: ModelConfig, *,
     (expert ids int32 [n, k], weights f32 [n, k]).
   """
   check_route_args(partials, bias, config)
-  n, e = partials.shape[1:]
-  k = config.num_experts_per_tok
+  n, k = partials.shape[1], config.num_experts_per_tok
   whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-  kernel = functools.partial(_route_kernel, experts=e, k=k, n_group=config.n_group,
-                             topk_group=config.topk_group, normalize=config.norm_topk_prob,
-                             scaling=float(config.routed_scaling_factor))
   return pl.pallas_call(
-      kernel,
+      functools.partial(_route_kernel, **_route_fields(config)),
       grid=(n,),
       in_specs=[whole(partials.shape), whole(bias.shape)],
       out_specs=[whole((n, k)), whole((n, k))],
@@ -132,6 +153,38 @@ def route_select(partials: jax.Array, bias: jax.Array, config: ModelConfig, *,
       interpret=resolve_interpret(interpret),
       name="moe_route",
   )(partials, bias)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "chunk_lines", "interpret"))
+def route_select_planes(partials: jax.Array, bias: jax.Array, config: ModelConfig, x: jax.Array, *,
+                        chunk_lines: int | None = 128, interpret: bool | None = None):
+  """route_select and hfma2_planes.rows_planes(x, chunk_lines=chunk_lines) in one launch: the
+  route's n programs beside x's planes programs (independent work that the routed experts'
+  pairs_fused kernels need both of; `Runtime.route_planes`). Both are a few latency-bound
+  programs (3.6 and 1.9 us in a TEP=8 rank's layer on the H200, run 40), so side by side the
+  planes cost neither a launch nor, where they finish first, time.
+
+  Returns:
+    (ids int32 [n, k], weights f32 [n, k], x's planes u32 [n * 8, K/16], their row maxima f32 [n]).
+  """
+  check_route_args(partials, bias, config)
+  n, k = partials.shape[1], config.num_experts_per_tok
+  if x.shape[0] != n:
+    raise ValueError(f"route_select_planes: x must hold the partials' {n} tokens, got {list(x.shape)}")
+  planes_of = lambda pid: (jnp.maximum(pid - n, 0) // rows.chunks, jnp.maximum(pid - n, 0) % rows.chunks)
+  rows = rows_launch(x, chunk_lines, planes_of)
+  whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+  return pl.pallas_call(
+      functools.partial(_route_planes_kernel, tokens=n, chunks=rows.chunks, blocks=rows.blocks, chunk=rows.chunk,
+                        **_route_fields(config)),
+      grid=(n + rows.rows * rows.chunks,),
+      in_specs=[whole(partials.shape), whole(bias.shape), rows.in_spec],
+      out_specs=[whole((n, k)), whole((n, k)), *rows.out_specs],
+      out_shape=[jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((n, k), jnp.float32), *rows.out_shape],
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=resolve_interpret(interpret),
+      name="moe_route_planes",
+  )(partials, bias, rows.lines)
 
 
 def route_select_reference(partials: jax.Array, bias: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:

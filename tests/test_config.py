@@ -245,7 +245,7 @@ def test_a_rank_config_is_not_a_mesh_config():
                                          ("value_merge", "atomic"), ("query_absorb", "triton"),
                                          ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("index_epilogue", "on"),
                                          ("index_query", "fused"), ("residual_norm", "fused"), ("swiglu", "fused"),
-                                         ("moe_sum", "on"), ("next_norm", "fused"),
+                                         ("moe_sum", "on"), ("next_norm", "fused"), ("route_planes", "on"),
                                          ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("topk_sample", "sorted"),
                                          ("indexer_orientation", "rows"),
@@ -307,6 +307,16 @@ def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
     Runtime(matmul="pallas", moe_routing="pairs_fused")
   assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"
   assert Runtime(matmul="pallas_fragments", moe_routing="pairs_fused").moe_routing == "pairs_fused"
+
+
+def test_runtime_route_planes_needs_the_pallas_router_and_fused_pairs():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="route_planes='pallas'.*got router='xla', moe_routing='pairs_fused'"):
+    Runtime(route_planes="pallas", moe_routing="pairs_fused", matmul="pallas_hfma2")
+  with pytest.raises(ValueError, match="route_planes='pallas'.*got router='pallas', moe_routing='pairs'"):
+    Runtime(route_planes="pallas", router="pallas", moe_routing="pairs", matmul="pallas_hfma2")
+  assert Runtime(route_planes="pallas", router="pallas", moe_routing="pairs_fused",
+                 matmul="pallas_hfma2").route_planes == "pallas"
 
 
 def test_runtime_closes_a_layer_in_one_fold_only():

@@ -1,6 +1,6 @@
 """The router's one-launch expert choice (pallas_kernels/moe_route.py) against glmjax.moe.route:
 random partial logits at GLM-5's, mini's and awkward routing shapes, ties, bad inputs, the H200
-lowering, and the GEMV partials it reads."""
+lowering, and the GEMV partials it reads; the choice launched beside x's fp16 planes."""
 
 import dataclasses
 
@@ -12,7 +12,8 @@ import pytest
 from configs import get_model_config
 from glmjax import quant
 from pallas_kernels.nvfp4_fragments import default_fragment_config
-from pallas_kernels.moe_route import route_select, route_select_reference
+from pallas_kernels.hfma2_planes import rows_planes
+from pallas_kernels.moe_route import route_select, route_select_planes, route_select_reference
 from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.test_quant_model import equations
 
@@ -58,6 +59,25 @@ def test_equal_scores_choose_the_lower_index_as_top_k_does(name):
   np.testing.assert_allclose(weights, want_weights, rtol=2e-6)
 
 
+@pytest.mark.parametrize("name, splits, tokens, width, chunk_lines", [("glm5", 8, 5, 6144, 128), ("glm5", 1, 1, 6144, None),
+                                                                      ("awkward", 3, 7, 176, 4)])
+def test_route_beside_the_planes_is_each_launch(name, splits, tokens, width, chunk_lines):
+  """route_select_planes: the choice as route_select's and x's planes and maxima as rows_planes',
+  bit for bit (a rank's case: 5 tokens, 3 planes programs a row; one token, whole rows; 7
+  tokens of 11 lines in 3 chunks of 4)."""
+  config = CONFIGS[name]
+  partials, bias = draw(config, splits, tokens, seed=tokens)
+  x = jnp.asarray(np.random.default_rng(width).normal(size=(tokens, width)) * 3, jnp.bfloat16)
+  ids, weights, planes, amax = route_select_planes(partials, bias, config, x, chunk_lines=chunk_lines)
+  want_ids, want_weights = route_select(partials, bias, config)
+  want_planes, want_amax = rows_planes(x, chunk_lines=chunk_lines)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_array_equal(weights, want_weights)
+  np.testing.assert_array_equal(planes, want_planes)
+  np.testing.assert_array_equal(amax, want_amax)
+  assert np.count_nonzero(np.asarray(planes)) > planes.size // 2
+
+
 def test_bad_inputs_are_named():
   config = CONFIGS["glm5"]
   partials, bias = draw(config, 2, 3, seed=1)
@@ -67,6 +87,10 @@ def test_bad_inputs_are_named():
     route_select(partials.astype(jnp.bfloat16), bias, config)
   with pytest.raises(ValueError, match=r"bias must be f32 \[256\]"):
     route_select(partials, bias[:8], config)
+  with pytest.raises(ValueError, match=r"x must hold the partials' 3 tokens, got \[4, 64\]"):
+    route_select_planes(partials, bias, config, jnp.zeros((4, 64), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"rows_planes: a must be bf16 \[M, K\]"):
+    route_select_planes(partials, bias, config, jnp.zeros((3, 64), jnp.float32))
 
 
 def test_route_select_lowers_to_triton_for_h200():
@@ -75,6 +99,10 @@ def test_route_select_lowers_to_triton_for_h200():
     args = (jax.ShapeDtypeStruct((splits, tokens, config.n_routed_experts), jnp.float32),
             jax.ShapeDtypeStruct((config.n_routed_experts,), jnp.float32))
     assert TRITON_CALL in h200_text(lambda *a, c=config: route_select(*a, c, interpret=False), *args)
+  args = (jax.ShapeDtypeStruct((8, 5, 256), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.float32),
+          jax.ShapeDtypeStruct((5, 6144), jnp.bfloat16))
+  config = CONFIGS["glm5"]
+  assert TRITON_CALL in h200_text(lambda p, b, x: route_select_planes(p, b, config, x, interpret=False), *args)
 
 
 @pytest.mark.parametrize("dense", ["xla", "pallas"])

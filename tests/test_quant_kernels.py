@@ -19,6 +19,7 @@ from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
 from pallas_kernels.bf16_matmul import (bf16_matmul, bf16_matmul_group, bf16_matmul_reference, swiglu_matmul,
                                        swiglu_matmul_reference)
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
+from pallas_kernels.hfma2_planes import rows_planes
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
 from pallas_kernels.nvfp4_matmul import MatmulConfig, default_config, nvfp4_matmul, nvfp4_matmul_reference
 from tests.ptx_emulator import f16_value as _f16, f32_value as _f32, run_ptx as _run_ptx
@@ -359,6 +360,10 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   fused = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True,
                                               planes_chunk_lines=2))
   np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(out, np.float32))
+  # x's planes handed over (as the router's launch builds them, moe_route.route_select_planes)
+  given = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True),
+                    x_planes=rows_planes(args[0], chunk_lines=128))
+  np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(out, np.float32))
   # the down launch's partials, kept: their sum rounded to bf16 is the result
   partials = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups), keep_partials=True)
   assert partials.dtype == jnp.float32 and partials.shape == (down[2] * groups, 5, 80)
@@ -428,6 +433,13 @@ def test_bad_inputs_raise():
     PairsConfig(groups=0)
   with pytest.raises(ValueError, match="PairsConfig.planes_chunk_lines must be a power of two >= 1, got 3"):
     PairsConfig(planes_chunk_lines=3)
+  planes = rows_planes(args[0])
+  with pytest.raises(ValueError, match="x_planes replace the fused planes launch: they need PairsConfig.fused_planes"):
+    moe_hfma2(*args, x_planes=planes)
+  with pytest.raises(ValueError, match=r"x_planes must be u32 \[40, 5\] and f32 \[5\], got uint32\[32, 5\]"):
+    moe_hfma2(*args, config=PairsConfig(fused_planes=True), x_planes=(planes[0][:32], planes[1]))
+  with pytest.raises(ValueError, match="x_planes are the pairs_fused kernels' at decode, not routing='pairs'"):
+    moe_experts(*args, impl="pallas_hfma2", routing="pairs", x_planes=planes)
 
 
 def test_kernels_lower_to_triton_for_h200():

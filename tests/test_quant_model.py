@@ -150,6 +150,28 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
     np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(pairs, np.float32))
 
 
+@pytest.mark.parametrize("router_group", ["xla", "pallas"])
+def test_route_planes_build_the_experts_planes_in_the_routers_launch(params_bf16, router_group):
+  """route_planes="pallas" (5 rows, NVFP4 experts as pairs_fused): each MoE layer's x planes come
+  from its router's launch (moe_route_planes), not a rows_planes launch of their own, with or
+  without the router's GEMV grouped with the shared expert's: the same logits, bit for bit."""
+  q = quantized(params_bf16, "nvfp4_experts")
+  ids = tokens(9, 1, 5)
+  base = Runtime(matmul="pallas_hfma2", moe_routing="pairs_fused", router="pallas", router_group=router_group,
+                 dense_matmul="pallas_grouped")
+  runs = {}
+  for name, runtime in (("own", base), ("beside", dataclasses.replace(base, route_planes="pallas"))):
+    forward = lambda p, runtime=runtime: glmjax.forward(CONFIG, p, ids, runtime=runtime)
+    runs[name] = (collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(forward)(q).jaxpr)),
+                  forward(q))
+  (own, want), (beside, got) = runs["own"], runs["beside"]
+  moe = len(MOE_LAYERS)
+  assert (own["hfma2_rows_planes"], own["moe_route"], own["moe_route_planes"]) == (moe, moe, 0)
+  assert (beside["hfma2_rows_planes"], beside["moe_route"], beside["moe_route_planes"]) == (0, 0, moe)
+  assert sum(beside.values()) == sum(own.values()) - moe
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_fragment_matmul_in_the_model(params_bf16):
   """matmul="pallas_fragments", 5 rows (an MTP verify): forward puts the NVFP4 params in fragment
   order itself (not kv_b, read whole, nor the shared expert: fragments.RAW); each other 2-D

@@ -265,6 +265,13 @@ def linear_group_partials(x: jax.Array, weights, *, impl: str = "xla", dense: st
   return partials
 
 
+def builds_x_planes(x: jax.Array, impl: str, routing: str) -> bool:
+  """Whether moe_experts builds x's fp16 activation planes in a launch of their own
+  (hfma2_planes.rows_planes, at PairsConfig's planes_chunk_lines): the pairs_fused routing's
+  kernels at decode. A caller may build them in another launch and hand them over (x_planes)."""
+  return routing == "pairs_fused" and impl != "xla" and decode_sized(x)
+
+
 def _check_pairs(impl: str, routing: str, *weights) -> None:
   """The PAIR_ROUTINGS are the NVFP4 experts' CUDA-core path (moe_experts)."""
   if impl not in HFMA2_IMPLS:
@@ -276,7 +283,7 @@ def _check_pairs(impl: str, routing: str, *weights) -> None:
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
                 down_proj, *, impl: str = "xla", routing: str = "table", chosen: float | None = None,
-                partials: bool = False) -> jax.Array:
+                partials: bool = False, x_planes: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """Routed-expert MLP of a few tokens: x [T, D], topk_ids int32 [T, k], topk_weights fp32 [T, k];
   gate_proj / up_proj [E, I, D], down_proj [E, D, I] (plain, NVFP4 or FP8 stacked weights).
   Ids outside [0, E) (experts of other ranks) add nothing. Returns [T, D] in x.dtype.
@@ -291,16 +298,21 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   distinct local experts a step is expected to read, which picks the kernels' tiles
   (default_moe_config; None: all of them). partials: fp32 terms [S, T, D] whose sum rounded to
   x.dtype is the result (the pairs' down partials, unsummed; else [1, T, D]), for a kernel that
-  sums them itself (bf16_matmul.swiglu_matmul's epilogue).
+  sums them itself (bf16_matmul.swiglu_matmul's epilogue). x_planes: x's fp16 planes and row
+  maxima where a caller built them (`builds_x_planes`; moe_route.route_select_planes).
   """
   _check_impl(impl)
+  if x_planes is not None and not builds_x_planes(x, impl, routing):
+    raise ValueError(f"moe_experts: x_planes are the pairs_fused kernels' at decode, not routing={routing!r}, "
+                     f"impl={impl!r} for x {x.dtype}{list(x.shape)}")
   if routing in PAIR_ROUTINGS:
     _check_pairs(impl, routing, gate_proj, up_proj, down_proj)
   if impl != "xla" and decode_sized(x):
     if routing in PAIR_ROUTINGS:
       from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
       return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
-                       config=PairsConfig(fused_planes=routing == "pairs_fused"), keep_partials=partials)
+                       config=PairsConfig(fused_planes=routing == "pairs_fused"), keep_partials=partials,
+                       x_planes=x_planes)
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
     config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
                                 chosen=chosen, operands=_operands(impl))
