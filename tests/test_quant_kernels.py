@@ -356,14 +356,17 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   grouped = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, decode="ptx", operands="float16"))
   assert rel_err(out, grouped) <= TOL
   np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
-  # x's and h's planes in one launch each (x's 5 lines in chunks of 2): the same bits, so the same result
+  # x's and h's planes in one launch each (x's 5 lines in chunks of 2): the same bits, so the same
+  # result (on a GPU, h's silu takes Triton's exp and may round differently to bf16)
   fused = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True,
                                               planes_chunk_lines=2))
-  np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(out, np.float32))
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(out, np.float32))
+  assert rel_err(fused, out) <= TOL
   # x's planes handed over (as the router's launch builds them, moe_route.route_select_planes)
-  given = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True),
-                    x_planes=rows_planes(args[0], chunk_lines=128))
-  np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(out, np.float32))
+  given = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True,
+                                              planes_chunk_lines=2), x_planes=rows_planes(args[0], chunk_lines=4))
+  np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(fused, np.float32))
   # the down launch's partials, kept: their sum rounded to bf16 is the result
   partials = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups), keep_partials=True)
   assert partials.dtype == jnp.float32 and partials.shape == (down[2] * groups, 5, 80)
