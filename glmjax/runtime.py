@@ -86,7 +86,7 @@ class Runtime:
   activation planes of x in their own launch (hfma2_planes.rows_planes: "xla", as every fold's
   unfolded choice) or "pallas": as more programs of the router's choice launch, side by side
   with it (pallas_kernels/moe_route.route_select_planes; the same bits), at decode on one device
-  or one rank's program.
+  or one rank's program. Run 40 (H100): one launch and 2.7 us of kernels a layer fewer.
   next_norm: a decoder layer's closing residual add (its MLP's output) and the next layer's
   input_layernorm (after the last layer the final norm; after the MTP layer's its
   shared_head_norm), XLA's two kernels or one Pallas launch at decode, from the MLP's down
