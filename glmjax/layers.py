@@ -151,7 +151,8 @@ class MLP(nn.Module):
   of its own (the MoE's router GEMV, Runtime.router_group): summed as linear_group sums them.
   down_partials: the output as fp32 terms [S, rows, D] that sum to it (quant.linear_partials;
   swiglu="pallas": its output [1, rows, D]), for a launch that adds them up itself
-  (Runtime.next_norm)."""
+  (Runtime.next_norm). hidden: silu(gate) * up [rows, I] where a caller computed it from those
+  partials (the router's launch, Runtime.shared_swiglu): only the down projection runs."""
   hidden_size: int
   intermediate_size: int
   dtype: jnp.dtype = jnp.float32
@@ -160,13 +161,15 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, *, matmul: str = "xla", dense: str = "xla", swiglu: str = "xla",
                residual: jax.Array | None = None, routed: jax.Array | None = None,
-               partials: tuple[jax.Array, jax.Array] | None = None, down_partials: bool = False) -> jax.Array:
+               partials: tuple[jax.Array, jax.Array] | None = None, down_partials: bool = False,
+               hidden: jax.Array | None = None) -> jax.Array:
     impls = dict(impl=matmul, dense=dense)
     gate_up = [Weight((self.intermediate_size, x.shape[-1]), ("mlp", "embed"), self.param_dtype, name=name)()
                for name in ("gate_proj", "up_proj")]
     down = Weight((self.hidden_size, self.intermediate_size), ("embed", "mlp"), self.param_dtype, name="down_proj")()
     out_shape = (*x.shape[:-1], self.hidden_size)
-    if swiglu == "pallas" and all(quant.takes_bf16_gemv(x, w, dense, self.dtype) for w in (*gate_up, down)):
+    if hidden is None and swiglu == "pallas" and all(quant.takes_bf16_gemv(x, w, dense, self.dtype)
+                                                      for w in (*gate_up, down)):
       from pallas_kernels.bf16_matmul import swiglu_config, swiglu_matmul  # the kernels import the formats
       g, u = partials or quant.linear_group_partials(x, gate_up, **impls)
       if residual is None:
@@ -177,14 +180,17 @@ class MLP(nn.Module):
                              routed=routed).reshape(out_shape)
       out = swiglu_matmul(g, u, down).reshape(out_shape)
     else:
-      if partials:
-        from pallas_kernels.nvfp4_matmul import summed_splits  # the kernels import the model
-        gate, up = (summed_splits(p, self.dtype).reshape(*x.shape[:-1], -1) for p in partials)
-      else:
-        gate, up = quant.linear_group(x, gate_up, **impls, dtype=self.dtype)
+      if hidden is None:
+        if partials:
+          from pallas_kernels.nvfp4_matmul import summed_splits  # the kernels import the model
+          gate, up = (summed_splits(p, self.dtype) for p in partials)
+        else:
+          gate, up = quant.linear_group(x, gate_up, **impls, dtype=self.dtype)
+        hidden = nn.silu(gate) * up
+      hidden = hidden.reshape(*x.shape[:-1], -1)
       if down_partials:
-        return quant.linear_partials(nn.silu(gate) * up, down, **impls, dtype=self.dtype)
-      out = linear(nn.silu(gate) * up, down, **impls, dtype=self.dtype)
+        return quant.linear_partials(hidden, down, **impls, dtype=self.dtype)
+      out = linear(hidden, down, **impls, dtype=self.dtype)
     if residual is None:
       return out
     return residual + (routed.sum(0).reshape(out_shape).astype(self.dtype) + out).astype(residual.dtype)

@@ -3,6 +3,8 @@
 Einsum letters: n tokens, e experts, k chosen slots, d hidden, i expert intermediate.
 """
 
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -77,16 +79,27 @@ def expected_local_experts(config: ModelConfig, tokens: int) -> float:
   return touched * c.num_local_experts / c.n_routed_experts
 
 
+class Routing(NamedTuple):
+  """A step's expert choice, and what the router's launch built beside it (Runtime.route_planes,
+  Runtime.shared_swiglu; None where it did not)."""
+  ids: jax.Array  # int32 [T, k]
+  weights: jax.Array  # f32 [T, k]
+  x_planes: tuple[jax.Array, jax.Array] | None = None  # the routed experts' fp16 planes of x, their row maxima
+  gate_up: tuple[jax.Array, jax.Array] | None = None  # the shared expert's gate/up partials (router_group)
+  shared_hidden: jax.Array | None = None  # its silu(gate) * up, bf16 [T, I]
+
+
 class Router(nn.Module):
-  """Router weight [E, D] and the choice-only correction bias [E], kept in fp32. select="pallas"
-  chooses in one kernel from the GEMV's partial logits (pallas_kernels/moe_route.py), else `route`;
-  given planes_of (Runtime.route_planes), that launch also builds those rows' fp16 planes for the
-  routed experts, returned third (`select_route`)."""
+  """Router weight [E, D] and the choice-only correction bias [E], kept in fp32 -> Routing.
+  select="pallas" chooses in one kernel from the GEMV's partial logits (pallas_kernels/moe_route.py),
+  else `route`; given planes_of (Runtime.route_planes), that launch also builds those rows' fp16
+  planes for the routed experts (`select_route`)."""
   config: ModelConfig
   param_dtype: jnp.dtype
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, dense: str = "xla", select: str = "xla", planes_of: jax.Array | None = None):
+  def __call__(self, x: jax.Array, *, dense: str = "xla", select: str = "xla",
+               planes_of: jax.Array | None = None) -> Routing:
     c = self.config
     weight = self.param("weight", nn.with_logical_partitioning(init_normal(0.02), (None, "embed")),
                         (c.n_routed_experts, c.hidden_size), self.param_dtype)
@@ -94,18 +107,20 @@ class Router(nn.Module):
                       (c.n_routed_experts,), jnp.float32)
     if select == "pallas":
       return select_route(quant.linear_partials(x, weight, dense=dense), bias, c, planes_of)
-    return route(quant.linear(x, weight, dense=dense, dtype=jnp.float32), bias, c)
+    return Routing(*route(quant.linear(x, weight, dense=dense, dtype=jnp.float32), bias, c))
 
 
-def select_route(partials: jax.Array, bias: jax.Array, config: ModelConfig, planes_of: jax.Array | None):
-  """The router's choice from its GEMV's partials in one launch (moe_route.route_select): (ids,
-  weights), and with planes_of, (ids, weights, (planes_of's fp16 planes, their row maxima)) from
-  that launch (route_select_planes)."""
+def select_route(partials: jax.Array, bias: jax.Array, config: ModelConfig, planes_of: jax.Array | None,
+                 gate_up: tuple[jax.Array, jax.Array] | None = None, shared_hidden: bool = False) -> Routing:
+  """The router's choice from its GEMV's partials in one launch (moe_route.route_select); with
+  planes_of, planes_of's fp16 planes from that launch (route_select_planes), and with
+  shared_hidden too, the shared expert's silu(gate) * up from its gate_up partials."""
   from pallas_kernels import moe_route  # the kernels import the model
   if planes_of is None:
-    return moe_route.route_select(partials, bias, config)
-  ids, weights, planes, amax = moe_route.route_select_planes(partials, bias, config, planes_of)
-  return ids, weights, (planes, amax)
+    return Routing(*moe_route.route_select(partials, bias, config), gate_up=gate_up)
+  ids, weights, planes, amax, *hidden = moe_route.route_select_planes(partials, bias, config, planes_of,
+                                                                      shared=gate_up if shared_hidden else None)
+  return Routing(ids, weights, (planes, amax), None if hidden else gate_up, hidden[0] if hidden else None)
 
 
 def _router_group(router: dict, shared: dict) -> list:
@@ -122,14 +137,14 @@ def groups_router(x: jax.Array, router: dict, shared: dict, dense: str) -> bool:
 
 
 def shared_route(x: jax.Array, router: dict, shared: dict, config: ModelConfig, dense: str,
-                 planes_of: jax.Array | None = None):
+                 planes_of: jax.Array | None = None, shared_hidden: bool = False) -> Routing:
   """Runtime.router_group (where groups_router): the router's choice and the shared expert's
-  gate/up partials from one split-K launch, the three weights reading the same x: (ids, weights,
-  [x's planes as select_route gives them,] (gate partials, up partials)) for MLP(partials=...).
-  At GLM-5's TEP=8 shapes the launch takes each weight's own split count (8), so every output is
-  the separate launches' bit for bit."""
+  gate/up partials from one split-K launch, the three weights reading the same x (for
+  MLP(partials=...)); with planes_of and shared_hidden, as select_route gives them. At GLM-5's
+  TEP=8 shapes the launch takes each weight's own split count (8), so every output is the
+  separate launches' bit for bit."""
   logits, gate, up = quant.linear_group_partials(x, _router_group(router, shared), dense=dense)
-  return (*select_route(logits, router["e_score_correction_bias"], config, planes_of), (gate, up))
+  return select_route(logits, router["e_score_correction_bias"], config, planes_of, (gate, up), shared_hidden)
 
 
 class Experts(nn.Module):
@@ -193,24 +208,25 @@ class MoE(nn.Module):
     if (runtime.route_planes == "pallas" and params is not None and tep_mesh is None
         and quant.builds_x_planes(flat.astype(self.dtype), impls["matmul"], routing)):
       planes_of = flat.astype(self.dtype)
-    ids = weights = gate_up = None
-    x_planes = []  # (planes, maxima) from the router's launch, where it built them
+    choice = None
     if router is None:
-      ids, weights, *x_planes = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"],
-                                                                          select=runtime.router, planes_of=planes_of)
+      choice = Router(c, self.param_dtype, name="gate")(flat, dense=impls["dense"], select=runtime.router,
+                                                        planes_of=planes_of)
     if tep_mesh is not None and params is not None:
+      ids, weights = (None, None) if choice is None else choice[:2]  # None: the router runs in the shard_map
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
                                 mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, router=router, **impls, **kw)
       return (out.reshape(1, *flat.shape), None) if terms else out.reshape(x.shape)
     if router is not None:
-      ids, weights, *x_planes, gate_up = shared_route(flat, router, params["shared_experts"], c, impls["dense"],
-                                                      planes_of)
-    routed = Experts(c, name="experts", **kw)(flat, ids, weights, matmul=impls["matmul"], routing=routing,
-                                              partials=residual is not None or terms,
-                                              x_planes=x_planes[0] if x_planes else None)
+      choice = shared_route(flat, router, params["shared_experts"], c, impls["dense"], planes_of,
+                            runtime.shared_swiglu == "pallas")
+    routed = Experts(c, name="experts", **kw)(flat, choice.ids, choice.weights, matmul=impls["matmul"],
+                                              routing=routing, partials=residual is not None or terms,
+                                              x_planes=choice.x_planes)
     shared_mlp = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)
+    inputs = dict(partials=choice.gate_up, hidden=choice.shared_hidden)
     if residual is not None:
-      return shared_mlp(x, **runtime.mlp_impls, residual=residual, routed=routed, partials=gate_up)
+      return shared_mlp(x, **runtime.mlp_impls, residual=residual, routed=routed, **inputs)
     if terms:
-      return shared_mlp(x, **runtime.mlp_impls, partials=gate_up, down_partials=True), routed
-    return routed.reshape(x.shape).astype(self.dtype) + shared_mlp(x, **runtime.mlp_impls, partials=gate_up)
+      return shared_mlp(x, **runtime.mlp_impls, down_partials=True, **inputs), routed
+    return routed.reshape(x.shape).astype(self.dtype) + shared_mlp(x, **runtime.mlp_impls, **inputs)

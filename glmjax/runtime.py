@@ -20,8 +20,8 @@ MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
-                 "index_epilogue", "epilogue_write", "index_query", "residual_norm", "route_planes", "next_norm", "swiglu",
-                 "moe_sum")
+                 "index_epilogue", "epilogue_write", "index_query", "residual_norm", "route_planes", "shared_swiglu",
+                 "next_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
@@ -87,6 +87,11 @@ class Runtime:
   unfolded choice) or "pallas": as more programs of the router's choice launch, side by side
   with it (pallas_kernels/moe_route.route_select_planes; the same bits), at decode on one device
   or one rank's program. Run 40 (H100): one launch and 2.7 us of kernels a layer fewer.
+  shared_swiglu: with route_planes and router_group "pallas" (and swiglu "xla"), the shared
+  expert's silu(gate) * up from its gate/up partials: XLA's kernel between its two GEMVs, or
+  "pallas": as more programs of the router's launch (moe_route.route_select_planes; the MLP's
+  bf16 ops rounded one by one, as the swiglu fold does). Not yet timed on a GPU: off in
+  rank_fastest.
   next_norm: a decoder layer's closing residual add (its MLP's output) and the next layer's
   input_layernorm (after the last layer the final norm; after the MTP layer's its
   shared_head_norm), XLA's two kernels or one Pallas launch at decode, from the MLP's down
@@ -181,6 +186,7 @@ class Runtime:
   index_query: str = "xla"
   residual_norm: str = "xla"
   route_planes: str = "xla"
+  shared_swiglu: str = "xla"
   next_norm: str = "xla"
   swiglu: str = "xla"
   moe_sum: str = "xla"
@@ -235,6 +241,12 @@ class Runtime:
       raise ValueError(f"route_planes='pallas' builds the pairs_fused experts' planes in the router's launch: it "
                        f"needs router='pallas' and moe_routing='pairs_fused', got router={self.router!r}, "
                        f"moe_routing={self.moe_routing!r}")
+    if self.shared_swiglu == "pallas" and (self.route_planes, self.router_group, self.swiglu) != (
+        "pallas", "pallas", "xla"):
+      raise ValueError(f"shared_swiglu='pallas' computes the shared expert's silu(gate) * up in the router's "
+                       f"launch from the grouped GEMV's partials: it needs route_planes and router_group 'pallas' "
+                       f"and swiglu 'xla', got route_planes={self.route_planes!r}, router_group="
+                       f"{self.router_group!r}, swiglu={self.swiglu!r}")
     if self.next_norm == "pallas" and self.moe_sum == "pallas":
       raise ValueError("next_norm='pallas' and moe_sum='pallas' both close an MoE layer in their own launch: "
                        "choose one")

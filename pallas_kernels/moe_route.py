@@ -29,9 +29,14 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.config import ModelConfig
 from glmjax.moe import route
+from pallas_kernels.bf16_matmul import swiglu_tile
 from pallas_kernels.checks import resolve_interpret
 from pallas_kernels.hfma2_planes import rows_launch, rows_program
+from pallas_kernels.nvfp4_matmul import store_tile
 from pallas_kernels.partials import split_sum
+
+
+_SHARED_BLOCK = 64  # columns a program of the shared expert's hidden takes
 
 
 def _pow2(v: int) -> int:
@@ -95,19 +100,32 @@ def _route_kernel(*refs, **route):
   _route_row(pl.program_id(0), *refs, **route)
 
 
-def _route_planes_kernel(partials_ref, bias_ref, a_ref, ids_ref, weights_ref, planes_ref, amax_ref, *,
-                         tokens: int, chunks: int, blocks: int, chunk: int, **route):
-  # Programs 0..tokens-1: _route_row's; the rest: x's planes programs (row, chunk) in row order.
-  pid = pl.program_id(0)
+def _route_planes_kernel(partials_ref, bias_ref, a_ref, *refs, tokens: int, chunks: int, blocks: int, chunk: int,
+                         shared: tuple[int, int] | None, **route):
+  # Programs 0..tokens-1: _route_row's; then x's planes programs (row, chunk) in row order (x has
+  # the tokens' rows); with shared (its columns, block), a program a column block of the shared
+  # expert's hidden.
+  g_ref, u_ref, ids_ref, weights_ref, planes_ref, amax_ref, *hidden_ref = refs if shared else (None, None, *refs)
+  pid, planes_end = pl.program_id(0), tokens + tokens * chunks
 
   @pl.when(pid < tokens)
   def _():
     _route_row(pid, partials_ref, bias_ref, ids_ref, weights_ref, **route)
 
-  @pl.when(pid >= tokens)
+  @pl.when((pid >= tokens) & (pid < planes_end))
   def _():
     rows_program(a_ref, planes_ref, amax_ref, (pid - tokens) // chunks, (pid - tokens) % chunks, blocks=blocks,
                  chunk=chunk)
+
+  if shared:
+    width, block = shared
+
+    @pl.when(pid >= planes_end)
+    def _():
+      cols = (pid - planes_end) * block + jnp.arange(block)
+      rows_ok, cols_ok = jnp.arange(g_ref.shape[1]) < tokens, cols < width
+      tile = pl.ds((pid - planes_end) * block, block)
+      store_tile(hidden_ref[0].at[:, tile], swiglu_tile(g_ref, u_ref, tile, rows_ok, cols_ok), rows_ok, cols_ok)
 
 
 def check_route_args(partials: jax.Array, bias: jax.Array, config: ModelConfig) -> None:
@@ -157,34 +175,63 @@ def route_select(partials: jax.Array, bias: jax.Array, config: ModelConfig, *,
 
 @functools.partial(jax.jit, static_argnames=("config", "chunk_lines", "interpret"))
 def route_select_planes(partials: jax.Array, bias: jax.Array, config: ModelConfig, x: jax.Array, *,
-                        chunk_lines: int | None = 128, interpret: bool | None = None):
+                        shared: tuple[jax.Array, jax.Array] | None = None, chunk_lines: int | None = 128,
+                        interpret: bool | None = None):
   """route_select and hfma2_planes.rows_planes(x, chunk_lines=chunk_lines) in one launch: the
   route's n programs beside x's planes programs (independent work that the routed experts'
   pairs_fused kernels need both of; `Runtime.route_planes`). Both are a few latency-bound
-  programs (3.6 and 1.9 us in a TEP=8 rank's layer on the H200, run 40), so side by side the
-  planes cost neither a launch nor, where they finish first, time.
+  programs (3.7 and 1.9 us in a TEP=8 rank's layer on an H100, run 40), so side by side the
+  planes cost neither a launch nor, where they finish first, time (run 40: 5.5 -> 3.7 us).
+  With shared, the shared expert's gate and up split-K partials f32 [S, n, I] from the router's
+  GEMV launch (Runtime.router_group), more programs also compute its hidden silu(gate) * up in
+  bf16 as the MLP does, op by op (bf16_matmul.swiglu_tile; `Runtime.shared_swiglu`), 64 columns
+  a program: XLA's kernel between the two GEMVs otherwise (1.3 us in that layer).
 
   Returns:
-    (ids int32 [n, k], weights f32 [n, k], x's planes u32 [n * 8, K/16], their row maxima f32 [n]).
+    (ids int32 [n, k], weights f32 [n, k], x's planes u32 [n * 8, K/16], their row maxima f32
+    [n]), and with shared the hidden bf16 [n, I].
   """
   check_route_args(partials, bias, config)
   n, k = partials.shape[1], config.num_experts_per_tok
   if x.shape[0] != n:
     raise ValueError(f"route_select_planes: x must hold the partials' {n} tokens, got {list(x.shape)}")
-  planes_of = lambda pid: (jnp.maximum(pid - n, 0) // rows.chunks, jnp.maximum(pid - n, 0) % rows.chunks)
+  planes_of = lambda pid: (jnp.minimum(jnp.maximum(pid - n, 0) // rows.chunks, n - 1),
+                           jnp.maximum(pid - n, 0) % rows.chunks)
   rows = rows_launch(x, chunk_lines, planes_of)
   whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+  inputs, in_specs = [partials, bias, rows.lines], [whole(partials.shape), whole(bias.shape), rows.in_spec]
+  out_specs = [whole((n, k)), whole((n, k)), *rows.out_specs]
+  out_shape = [jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((n, k), jnp.float32), *rows.out_shape]
+  programs, tiling = n + rows.rows * rows.chunks, None
+  if shared is not None:
+    gate, up = shared
+    check_shared_args(gate, up, n)
+    width = gate.shape[2]
+    block = min(_SHARED_BLOCK, pl.next_power_of_2(width))
+    padded = whole((gate.shape[0], pl.next_power_of_2(n), pl.cdiv(width, block) * block))
+    inputs, in_specs = [*inputs, gate, up], [*in_specs, padded, padded]
+    out_specs.append(whole((pl.next_power_of_2(n), pl.cdiv(width, block) * block)))
+    out_shape.append(jax.ShapeDtypeStruct((n, width), jnp.bfloat16))
+    programs, tiling = programs + pl.cdiv(width, block), (width, block)
   return pl.pallas_call(
       functools.partial(_route_planes_kernel, tokens=n, chunks=rows.chunks, blocks=rows.blocks, chunk=rows.chunk,
-                        **_route_fields(config)),
-      grid=(n + rows.rows * rows.chunks,),
-      in_specs=[whole(partials.shape), whole(bias.shape), rows.in_spec],
-      out_specs=[whole((n, k)), whole((n, k)), *rows.out_specs],
-      out_shape=[jax.ShapeDtypeStruct((n, k), jnp.int32), jax.ShapeDtypeStruct((n, k), jnp.float32), *rows.out_shape],
+                        shared=tiling, **_route_fields(config)),
+      grid=(programs,),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=resolve_interpret(interpret),
       name="moe_route_planes",
-  )(partials, bias, rows.lines)
+  )(*inputs)
+
+
+def check_shared_args(gate: jax.Array, up: jax.Array, tokens: int) -> None:
+  """ValueError unless the shared expert's gate and up partials are f32 [S, tokens, I] alike."""
+  if gate.shape != up.shape or gate.ndim != 3 or gate.shape[1] != tokens or {gate.dtype, up.dtype} != {
+      jnp.dtype(jnp.float32)}:
+    raise ValueError(f"route_select_planes: shared must be f32 [splits, {tokens}, I] gate and up partials alike, "
+                     f"got {gate.dtype}{list(gate.shape)} and {up.dtype}{list(up.shape)}")
 
 
 def route_select_reference(partials: jax.Array, bias: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:

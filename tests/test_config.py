@@ -246,6 +246,7 @@ def test_a_rank_config_is_not_a_mesh_config():
                                          ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("index_epilogue", "on"),
                                          ("index_query", "fused"), ("residual_norm", "fused"), ("swiglu", "fused"),
                                          ("moe_sum", "on"), ("next_norm", "fused"), ("route_planes", "on"),
+                                         ("shared_swiglu", "fused"),
                                          ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("topk_sample", "sorted"),
                                          ("indexer_orientation", "rows"),
@@ -317,6 +318,16 @@ def test_runtime_route_planes_needs_the_pallas_router_and_fused_pairs():
     Runtime(route_planes="pallas", router="pallas", moe_routing="pairs", matmul="pallas_hfma2")
   assert Runtime(route_planes="pallas", router="pallas", moe_routing="pairs_fused",
                  matmul="pallas_hfma2").route_planes == "pallas"
+
+
+def test_runtime_shared_swiglu_needs_the_routers_planes_launch():
+  from glmjax.runtime import Runtime
+  folds = dict(router="pallas", dense_matmul="pallas_grouped", moe_routing="pairs_fused", matmul="pallas_hfma2")
+  with pytest.raises(ValueError, match="shared_swiglu='pallas'.*got route_planes='xla', router_group='pallas'"):
+    Runtime(shared_swiglu="pallas", router_group="pallas", **folds)
+  with pytest.raises(ValueError, match="shared_swiglu='pallas'.*router_group='pallas', swiglu='pallas'"):
+    Runtime(shared_swiglu="pallas", route_planes="pallas", router_group="pallas", swiglu="pallas", **folds)
+  assert Runtime(shared_swiglu="pallas", route_planes="pallas", router_group="pallas", **folds).shared_swiglu == "pallas"
 
 
 def test_runtime_closes_a_layer_in_one_fold_only():

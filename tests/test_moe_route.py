@@ -3,6 +3,7 @@ random partial logits at GLM-5's, mini's and awkward routing shapes, ties, bad i
 lowering, and the GEMV partials it reads; the choice launched beside x's fp16 planes."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,26 @@ def test_route_beside_the_planes_is_each_launch(name, splits, tokens, width, chu
   assert np.count_nonzero(np.asarray(planes)) > planes.size // 2
 
 
+@pytest.mark.parametrize("splits, tokens, width", [(8, 5, 256), (3, 7, 200), (1, 1, 64)])
+def test_the_shared_experts_hidden_beside_the_route(splits, tokens, width):
+  """shared=(gate, up) partials: the launch's hidden is silu(gate) * up from the split sums in
+  order, bit for bit as the MLP's bf16 ops round it one by one (eager here); the choice and the
+  planes as without it (a rank's case: 8 splits of 5 tokens x 256; 200 columns: a ragged last
+  block of 64; one token)."""
+  config = CONFIGS["glm5"]
+  partials, bias = draw(config, 8, tokens, seed=width)
+  rng = np.random.default_rng(splits)
+  x = jnp.asarray(rng.normal(size=(tokens, 128)), jnp.bfloat16)
+  gate, up = (jnp.asarray(rng.normal(size=(splits, tokens, width)) * scale, jnp.float32) for scale in (2.0, 1.0))
+  *routed, hidden = route_select_planes(partials, bias, config, x, shared=(gate, up))
+  in_order = lambda p: functools.reduce(jnp.add, list(p)).astype(jnp.bfloat16)
+  want = jax.nn.silu(in_order(gate)) * in_order(up)
+  assert hidden.shape == (tokens, width) and hidden.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(hidden, np.float32), np.asarray(want, np.float32))
+  for got, alone in zip(routed, route_select_planes(partials, bias, config, x), strict=True):
+    np.testing.assert_array_equal(got, alone)
+
+
 def test_bad_inputs_are_named():
   config = CONFIGS["glm5"]
   partials, bias = draw(config, 2, 3, seed=1)
@@ -91,6 +112,9 @@ def test_bad_inputs_are_named():
     route_select_planes(partials, bias, config, jnp.zeros((4, 64), jnp.bfloat16))
   with pytest.raises(ValueError, match=r"rows_planes: a must be bf16 \[M, K\]"):
     route_select_planes(partials, bias, config, jnp.zeros((3, 64), jnp.float32))
+  gate = jnp.zeros((2, 3, 64), jnp.float32)
+  with pytest.raises(ValueError, match=r"shared must be f32 \[splits, 3, I\] gate and up partials alike"):
+    route_select_planes(partials, bias, config, jnp.zeros((3, 64), jnp.bfloat16), shared=(gate, gate[:, :2]))
 
 
 def test_route_select_lowers_to_triton_for_h200():
@@ -103,6 +127,9 @@ def test_route_select_lowers_to_triton_for_h200():
           jax.ShapeDtypeStruct((5, 6144), jnp.bfloat16))
   config = CONFIGS["glm5"]
   assert TRITON_CALL in h200_text(lambda p, b, x: route_select_planes(p, b, config, x, interpret=False), *args)
+  shared = jax.ShapeDtypeStruct((8, 5, 256), jnp.float32)
+  assert TRITON_CALL in h200_text(lambda p, b, x, g, u: route_select_planes(p, b, config, x, shared=(g, u),
+                                                                            interpret=False), *args, shared, shared)
 
 
 @pytest.mark.parametrize("dense", ["xla", "pallas"])

@@ -172,6 +172,27 @@ def test_route_planes_build_the_experts_planes_in_the_routers_launch(params_bf16
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_shared_swiglu_runs_in_the_routers_launch(params_bf16):
+  """shared_swiglu="pallas": the MoE layers' shared expert takes silu(gate) * up from the router's
+  launch (the same launches as route_planes alone, and one silu fewer in XLA per MoE layer); the
+  logits within bf16 rounding of the unfolded ones (the kernel rounds the MLP's bf16 ops one by
+  one, bit for bit in tests/test_moe_route.py; XLA's fusion may skip one of those roundings)."""
+  q = quantized(params_bf16, "nvfp4_experts")
+  ids = tokens(10, 1, 5)
+  base = Runtime(matmul="pallas_hfma2", moe_routing="pairs_fused", router="pallas", router_group="pallas",
+                 dense_matmul="pallas_grouped", route_planes="pallas")
+  runs = {}
+  for name, runtime in (("xla", base), ("folded", dataclasses.replace(base, shared_swiglu="pallas"))):
+    forward = lambda p, runtime=runtime: glmjax.forward(CONFIG, p, ids, runtime=runtime)
+    eqns = list(equations(jax.make_jaxpr(forward)(q).jaxpr))
+    launches = collections.Counter(e.params["name"] for e in eqns if e.primitive.name == "pallas_call")
+    runs[name] = launches, sum(e.primitive.name == "logistic" for e in eqns), forward(q)
+  (launches, silus, want), (folded_launches, folded_silus, got) = runs["xla"], runs["folded"]
+  assert folded_launches == launches and launches["moe_route_planes"] == len(MOE_LAYERS)
+  assert folded_silus == silus - len(MOE_LAYERS)
+  assert rel_err(got, want) <= 2e-3
+
+
 def test_fragment_matmul_in_the_model(params_bf16):
   """matmul="pallas_fragments", 5 rows (an MTP verify): forward puts the NVFP4 params in fragment
   order itself (not kv_b, read whole, nor the shared expert: fragments.RAW); each other 2-D

@@ -58,7 +58,7 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
     x = x.astype(dtype)
     gate_up = None
     if router is not None:
-      ids, weights, gate_up = shared_route(x, router, shared, config, dense)
+      ids, weights, _, gate_up, _ = shared_route(x, router, shared, config, dense)
     offset = jax.lax.axis_index(TEP) * local_experts
     routed = quant.moe_experts(x, ids - offset, weights, experts["gate_proj"], experts["up_proj"],
                                experts["down_proj"], impl=matmul, routing=routing,
