@@ -13,8 +13,9 @@ joined by "+" for one arm (run 24's "index_epilogue+index_query"). Per arm: the 
 layer (none when --base times the whole model: no --measure_layers) and rank step, the projected
 tokens/s at the first latency, one layer's launches and kernel time from the profile (a GPU's;
 none on the CPU), and the mapped layer (--map_layer, in the program of map_layer + 1 layers:
---base's --measure_layers must hold that count, or the model have that many) split into Pallas
-calls and XLA kernels. Writes fold_chain.json (a rerun keeps finished arms; --noresume
+--base's --measure_layers must hold that count, or the model have that many; under a mixed
+IndexShare schedule, the program whose layer is of that layer's kind) split into Pallas calls
+and XLA kernels. Writes fold_chain.json (a rerun keeps finished arms; --noresume
 remeasures), fold_chain.md and fold_chain.png (launches and kernel us per arm), and under
 arm_<i>/ each arm's tep_project JSON and log and its layer's kernels (layer_map.json).
 """
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -61,14 +63,24 @@ def arm_flags(base: str, folds: list[str], arm: int) -> list[str]:
   return shlex.split(base) + added
 
 
-def layer_module(hlo_dir: pathlib.Path, layer: int) -> str:
-  """The optimized HLO text of the dumped decode program whose last decoder layer is `layer`."""
-  for path in sorted(hlo_dir.glob("*after_optimizations.txt")):
-    text = path.read_text()
-    if f"layers_{layer}/" in text and f"layers_{layer + 1}/" not in text:
-      return text
-  raise ValueError(f"no dumped program ends at decoder layer {layer} under {hlo_dir}: --base's --measure_layers "
-                   f"must include {layer + 1} (or the model have {layer + 1} layers)")
+def layer_module(hlo_dir: pathlib.Path, layer: int, indexer: bool | None = None) -> str:
+  """The optimized HLO text of the dumped decode program whose last decoder layer is `layer`.
+  Under a mixed IndexShare schedule several programs end there (step_timing's full and shared
+  ones): `indexer` (whether the arm's schedule runs that layer's indexer) picks the program whose
+  layer does likewise; None, the first."""
+  ending = [text for text in (path.read_text() for path in sorted(hlo_dir.glob("*after_optimizations.txt")))
+            if f"layers_{layer}/" in text and f"layers_{layer + 1}/" not in text]
+  if not ending:
+    raise ValueError(f"no dumped program ends at decoder layer {layer} under {hlo_dir}: --base's --measure_layers "
+                     f"must include {layer + 1} (or the model have {layer + 1} layers)")
+  if indexer is None:
+    return ending[0]
+  runs = lambda text: re.search(rf'layers_{layer}/[^"]*/indexer/', text) is not None  # its op_names' module path
+  kind = [text for text in ending if runs(text) == indexer]
+  if not kind:
+    raise ValueError(f"no dumped program ending at decoder layer {layer} {'runs' if indexer else 'skips'} its "
+                     f"indexer, as the arm's schedule has it")
+  return kind[0]
 
 
 def mapped_kernels(sites: list[hlo_stats.KernelSite]) -> dict[str, int]:
@@ -102,9 +114,11 @@ def run_arm(flags_list: list[str], arm_dir: pathlib.Path, layer: int, timeout: i
                             stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
     if done.returncode:
       raise RuntimeError(f"tep_project failed (exit {done.returncode}): see {arm_dir / 'tep.log'}")
-    sites = hlo_stats.scope_kernels(layer_module(pathlib.Path(hlo_dir), layer), f"layers_{layer}/")
+    report = json.loads(report_path.read_text())
+    indexer = report["indexer_types"][layer] == "full" if "indexer_types" in report else None
+    sites = hlo_stats.scope_kernels(layer_module(pathlib.Path(hlo_dir), layer, indexer), f"layers_{layer}/")
   (arm_dir / "layer_map.json").write_text(json.dumps([dataclasses.asdict(s) for s in sites], indent=1) + "\n")
-  return arm_metrics(json.loads(report_path.read_text()), mapped_kernels(sites))
+  return arm_metrics(report, mapped_kernels(sites))
 
 
 COLUMNS = (  # (header, key, scale, format): study.markdown's

@@ -149,7 +149,8 @@ def main(argv: list[str]) -> None:
                              link=comm_model.Link(bandwidth=_BANDWIDTH.value * 1e9, latency=float(us) * 1e-6))
           for us in _LATENCY.value]
   report = dict(
-    config=_CONFIG.value, full_config=_FULL.value, tep=tep, measured=measured, layout=layout,
+    config=_CONFIG.value, full_config=_FULL.value, indexer_types=list(rank.indexer_types), tep=tep,
+    measured=measured, layout=layout,
     draft_steps=_DRAFT.value, accept_length=_ACCEPT.value, projection=rows,
     assumptions=[
       f"per-rank step: {measured['source']}: {measured['rank_step_s'] * 1e3:.3f} ms (collectives excluded)",

@@ -53,6 +53,21 @@ def test_the_mapped_program_is_the_one_ending_at_the_layer(tmp_path):
     fold_chain.layer_module(tmp_path, 4)
 
 
+
+def test_a_mixed_schedule_maps_the_program_of_the_layers_kind(tmp_path):
+  """Two programs end at layer 1 (a mixed IndexShare schedule's full and shared ones): the arm's
+  schedule picks the one whose layer 1 runs its indexer, or the one whose layer reuses a top-k."""
+  full = SCOPED.replace("layers_1/attn", "layers_1/layer1_attn/self_attn/indexer")  # the model's module path
+  (tmp_path / "a_after_optimizations.txt").write_text(full)
+  (tmp_path / "b_after_optimizations.txt").write_text(SCOPED)
+  assert fold_chain.layer_module(tmp_path, 1, indexer=True) == full
+  assert fold_chain.layer_module(tmp_path, 1, indexer=False) == SCOPED
+  assert fold_chain.layer_module(tmp_path, 1) == full
+  (tmp_path / "b_after_optimizations.txt").unlink()
+  with pytest.raises(ValueError, match="no dumped program ending at decoder layer 1 skips its indexer"):
+    fold_chain.layer_module(tmp_path, 1, indexer=False)
+
+
 def test_a_rerun_measures_only_new_or_changed_arms(tmp_path, monkeypatch):
   measured = []
 

@@ -206,28 +206,6 @@ def test_the_rank_stacks_folds_generate_the_unfolded_tokens(tiny, monkeypatch):
 
 
 @fold_lane
-def test_next_norm_closes_each_layer_with_the_next_norm(tiny, monkeypatch):
-  """next_norm="pallas": a decode step's layers each end in one residual_norm launch, the MoE
-  layers' with the routed experts' output as its term, and no hidden-width RMSNorm runs in XLA
-  but the post-attention ones and the first layer's (the other input norms and the final norm
-  are those launches: 4 where the unfolded step runs 7). Its
-  tokens: the bf16-stream test's, where XLA rounds as the model is written (here, with XLA's
-  excess precision, the unfolded run skips the rounding of routed + shared to bf16, and one of
-  these 20 tokens differs)."""
-  config = tiny[0]
-  closes, xla_norms = [], []
-  own_close, own_norm = residual_norm_module.residual_norm, layers.rms_norm
-  monkeypatch.setattr(residual_norm_module, "residual_norm", lambda *a, term=None, **kw: closes.append(
-      (a[1].shape, term is not None)) or own_close(*a, term=term, **kw))
-  monkeypatch.setattr(layers, "rms_norm", lambda x, *a: xla_norms.append(x.shape) or own_norm(x, *a))
-  _generate(tiny, "pallas", "fp8", **UNFOLDED, next_norm="pallas")
-  assert sorted(term for _, term in closes) == sorted(kind == "sparse" for kind in config.mlp_layer_types)
-  assert all(shape[1] <= 8 for shape, _ in closes)  # decode steps' rows; none at prefill
-  decode_norms = [shape for shape in xla_norms if shape[1] <= 8 and shape[-1] == config.hidden_size]
-  assert len(decode_norms) == config.num_hidden_layers + 1  # post_attention_layernorm, layer 0's input_layernorm
-
-
-@fold_lane
 def test_swiglu_and_moe_sum_run_in_the_down_gemvs_launches(tiny, monkeypatch):
   """swiglu="pallas": decode steps' MLPs (dense layers and shared experts) take silu(gate) * up
   in the down GEMV's launch from the gate/up partials; moe_sum="pallas": the MoE layers end in

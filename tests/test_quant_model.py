@@ -150,47 +150,38 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
     np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(pairs, np.float32))
 
 
-@pytest.mark.parametrize("router_group", ["xla", "pallas"])
-def test_route_planes_build_the_experts_planes_in_the_routers_launch(params_bf16, router_group):
+def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16):
   """route_planes="pallas" (5 rows, NVFP4 experts as pairs_fused): each MoE layer's x planes come
-  from its router's launch (moe_route_planes), not a rows_planes launch of their own, with or
-  without the router's GEMV grouped with the shared expert's: the same logits, bit for bit."""
+  from its router's launch (moe_route_planes), not a rows_planes launch of their own, with the
+  router's GEMV grouped with the shared expert's or not: the same logits, bit for bit. With
+  shared_swiglu="pallas" too, the shared expert takes silu(gate) * up from that launch (the same
+  launches, one silu fewer in XLA per MoE layer): the logits within bf16 rounding (the kernel
+  rounds the MLP's bf16 ops one by one, bit for bit in tests/test_moe_route.py; XLA's fusion may
+  skip one of those roundings)."""
   q = quantized(params_bf16, "nvfp4_experts")
   ids = tokens(9, 1, 5)
-  base = Runtime(matmul="pallas_hfma2", moe_routing="pairs_fused", router="pallas", router_group=router_group,
-                 dense_matmul="pallas_grouped")
-  runs = {}
-  for name, runtime in (("own", base), ("beside", dataclasses.replace(base, route_planes="pallas"))):
-    forward = lambda p, runtime=runtime: glmjax.forward(CONFIG, p, ids, runtime=runtime)
-    runs[name] = (collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(forward)(q).jaxpr)),
-                  forward(q))
-  (own, want), (beside, got) = runs["own"], runs["beside"]
-  moe = len(MOE_LAYERS)
-  assert (own["hfma2_rows_planes"], own["moe_route"], own["moe_route_planes"]) == (moe, moe, 0)
-  assert (beside["hfma2_rows_planes"], beside["moe_route"], beside["moe_route_planes"]) == (0, 0, moe)
-  assert sum(beside.values()) == sum(own.values()) - moe
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-def test_shared_swiglu_runs_in_the_routers_launch(params_bf16):
-  """shared_swiglu="pallas": the MoE layers' shared expert takes silu(gate) * up from the router's
-  launch (the same launches as route_planes alone, and one silu fewer in XLA per MoE layer); the
-  logits within bf16 rounding of the unfolded ones (the kernel rounds the MLP's bf16 ops one by
-  one, bit for bit in tests/test_moe_route.py; XLA's fusion may skip one of those roundings)."""
-  q = quantized(params_bf16, "nvfp4_experts")
-  ids = tokens(10, 1, 5)
   base = Runtime(matmul="pallas_hfma2", moe_routing="pairs_fused", router="pallas", router_group="pallas",
-                 dense_matmul="pallas_grouped", route_planes="pallas")
-  runs = {}
-  for name, runtime in (("xla", base), ("folded", dataclasses.replace(base, shared_swiglu="pallas"))):
-    forward = lambda p, runtime=runtime: glmjax.forward(CONFIG, p, ids, runtime=runtime)
-    eqns = list(equations(jax.make_jaxpr(forward)(q).jaxpr))
-    launches = collections.Counter(e.params["name"] for e in eqns if e.primitive.name == "pallas_call")
-    runs[name] = launches, sum(e.primitive.name == "logistic" for e in eqns), forward(q)
-  (launches, silus, want), (folded_launches, folded_silus, got) = runs["xla"], runs["folded"]
-  assert folded_launches == launches and launches["moe_route_planes"] == len(MOE_LAYERS)
-  assert folded_silus == silus - len(MOE_LAYERS)
-  assert rel_err(got, want) <= 2e-3
+                 dense_matmul="pallas_grouped")
+  arms = {"own": base, "beside": dataclasses.replace(base, route_planes="pallas"),
+          "shared": dataclasses.replace(base, route_planes="pallas", shared_swiglu="pallas"),
+          "ungrouped": dataclasses.replace(base, route_planes="pallas", router_group="xla")}
+  forwards = {name: (lambda p, runtime=runtime: glmjax.forward(CONFIG, p, ids, runtime=runtime))
+              for name, runtime in arms.items()}
+  eqns = {name: list(equations(jax.make_jaxpr(forward)(q).jaxpr)) for name, forward in forwards.items()}
+  launches = {name: collections.Counter(e.params["name"] for e in found if e.primitive.name == "pallas_call")
+              for name, found in eqns.items()}
+  moe = len(MOE_LAYERS)
+  assert (launches["own"]["hfma2_rows_planes"], launches["own"]["moe_route"]) == (moe, moe)
+  for name in ("beside", "shared", "ungrouped"):
+    assert (launches[name]["hfma2_rows_planes"], launches[name]["moe_route"], launches[name]["moe_route_planes"]) == (
+        0, 0, moe), name
+  assert launches["shared"] == launches["beside"] and sum(launches["beside"].values()) == sum(
+      launches["own"].values()) - moe
+  silus = {name: sum(e.primitive.name == "logistic" for e in found) for name, found in eqns.items()}
+  assert silus["shared"] == silus["beside"] - moe
+  own, beside, shared = (forwards[name](q) for name in ("own", "beside", "shared"))
+  np.testing.assert_array_equal(np.asarray(beside, np.float32), np.asarray(own, np.float32))
+  assert rel_err(shared, beside) <= 2e-3
 
 
 def test_fragment_matmul_in_the_model(params_bf16):
@@ -280,6 +271,23 @@ def test_pallas_router_matches_xla(params_bf16):
   launches = lambda router: kernel_launches(jax.make_jaxpr(lambda p: run(p, router))(params_bf16).jaxpr)
   assert launches("pallas") == launches("xla") + len(MOE_LAYERS)
   assert rel_err(run(params_bf16, "pallas"), run(params_bf16, "xla")) <= 1e-5
+
+
+def test_next_norm_closes_each_layer_with_the_next_norm(params_bf16):
+  """next_norm="pallas" (bf16, 5 rows): each layer ends in one residual_norm launch, the MoE
+  layers' with the routed experts' partials as its term (one operand more), and XLA runs the
+  other input norms and the final norm no more (those launches do); the logits within bf16 rounding of the unfolded ones (tokens: the
+  bf16-stream engine test, where XLA rounds as the model is written)."""
+  ids = tokens(11, 1, 5)
+  run = lambda p, fold: glmjax.forward(CONFIG, p, ids, runtime=Runtime(dense_matmul="pallas_grouped", next_norm=fold))
+  eqns = {fold: list(equations(jax.make_jaxpr(lambda p, fold=fold: run(p, fold))(params_bf16).jaxpr))
+          for fold in ("xla", "pallas")}
+  closes = [len(e.invars) for e in eqns["pallas"] if e.primitive.name == "pallas_call"
+            and e.params["name"] == "residual_norm"]
+  assert sorted(closes) == sorted(4 if kind == "sparse" else 3 for kind in CONFIG.mlp_layer_types)
+  norms = {fold: sum(e.primitive.name == "rsqrt" for e in found) for fold, found in eqns.items()}
+  assert norms["xla"] - norms["pallas"] == CONFIG.num_hidden_layers  # layer 1's input norm, the final norm
+  assert rel_err(run(params_bf16, "pallas"), run(params_bf16, "xla")) <= 1e-2  # bf16 logits: 2e-3 seen
 
 
 @pytest.mark.parametrize("quantize", [quantize_nvfp4, quantize_fp8_block])
