@@ -7,7 +7,7 @@ and one decoder layer's kernels mapped to the model's code (glmjax.hlo_stats, as
 
 Arm 0 runs tep_project with --base (by default the rank's k = 4 step at 80K with the preset
 rank_fastest's settings but none of its folds, configs/runs.py: the chain's arms then reach that
-preset and go on to the two slower folds); arm i adds the first i of --folds,
+preset and go on to the folds it leaves out); arm i adds the first i of --folds,
 each `switch` (set to "pallas": glmjax.runtime.FOLD_SWITCHES) or `switch=value`, or several
 joined by "+" for one arm (run 24's "index_epilogue+index_query"). Per arm: the fitted decoder
 layer (none when --base times the whole model: no --measure_layers) and rank step, the projected

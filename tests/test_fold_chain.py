@@ -28,7 +28,7 @@ def test_each_arm_adds_one_fold_and_a_value_overrides():
 
 def test_the_default_chain_reaches_the_rank_fastest_preset():
   """Arm 0 holds none of rank_fastest's folds; the arm after the last fold it holds is the
-  preset, every flag of it; the chain's two last arms add the folds it leaves out."""
+  preset, every flag of it; the chain's last arms add the folds it leaves out."""
   def settings(arm):
     flags = fold_chain.arm_flags(fold_chain._BASE, list(fold_chain._FOLDS), arm)
     return dict(flag[2:].partition("=")[::2] for flag in flags)  # a later flag overrides
