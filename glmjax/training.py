@@ -162,10 +162,10 @@ class _Probe:
     if isinstance(module, Indexer) and method == "__call__":
       return next_fun(*jax.lax.stop_gradient(args), **kwargs)
     if isinstance(module, Router) and method == "__call__":
-      ids, weights = next_fun(*args, **kwargs)
-      counts = jnp.bincount(ids.ravel(), length=self.config.n_routed_experts)
+      choice = next_fun(*args, **kwargs)
+      counts = jnp.bincount(choice.ids.ravel(), length=self.config.n_routed_experts)
       self.loads[module.path] = self.loads.get(module.path, 0) + counts
-      return ids, weights
+      return choice
     if isinstance(module, MLAttention) and method == "_reference":
       a = _REFERENCE_SIGNATURE.bind(module, *args, **kwargs).arguments
       target = attention_target(self.config, a["q_nope"], a["q_pe"], a["latent"], a["k_pe"], a["kv_b"],
