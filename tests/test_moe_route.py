@@ -60,42 +60,31 @@ def test_equal_scores_choose_the_lower_index_as_top_k_does(name):
   np.testing.assert_allclose(weights, want_weights, rtol=2e-6)
 
 
-@pytest.mark.parametrize("name, splits, tokens, width, chunk_lines", [("glm5", 8, 5, 6144, 128), ("glm5", 1, 1, 6144, None),
-                                                                      ("awkward", 3, 7, 176, 4)])
-def test_route_beside_the_planes_is_each_launch(name, splits, tokens, width, chunk_lines):
-  """route_select_planes: the choice as route_select's and x's planes and maxima as rows_planes',
-  bit for bit (a rank's case: 5 tokens, 3 planes programs a row; one token, whole rows; 7
-  tokens of 11 lines in 3 chunks of 4)."""
+@pytest.mark.parametrize("name, splits, tokens, width, chunk_lines, shared_width",
+                         [("glm5", 8, 5, 6144, 128, 256), ("glm5", 1, 1, 6144, None, 64), ("awkward", 3, 7, 176, 4, 200)])
+def test_route_beside_the_planes_and_the_shared_hidden(name, splits, tokens, width, chunk_lines, shared_width):
+  """route_select_planes: the choice as route_select's, x's planes and maxima as rows_planes', bit
+  for bit (a rank's case: 5 tokens, 3 planes programs a row; one token, whole rows; 7 tokens of
+  11 lines in 3 chunks of 4); with shared=(gate, up) partials, the shared expert's hidden
+  silu(gate) * up from the split sums in order, bit for bit as the MLP's bf16 ops round it one by
+  one (eager here; 200 columns: a ragged last block of 64), the rest unchanged."""
   config = CONFIGS[name]
   partials, bias = draw(config, splits, tokens, seed=tokens)
-  x = jnp.asarray(np.random.default_rng(width).normal(size=(tokens, width)) * 3, jnp.bfloat16)
+  rng = np.random.default_rng(width)
+  x = jnp.asarray(rng.normal(size=(tokens, width)) * 3, jnp.bfloat16)
   ids, weights, planes, amax = route_select_planes(partials, bias, config, x, chunk_lines=chunk_lines)
   want_ids, want_weights = route_select(partials, bias, config)
   want_planes, want_amax = rows_planes(x, chunk_lines=chunk_lines)
-  np.testing.assert_array_equal(ids, want_ids)
-  np.testing.assert_array_equal(weights, want_weights)
-  np.testing.assert_array_equal(planes, want_planes)
-  np.testing.assert_array_equal(amax, want_amax)
+  for got, want in ((ids, want_ids), (weights, want_weights), (planes, want_planes), (amax, want_amax)):
+    np.testing.assert_array_equal(got, want)
   assert np.count_nonzero(np.asarray(planes)) > planes.size // 2
-
-
-@pytest.mark.parametrize("splits, tokens, width", [(8, 5, 256), (3, 7, 200), (1, 1, 64)])
-def test_the_shared_experts_hidden_beside_the_route(splits, tokens, width):
-  """shared=(gate, up) partials: the launch's hidden is silu(gate) * up from the split sums in
-  order, bit for bit as the MLP's bf16 ops round it one by one (eager here); the choice and the
-  planes as without it (a rank's case: 8 splits of 5 tokens x 256; 200 columns: a ragged last
-  block of 64; one token)."""
-  config = CONFIGS["glm5"]
-  partials, bias = draw(config, 8, tokens, seed=width)
-  rng = np.random.default_rng(splits)
-  x = jnp.asarray(rng.normal(size=(tokens, 128)), jnp.bfloat16)
-  gate, up = (jnp.asarray(rng.normal(size=(splits, tokens, width)) * scale, jnp.float32) for scale in (2.0, 1.0))
-  *routed, hidden = route_select_planes(partials, bias, config, x, shared=(gate, up))
+  gate, up = (jnp.asarray(rng.normal(size=(splits, tokens, shared_width)) * scale, jnp.float32) for scale in (2.0, 1.0))
+  *routed, hidden = route_select_planes(partials, bias, config, x, shared=(gate, up), chunk_lines=chunk_lines)
   in_order = lambda p: functools.reduce(jnp.add, list(p)).astype(jnp.bfloat16)
   want = jax.nn.silu(in_order(gate)) * in_order(up)
-  assert hidden.shape == (tokens, width) and hidden.dtype == jnp.bfloat16
+  assert hidden.shape == (tokens, shared_width) and hidden.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(hidden, np.float32), np.asarray(want, np.float32))
-  for got, alone in zip(routed, route_select_planes(partials, bias, config, x), strict=True):
+  for got, alone in zip(routed, (ids, weights, planes, amax), strict=True):
     np.testing.assert_array_equal(got, alone)
 
 

@@ -151,7 +151,7 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
 
 
 def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16):
-  """route_planes="pallas" (5 rows, NVFP4 experts as pairs_fused): each MoE layer's x planes come
+  """route_planes="pallas" (3 rows, NVFP4 experts as pairs_fused): each MoE layer's x planes come
   from its router's launch (moe_route_planes), not a rows_planes launch of their own, with the
   router's GEMV grouped with the shared expert's or not: the same logits, bit for bit. With
   shared_swiglu="pallas" too, the shared expert takes silu(gate) * up from that launch (the same
@@ -159,7 +159,7 @@ def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16)
   rounds the MLP's bf16 ops one by one, bit for bit in tests/test_moe_route.py; XLA's fusion may
   skip one of those roundings)."""
   q = quantized(params_bf16, "nvfp4_experts")
-  ids = tokens(9, 1, 5)
+  ids = tokens(9, 1, 3)
   base = Runtime(matmul="pallas_hfma2", moe_routing="pairs_fused", router="pallas", router_group="pallas",
                  dense_matmul="pallas_grouped")
   arms = {"own": base, "beside": dataclasses.replace(base, route_planes="pallas"),
