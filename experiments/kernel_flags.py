@@ -3,12 +3,12 @@ tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experime
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm,
---route_planes, --shared_swiglu, --next_norm, --swiglu, --moe_sum) with the DSA kernels' --topk_method, --topk_trials, --topk_sample,
---indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --indexer_stages,
---indexer_prefetch, --attention_warps, the folds' --fold_splits, --indexer_queries,
---attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's
-fields of those names. `define` also defines --preset (configs/runs.py), which the experiment's
-main applies first (`apply_preset`)."""
+--route_planes, --shared_swiglu, --next_norm, --swiglu, --moe_sum) with the DSA kernels'
+--topk_method, --topk_trials, --topk_sample, --indexer_orientation, --indexer_splits,
+--indexer_block_k, --indexer_warps, --indexer_stages, --indexer_prefetch, --attention_warps, the
+folds' --fold_splits, --indexer_queries, --attention_queries, --tensor_parallel and
+--fragment_operands (`define`); glmjax.runtime.Runtime's fields of those names. `define` also
+defines --preset (configs/runs.py), which the experiment's main applies first (`apply_preset`)."""
 
 from typing import Callable
 
