@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import shlex
 import subprocess
 import sys
@@ -65,9 +64,10 @@ def arm_flags(base: str, folds: list[str], arm: int) -> list[str]:
 
 def layer_module(hlo_dir: pathlib.Path, layer: int, indexer: bool | None = None) -> str:
   """The optimized HLO text of the dumped decode program whose last decoder layer is `layer`.
-  Under a mixed IndexShare schedule several programs end there (step_timing's full and shared
-  ones): `indexer` (whether the arm's schedule runs that layer's indexer) picks the program whose
-  layer does likewise; None, the first."""
+  Under a mixed IndexShare schedule step_timing's full and shared programs both end there:
+  `indexer` (whether the arm's schedule runs that layer's indexer) picks the one whose layer
+  launches more kernels (its indexer's), or fewer; programs alike there, or None, the first.
+  (Counted, not named: under the folds the indexer's kernels run in the attention's module path.)"""
   ending = [text for text in (path.read_text() for path in sorted(hlo_dir.glob("*after_optimizations.txt")))
             if f"layers_{layer}/" in text and f"layers_{layer + 1}/" not in text]
   if not ending:
@@ -75,12 +75,8 @@ def layer_module(hlo_dir: pathlib.Path, layer: int, indexer: bool | None = None)
                      f"must include {layer + 1} (or the model have {layer + 1} layers)")
   if indexer is None:
     return ending[0]
-  runs = lambda text: re.search(rf'layers_{layer}/[^"]*/indexer/', text) is not None  # its op_names' module path
-  kind = [text for text in ending if runs(text) == indexer]
-  if not kind:
-    raise ValueError(f"no dumped program ending at decoder layer {layer} {'runs' if indexer else 'skips'} its "
-                     f"indexer, as the arm's schedule has it")
-  return kind[0]
+  counts = [len(hlo_stats.scope_kernels(text, f"layers_{layer}/")) for text in ending]
+  return ending[counts.index(max(counts) if indexer else min(counts))]
 
 
 def mapped_kernels(sites: list[hlo_stats.KernelSite]) -> dict[str, int]:
@@ -115,7 +111,8 @@ def run_arm(flags_list: list[str], arm_dir: pathlib.Path, layer: int, timeout: i
     if done.returncode:
       raise RuntimeError(f"tep_project failed (exit {done.returncode}): see {arm_dir / 'tep.log'}")
     report = json.loads(report_path.read_text())
-    indexer = report["indexer_types"][layer] == "full" if "indexer_types" in report else None
+    types = report.get("indexer_types", ())
+    indexer = types[layer] == "full" if "shared" in types else None  # a mixed schedule: two programs
     sites = hlo_stats.scope_kernels(layer_module(pathlib.Path(hlo_dir), layer, indexer), f"layers_{layer}/")
   (arm_dir / "layer_map.json").write_text(json.dumps([dataclasses.asdict(s) for s in sites], indent=1) + "\n")
   return arm_metrics(report, mapped_kernels(sites))

@@ -67,7 +67,8 @@ def test_route_beside_the_planes_and_the_shared_hidden(name, splits, tokens, wid
   for bit (a rank's case: 5 tokens, 3 planes programs a row; one token, whole rows; 7 tokens of
   11 lines in 3 chunks of 4); with shared=(gate, up) partials, the shared expert's hidden
   silu(gate) * up from the split sums in order, bit for bit as the MLP's bf16 ops round it one by
-  one (eager here; 200 columns: a ragged last block of 64), the rest unchanged."""
+  one on the CPU (eager here; 200 columns: a ragged last block of 64), within a bf16 ulp on a GPU
+  (Triton's exp against XLA's), the rest unchanged."""
   config = CONFIGS[name]
   partials, bias = draw(config, splits, tokens, seed=tokens)
   rng = np.random.default_rng(width)
@@ -83,7 +84,8 @@ def test_route_beside_the_planes_and_the_shared_hidden(name, splits, tokens, wid
   in_order = lambda p: functools.reduce(jnp.add, list(p)).astype(jnp.bfloat16)
   want = jax.nn.silu(in_order(gate)) * in_order(up)
   assert hidden.shape == (tokens, shared_width) and hidden.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(np.asarray(hidden, np.float32), np.asarray(want, np.float32))
+  ulps = 0 if jax.default_backend() == "cpu" else 2 ** -7
+  np.testing.assert_allclose(np.asarray(hidden, np.float32), np.asarray(want, np.float32), rtol=ulps, atol=0)
   for got, alone in zip(routed, (ids, weights, planes, amax), strict=True):
     np.testing.assert_array_equal(got, alone)
 
