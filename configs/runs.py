@@ -16,23 +16,24 @@ from glmjax.runtime import FOLD_SWITCHES
 EXPERIMENT_FLAGS = ("weights", "kv_dtype")
 
 # Every fold measured faster (or no slower) in the rank's step; swiglu, moe_sum and next_norm stay
-# off, each measured slower there (docs/STUDY.md, runs 27 and 40); shared_swiglu is not yet timed.
-_FASTER_FOLDS = dict.fromkeys(sorted(set(FOLD_SWITCHES) - {"swiglu", "moe_sum", "next_norm", "shared_swiglu"}),
-                              "pallas")
+# off, each measured slower there (docs/STUDY.md, runs 27 and 40).
+_FASTER_FOLDS = dict.fromkeys(sorted(set(FOLD_SWITCHES) - {"swiglu", "moe_sum", "next_norm"}), "pallas")
+# The folds that ride on the NVFP4 experts' planes launch (moe_routing="pairs_fused").
+PLANES_FOLDS = ("route_planes", "shared_swiglu")
 
 # The Pallas kernels with the reference's numerics: bf16 weights and KV pages, fp32 queries into
 # the DSA kernels; the folds equal XLA's kernels up to the order of fp32 sums (route_planes, the
 # NVFP4 experts' own, aside).
 KERNELS_BF16 = dict(attention="pallas", dense_matmul="pallas_grouped", weights="bf16", kv_dtype="bf16",
                     indexer_queries="float32", attention_queries="float32",
-                    **{name: on for name, on in _FASTER_FOLDS.items() if name != "route_planes"})
+                    **{name: on for name, on in _FASTER_FOLDS.items() if name not in PLANES_FOLDS})
 
-# The fastest stack timed on a TEP=8 rank (docs/BENCHMARKS.md run 40: 21.0 launches and 182.6 us
-# of kernels a layer on an H100): NVFP4 experts on the CUDA cores from fragment-ordered weights, FP8
-# KV pages, bf16 queries into the DSA kernels (FlashMLA's numerics), every faster fold.
+# The fastest stack timed on a TEP=8 rank (docs/BENCHMARKS.md run 41: 20.0 launches a layer on an
+# H100): NVFP4 experts on the CUDA cores from fragment-ordered weights, FP8 KV pages, bf16 queries
+# into the DSA kernels (FlashMLA's numerics), every faster fold.
 RANK_FASTEST = dict(KERNELS_BF16, weights="nvfp4_experts", kv_dtype="fp8", indexer_queries="bfloat16",
                     attention_queries="bfloat16", matmul="pallas_fragments", moe_routing="pairs_fused",
-                    route_planes="pallas")
+                    **{name: "pallas" for name in PLANES_FOLDS})
 
 RUN_PRESETS = {"kernels_bf16": KERNELS_BF16, "rank_fastest": RANK_FASTEST}
 

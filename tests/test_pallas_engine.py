@@ -25,7 +25,7 @@ from jax.experimental.pallas import fuser  # noqa: F401
 
 import glmjax
 from configs import get_model_config
-from configs.runs import RANK_FASTEST
+from configs.runs import PLANES_FOLDS, RANK_FASTEST
 from experiments.step_timing import with_layers
 from glmjax import attention, dsa, layers, quant
 from glmjax.model import init_params
@@ -165,8 +165,8 @@ def test_the_rank_stacks_folds_generate_the_unfolded_tokens(tiny, monkeypatch):
   shared expert's gate and up, q_a and kv_a with the indexer's wk and weights_proj; residual_norm
   runs once a layer and decode step; every GEMV the folds read (q_a, kv_a, q_b, o_proj) takes
   Runtime.fold_splits (here a cap of 3; tiny's K takes 1 anyway)."""
-  # route_planes: the NVFP4 experts' fold (tests/test_quant_model.py), not this bf16 model's
-  assert {k for k in RANK_FASTEST if k in FOLD_SWITCHES} - {"route_planes"} == set(RANK_FOLDS) | set(UNFOLDED) - {
+  # route_planes, shared_swiglu: the NVFP4 experts' folds (tests/test_quant_model.py), not this bf16 model's
+  assert {k for k in RANK_FASTEST if k in FOLD_SWITCHES} - set(PLANES_FOLDS) == set(RANK_FOLDS) | set(UNFOLDED) - {
       "dense_matmul"}
   unfolded = _baseline(tiny, "pallas", "fp8", **UNFOLDED)
   for module, name in ((dsa, "cached_attention"), (dsa, "query_absorption"), (layers, "layer_norm"),
