@@ -8,7 +8,7 @@ import importlib
 
 from glmjax.config import ModelConfig
 
-MODEL_CONFIGS = ("glm5", "glm5_2", "tiny", "mini", "tep8_shard")
+MODEL_CONFIGS = ("glm5", "glm5_2", "tiny", "tiny2", "mini", "tep8_shard")
 
 
 def get_model_config(name: str) -> ModelConfig:

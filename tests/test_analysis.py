@@ -36,7 +36,7 @@ def test_profile_flag_writes_a_trace(tmp_path):
   """--profile on an experiment writes an XProf/TensorBoard trace."""
   import subprocess
   import sys
-  subprocess.run([sys.executable, "-m", "experiments.decode_bench", "--config=tiny", "--contexts=40",
+  subprocess.run([sys.executable, "-m", "experiments.decode_bench", "--config=tiny2", "--contexts=40",
                   "--attention=dense", "--kv_dtype=bf16", "--new_tokens=2", "--page_size=8",
                   "--prefill_chunk=32", f"--profile={tmp_path}", f"--output={tmp_path / 'd.json'}"],
                  check=True, capture_output=True)

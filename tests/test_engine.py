@@ -135,7 +135,7 @@ def test_replay_on_tiny_reaches_the_theoretical_hit_rate(tmp_path):
   import subprocess
   import sys
   out = tmp_path / "r.json"
-  subprocess.run([sys.executable, "-m", "experiments.replay", "--config=tiny", "--scale=400", "--rounds=4",
+  subprocess.run([sys.executable, "-m", "experiments.replay", "--config=tiny2", "--scale=400", "--rounds=4",
                   "--attention=dense", "--dtype=float32", f"--output={out}"], check=True, capture_output=True)
   report = json.loads(out.read_text())
   summary = report["summary"]

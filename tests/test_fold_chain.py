@@ -94,15 +94,15 @@ def test_a_rerun_measures_only_new_or_changed_arms(tmp_path, monkeypatch):
 
 @pytest.mark.side_lane  # about a minute on 2 cores: beside the multi-device tests (Makefile)
 def test_two_arms_of_tep_project_end_to_end(tmp_path):
-  # The whole 4-layer model timed (no --measure_layers): a quick fit of 1 and 2 layers on a busy
+  # The whole 2-layer model timed (no --measure_layers): a quick fit of 1 and 2 layers on a busy
   # CPU can come out negative, and tep_project rightly refuses a negative step. A plain decode
   # step, whose program (jit_decode) the chain must find too: the speculative one also compiles
   # the MTP layer and the draft loop.
-  base = ("--config=tiny --full_config=tiny --tep=2 --context=256 --quick --attention=pallas "
+  base = ("--config=tiny2 --full_config=tiny2 --tep=2 --context=256 --quick --attention=pallas "
           "--dense_matmul=pallas_grouped")
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
   proc = subprocess.run([sys.executable, "-m", "experiments.fold_chain", f"--base={base}", "--folds=query_absorb",
-                         "--map_layer=3", f"--output_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                         "--map_layer=1", f"--output_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   points = json.loads((tmp_path / "fold_chain.json").read_text())["points"]
@@ -115,5 +115,5 @@ def test_two_arms_of_tep_project_end_to_end(tmp_path):
     arm = tmp_path / f"arm_{list(points).index(name)}"
     assert json.loads((arm / "tep.json").read_text())["measured"]["source"] == m["source"]
     sites = json.loads((arm / "layer_map.json").read_text())
-    assert len(sites) == m["map_kernels"] and all("layers_3/" in s["op_name"] for s in sites)
+    assert len(sites) == m["map_kernels"] and all("layers_1/" in s["op_name"] for s in sites)
   assert (tmp_path / "fold_chain.md").read_text() in proc.stdout

@@ -552,7 +552,7 @@ def test_collective_bench_entry_point(tmp_path):
 
 @pytest.mark.multidevice
 def test_replay_tep8_produces_the_tokens_of_tep1(tmp_path):
-  """experiments.replay --config=tiny --tep=8 on 8 simulated devices equals --tep=1."""
+  """experiments.replay --config=tiny2 --tep=8 on 8 simulated devices equals --tep=1."""
   import json
   import os
   import subprocess
@@ -561,7 +561,7 @@ def test_replay_tep8_produces_the_tokens_of_tep1(tmp_path):
   outs = {}
   for tep in (1, 8):
     out = tmp_path / f"tep{tep}.json"
-    subprocess.run([sys.executable, "-m", "experiments.replay", "--config=tiny", "--scale=60", "--rounds=2",
+    subprocess.run([sys.executable, "-m", "experiments.replay", "--config=tiny2", "--scale=60", "--rounds=2",
                     "--attention=sparse", "--dtype=float32", f"--tep={tep}", f"--output={out}"],
                    check=True, capture_output=True, env=env)
     outs[tep] = [r["generated"] for r in json.loads(out.read_text())["rounds"]]

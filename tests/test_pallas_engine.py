@@ -237,7 +237,7 @@ config = with_layers(get_model_config("tiny"), 2, mtp=True)  # a dense layer, an
 params = init_params(config, jax.random.key(0))
 prompt = np.random.default_rng(1).integers(2, config.vocab_size, 30).tolist()
 out = {}
-arms = (("xla", {}), ("swiglu", {"swiglu": "pallas"}), ("folded", {"swiglu": "pallas", "moe_sum": "pallas"}),
+arms = (("xla", {}), ("folded", {"swiglu": "pallas", "moe_sum": "pallas"}),
         ("next_norm", {"swiglu": "pallas", "next_norm": "pallas"}))
 for name, switches in arms:
   engine = Engine(config, params, runtime=Runtime(dense_matmul="pallas_grouped", **switches),
@@ -251,7 +251,7 @@ print(json.dumps(out))
 
 @fold_lane
 def test_swiglu_and_moe_sum_keep_the_tokens_on_a_bf16_residual_stream():
-  """swiglu="pallas", then moe_sum="pallas" or next_norm="pallas" too (its MTP layer closing
+  """swiglu="pallas" with moe_sum="pallas", or with next_norm="pallas" (its MTP layer closing
   with shared_head_norm), where the residual stream is bf16: 16-token
   prefill chunks (decode-sized, so the folds apply; the stream is still the bf16 embedding) and
   the MTP layer under speculative decoding (a TEP rank's step failed there, BENCHMARKS.md run
@@ -266,7 +266,7 @@ def test_swiglu_and_moe_sum_keep_the_tokens_on_a_bf16_residual_stream():
   assert done.returncode == 0, done.stderr[-2000:]
   out = json.loads(done.stdout.strip().splitlines()[-1])
   assert out["folded"]["verify_steps"] > 0
-  assert out["folded"]["output"] == out["swiglu"]["output"] == out["xla"]["output"] == out["next_norm"]["output"]
+  assert out["folded"]["output"] == out["xla"]["output"] == out["next_norm"]["output"]
 
 
 @fold_lane
@@ -321,7 +321,7 @@ def test_replay_pallas_equals_sparse(tmp_path):
   for attention in ("sparse", "pallas"):
     with open(tmp_path / f"{attention}.log", "w") as log:
       procs[attention] = subprocess.Popen(
-          [sys.executable, "-m", "experiments.replay", "--config=tiny", "--scale=400",
+          [sys.executable, "-m", "experiments.replay", "--config=tiny2", "--scale=400",
            "--rounds=2", f"--attention={attention}", f"--output={tmp_path / attention}.json"],
           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
   for attention, proc in procs.items():

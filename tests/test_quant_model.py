@@ -184,6 +184,7 @@ def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16)
   assert rel_err(shared, beside) <= 2e-3
 
 
+@pytest.mark.side_lane  # 40-50 s on 2 cores: evens out the two processes' times (Makefile)
 def test_fragment_matmul_in_the_model(params_bf16):
   """matmul="pallas_fragments", 5 rows (an MTP verify): forward puts the NVFP4 params in fragment
   order itself (not kv_b, read whole, nor the shared expert: fragments.RAW); each other 2-D

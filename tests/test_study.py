@@ -27,7 +27,7 @@ from glmjax.model import init_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # page_size 8: contexts 10 and 12 share one engine geometry, so the context point reuses programs.
-TINY = ["--config=tiny", "--checkpoint=", "--dtype=float32", "--context=12", "--new_tokens=5", "--append=3",
+TINY = ["--config=tiny2", "--checkpoint=", "--dtype=float32", "--context=12", "--new_tokens=5", "--append=3",
         "--page_size=8", "--prefill_chunk=16", "--num_draft=2"]
 
 
@@ -185,7 +185,7 @@ def test_quant_eval_on_tiny(tmp_path):
   positive, weights smaller in the order bf16 > NVFP4 experts > NVFP4 everywhere, the table printed."""
   out = tmp_path / "quant_eval.json"
   log = _wait(_launch("experiments.quant_eval", [
-      "--config=tiny", "--checkpoint=", "--policies=none,nvfp4_experts,nvfp4", "--tokens=4", "--prompts=2",
+      "--config=tiny2", "--checkpoint=", "--policies=none,nvfp4_experts,nvfp4", "--tokens=4", "--prompts=2",
       "--prompt_len=8", "--windows=2", "--seq_len=16", f"--output={out}"], tmp_path / "log", tmp_path / "cache"),
       tmp_path / "log")
   rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
