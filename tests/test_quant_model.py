@@ -150,6 +150,7 @@ def test_pallas_matmul_matches_xla(params_bf16, case):
     np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(pairs, np.float32))
 
 
+@pytest.mark.side_lane  # 15-20 s on 2 cores: evens out the two processes' times (Makefile)
 def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16):
   """route_planes="pallas" (3 rows, NVFP4 experts as pairs_fused): each MoE layer's x planes come
   from its router's launch (moe_route_planes), not a rows_planes launch of their own, with the
