@@ -1,6 +1,6 @@
 """tiny in two decoder layers: the smallest model with every layer kind (a dense layer running its
-indexer, then an MoE layer reusing its top-k) and the MTP layer; the smoke tests' entry points
-compile it in about half tiny's time.
+indexer, then an MoE layer reusing its top-k) and the MTP layer. The smoke tests run the entry
+points on it: fewer layers to compile (the ablation chain and sweeps: 75 -> 62 s on 2 cores).
 
   python -m experiments.describe --config=tiny2
 """

@@ -117,6 +117,7 @@ def test_quant_sweep_covers_the_stacks_kernels():
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
 
 
+@pytest.mark.side_lane  # 15-20 s on 2 cores: evens out the two processes' times (Makefile)
 def test_dsa_sweep_times_each_kernel_at_the_stacks_case():
   """kernels_bench --sweep's DSA rows: the scores, sparse MLA with the value merge and both
   top-k row counts, each config timed (the quick sweep: the first two of each grid, on FP8 keys
