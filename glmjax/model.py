@@ -7,6 +7,8 @@ Without a cache this is transformers' `GlmMoeDsaForCausalLM` forward (the refere
 DSA selection (`glmjax.attention`). The MTP layer (`mtp`) shares embedding and lm_head.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -209,17 +211,21 @@ class CausalLM(nn.Module):
     return logits, h, new_cache, topk
 
 
-def init_params(config: ModelConfig, key: jax.Array, *, param_dtype=jnp.bfloat16):
-  """Random params (HF-style init, std 0.02), the MTP layer included when the config has one.
-  Jitted: one compile, where the eager init compiled its few hundred ops one by one (the same bits;
-  tiny: 4.5 against 6.8 s on the CPU)."""
+@functools.partial(jax.jit, static_argnames=("config", "param_dtype"))
+def _init_variables(key: jax.Array, config: ModelConfig, param_dtype):
+  """The model's variables from `key`, the MTP layer's included; params boxed with their logical
+  axes (nn.Partitioned). Jitted: one compile per config, where the eager init compiled its few
+  hundred ops one by one (the same bits; tiny: 4.5 against 6.8 s on the CPU)."""
   model = CausalLM(config, dtype=param_dtype, param_dtype=param_dtype)
-  tokens = jnp.zeros((1, 2), jnp.int32)
-  return nn.unbox(jax.jit(lambda k: model.init(k, tokens, init_mtp=True))(key)["params"])
+  return model.init(key, jnp.zeros((1, 2), jnp.int32), init_mtp=True)
+
+
+def init_params(config: ModelConfig, key: jax.Array, *, param_dtype=jnp.bfloat16):
+  """Random params (HF-style init, std 0.02), the MTP layer included when the config has one."""
+  return nn.unbox(_init_variables(key, config, param_dtype)["params"])
 
 
 def abstract_params(config: ModelConfig, *, param_dtype=jnp.bfloat16):
   """Shapes and dtypes of the params (no memory), with logical axis metadata (nn.Partitioned)."""
-  model = CausalLM(config, dtype=param_dtype, param_dtype=param_dtype)
-  tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-  return jax.eval_shape(lambda k: model.init(k, tokens, init_mtp=True), jax.random.key(0))["params"]
+  return jax.eval_shape(functools.partial(_init_variables, config=config, param_dtype=param_dtype),
+                        jax.random.key(0))["params"]

@@ -23,8 +23,7 @@ from glmjax.runtime import Runtime
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 # tiny's features (a dense and an MoE layer, MLA, indexer, IndexShare) in two layers: quicker to
 # compile, and the interpret-mode kernels compile once per distinct weight shape.
-CONFIG = dataclasses.replace(get_model_config("tiny"), num_hidden_layers=2, indexer_types=("full", "shared"),
-                             mlp_layer_types=("dense", "sparse"))
+CONFIG = get_model_config("tiny2")
 MOE_LAYERS = ("layers_1",)
 
 

@@ -22,8 +22,7 @@ CONFIG = TOKENIZER.configure(get_model_config("tiny"))
 TC = training.TrainConfig(steps=20, batch_size=4, seq_len=48, lr=3e-3, warmup=4, mtp_weights=(0.15, 0.15))
 # Every feature of tiny (dense and MoE layers, a full and an IndexShare layer, MTP) in two layers:
 # quicker to compile for the tests that only need the model's structure.
-SMALL = dataclasses.replace(CONFIG, num_hidden_layers=2, indexer_types=("full", "shared"),
-                            mlp_layer_types=("dense", "sparse"))
+SMALL = TOKENIZER.configure(get_model_config("tiny2"))
 EMAIL = data.stdlib_root() / "email"  # 29 real source files: a small corpus with both splits
 # In the second process beside the multi-device tests (Makefile), which is the shorter of the two.
 pytestmark = pytest.mark.side_lane
