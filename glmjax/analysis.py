@@ -5,6 +5,8 @@ overlap). `layer_selections` captures what each layer's indexer picks on a forwa
 method interception: no change to the model), `selection_overlap` compares them.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,18 +19,25 @@ from glmjax.runtime import Runtime
 
 def layer_selections(config: ModelConfig, params, tokens, *, runtime: Runtime = Runtime()) -> dict[int, np.ndarray]:
   """Top-k positions [B, S, k] (-1 empty) used by each decoder layer on a no-cache forward."""
-  seen: dict[int, np.ndarray] = {}
+  dtype = jnp.dtype(params["embed_tokens"]["weight"].dtype)
+  seen = _selections(runtime.arrange(params), jnp.asarray(tokens), config=config, runtime=runtime, dtype=dtype)
+  return {layer: np.asarray(sel) for layer, sel in seen.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "dtype"))
+def _selections(params, tokens, *, config: ModelConfig, runtime: Runtime, dtype) -> dict[int, jax.Array]:
+  """The forward as one program (eagerly, each op compiled on its own: 368 compiles for tiny),
+  returning what each MLAttention call gave as its selection while it was traced."""
+  seen: dict[int, jax.Array] = {}
 
   def capture(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
     if type(context.module).__name__ == "MLAttention" and context.method_name == "__call__":
-      seen[kwargs["layer_id"]] = np.asarray(out[1])
+      seen[kwargs["layer_id"]] = out[1]
     return out
 
-  dtype = jnp.dtype(params["embed_tokens"]["weight"].dtype)
   with nn.intercept_methods(capture):
-    CausalLM(config, dtype=dtype, param_dtype=dtype).apply({"params": runtime.arrange(params)}, jnp.asarray(tokens),
-                                                            runtime=runtime)
+    CausalLM(config, dtype=dtype, param_dtype=dtype).apply({"params": params}, tokens, runtime=runtime)
   return dict(sorted(seen.items()))
 
 

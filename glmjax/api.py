@@ -15,6 +15,11 @@ from glmjax.model import CausalLM
 from glmjax.runtime import Runtime
 
 
+def _bucket(n: int) -> int:
+  """n rounded up to a power of two."""
+  return 1 << (n - 1).bit_length()
+
+
 def params_dtype(params) -> jnp.dtype:
   """The compute dtype implied by the params: that of the embedding table."""
   return jnp.dtype(params["embed_tokens"]["weight"].dtype)
@@ -60,6 +65,10 @@ def generate(config: ModelConfig, params, prompt_ids, max_new_tokens: int, *, ig
   sequence emits EOS (unless ignore_eos) the rest of its row is filled with the pad token
   (EOS when the config has none), as transformers does. kv_dtype defaults to the params'
   precision (fp32 pages for an fp32 model, else bf16).
+
+  Shapes go up to powers of two (`_bucket`: the last prefill chunk, padded as the engine pads
+  its chunks; the cache's pages; the decode loop's length, each row stopped at its budget), so
+  calls with other prompt lengths or token counts reuse the compiled programs.
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -68,14 +77,18 @@ def generate(config: ModelConfig, params, prompt_ids, max_new_tokens: int, *, ig
   b, s = prompt.shape
   if kv_dtype is None:
     kv_dtype = "fp32" if params_dtype(params) == jnp.float32 else "bf16"
-  pages_per_seq = math.ceil((s + max_new_tokens) / page_size)
+  pages_per_seq = _bucket(math.ceil((s + max_new_tokens) / page_size))
   cache = init_cache(config, num_pages=1 + b * pages_per_seq, page_size=page_size, batch=b,
                      max_pages=pages_per_seq, kv_dtype=kv_dtype)
   cache = cache.replace(page_table=1 + jnp.arange(b * pages_per_seq, dtype=jnp.int32).reshape(b, pages_per_seq))
   spec = steps.StepSpec(config, runtime, jnp.dtype(params_dtype(params)).name)
   for start in range(0, s, prefill_chunk):
-    chunk = prompt[:, start:start + prefill_chunk]
-    positions = np.broadcast_to(np.arange(start, start + chunk.shape[1], dtype=np.int32), chunk.shape)
+    piece = prompt[:, start:start + prefill_chunk]
+    width = min(_bucket(piece.shape[1]), prefill_chunk)
+    chunk = np.zeros((b, width), np.int32)
+    positions = np.full((b, width), -1, np.int32)  # -1: padding, written to the null page
+    chunk[:, :piece.shape[1]] = piece
+    positions[:, :piece.shape[1]] = np.arange(start, start + piece.shape[1])
     logits, _, cache = steps.prefill_chunk(params, cache, jnp.asarray(chunk), jnp.asarray(positions), spec=spec)
   sampling = Sampling(temperature, top_p)
   key, first_key = jax.random.split(jax.random.key(seed))
@@ -83,7 +96,7 @@ def generate(config: ModelConfig, params, prompt_ids, max_new_tokens: int, *, ig
   eos = jnp.asarray([] if ignore_eos else config.eos_token_ids, jnp.int32)
   out, _, _, _ = steps.decode_loop(params, cache, first, jnp.ones((b,), bool), key, eos,
                                    jnp.full((b,), max_new_tokens, jnp.int32), spec=spec,
-                                   sampling=sampling, max_new_tokens=max_new_tokens)
-  out = np.asarray(out)
+                                   sampling=sampling, max_new_tokens=_bucket(max_new_tokens))
+  out = np.asarray(out)[:, :max_new_tokens]
   pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_ids[0]
   return np.concatenate([prompt, np.where(out < 0, pad, out)], axis=1).astype(np.int32)

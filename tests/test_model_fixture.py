@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import glmjax
+from glmjax.engine import steps
 from glmjax.runtime import Runtime
 from tests.conftest import rel_err
 
@@ -55,6 +56,22 @@ def test_generate_matches_teacher_forced_forward(fixture_fp32, reference, attent
   np.testing.assert_array_equal(out[:, :12], reference["prompt"])
   logits = np.asarray(glmjax.forward(config, params, out))
   np.testing.assert_array_equal(np.argmax(logits[:, 11:-1], -1), out[:, 12:])
+
+
+def test_generate_reuses_its_programs_across_lengths(fixture_fp32, reference):
+  """Prompts of 9 and 12 tokens with 3 and 4 new ones fall in one bucket (a 16-token prefill
+  chunk, 2 pages of 8, 4 decode steps): the second call compiles nothing, and each call's tokens
+  are the forward pass's greedy choices on its own output."""
+  config, params = fixture_fp32
+  programs = lambda: (steps.prefill_chunk._cache_size(), steps.decode_loop._cache_size())
+  for length, new in ((9, 3), (12, 4)):
+    out = glmjax.generate(config, params, reference["prompt"][:, :length], new, ignore_eos=True, page_size=8)
+    assert out.shape == (2, length + new)
+    logits = np.asarray(glmjax.forward(config, params, out))
+    np.testing.assert_array_equal(np.argmax(logits[:, length - 1:-1], -1), out[:, length:])
+    if length == 9:
+      compiled = programs()
+  assert programs() == compiled
 
 
 def test_bad_tokens_and_context_are_refused(fixture_fp32):
