@@ -174,12 +174,17 @@ def test_count_search_brackets_the_rank(seed, trials):
 SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
 
 
+# One program for the three launches and their glue, cached by config: the cases differing only
+# in their scores share it (called eagerly, each launch compiled again for every call).
+_sampled_select = jax.jit(topk.sampled_select, static_argnames=("k", "plan", "config", "interpret"))
+
+
 def _sampled(scores, k, lanes=None, keys=True, trials=(4, 1)):
   config = dataclasses.replace(SAMPLED, scan_lanes=lanes, candidate_keys=keys, threshold_trials=trials[0],
                                select_trials=trials[1])
   plan = topk.sample_plan(scores.shape[-1], k, config.sample)
   assert plan is not None
-  got, fallback = topk.sampled_select(scores, k, plan, config=config, interpret=True)
+  got, fallback = _sampled_select(scores, k, plan, config=config, interpret=True)
   return np.asarray(got), np.asarray(fallback)
 
 
