@@ -287,9 +287,10 @@ PALLAS_STACK = dict(attention="pallas", dense_matmul="pallas_grouped", cache_wri
 def test_pallas_stack_under_the_mesh_gathers_no_weight(model):
   """The Pallas stack in bf16 at TEP=2: the compiled decode step's collectives are the XLA path's
   (two bf16 all-reduces of [tokens, hidden] a layer, the residual norm's too), and its greedy
-  tokens are one device's. With tensor_parallel="gspmd" the same tokens, but every layer gathers
-  weights (GSPMD cannot split a Pallas call: q_b, kv_b, o_proj, the dense MLP). Three layers:
-  the dense one, an MoE layer with its indexer and one reusing that top-k."""
+  tokens are one device's. With tensor_parallel="gspmd" (decoding from the same prefill) the
+  same tokens, but every layer gathers weights (GSPMD cannot split a Pallas call: q_b, kv_b,
+  o_proj, the dense MLP). Three layers: the dense one, an MoE layer with its indexer and one
+  reusing that top-k."""
   config, params = _first_layers(model, 3)
   assert config.mlp_layer_types == ("dense", "sparse", "sparse") and config.indexer_types[1:] == ("full", "shared")
   params = jax.tree_util.tree_map_with_path(  # the router's bias stays fp32, as checkpoints keep it
@@ -297,10 +298,12 @@ def test_pallas_stack_under_the_mesh_gathers_no_weight(model):
   prompt = jnp.asarray(_prompt(config, 4, (1, 6)))
   positions = jnp.arange(6, dtype=jnp.int32)[None]
 
-  def run(params, cache, layout):
-    spec = steps.StepSpec(config, Runtime(**PALLAS_STACK, tensor_parallel=layout), "bfloat16")
-    static = dict(spec=spec, sampling=Sampling(), max_new_tokens=4)
-    logits, _, cache = steps.prefill_chunk(params, cache, prompt, positions, spec=spec)
+  spec = lambda layout: steps.StepSpec(config, Runtime(**PALLAS_STACK, tensor_parallel=layout), "bfloat16")
+  prefill = lambda params, cache: steps.prefill_chunk(params, cache, prompt, positions,  # (logits, cache)
+                                                      spec=spec("shard_map"))[::2]
+
+  def run(params, logits, cache, layout):
+    static = dict(spec=spec(layout), sampling=Sampling(), max_new_tokens=4)
     step_args = (jnp.argmax(logits, -1).astype(jnp.int32), jnp.ones(1, bool), jax.random.key(0),
                  jnp.asarray([], jnp.int32), jnp.full((1,), 4, jnp.int32))
     lowered = steps.decode_loop.lower(params, cache, *step_args, **static)
@@ -317,13 +320,15 @@ def test_pallas_stack_under_the_mesh_gathers_no_weight(model):
 
   cache = lambda: init_cache(config, num_pages=5, page_size=8, batch=1, max_pages=4, kv_dtype="fp8").replace(
     page_table=1 + jnp.arange(4, dtype=jnp.int32)[None])
-  want, one_device, *_ = run(params, cache(), "shard_map")
+  want, one_device, *_ = run(params, *prefill(params, cache()), "shard_map")
   assert "bf16_matmul" in one_device and "sparse_mla" in one_device  # the kernels do run
   mesh = parallel.make_mesh(2)
   with parallel.use_mesh(mesh):
     sharded = parallel.shard_params(config, params, mesh)
-    got, _, layers, types = run(sharded, parallel.shard_cache(cache(), mesh), "shard_map")
-    gspmd, _, gspmd_layers, _ = run(sharded, parallel.shard_cache(cache(), mesh), "gspmd")
+    logits, filled = prefill(sharded, parallel.shard_cache(cache(), mesh))
+    # GSPMD's decode from a copy of the same prefill (its own would compile once more for it).
+    gspmd, _, gspmd_layers, _ = run(sharded, logits, jax.tree.map(jnp.copy, filled), "gspmd")
+    got, _, layers, types = run(sharded, logits, filled, "shard_map")
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(gspmd, want)
   message = config.hidden_size  # [1 token, hidden]
