@@ -175,9 +175,10 @@ def test_generate_matches_one_device(model, tep):
 def test_swiglu_fold_in_the_shared_experts_shard_map(model, monkeypatch):
   """swiglu="pallas" under TEP=2 with bf16 weights: the shared expert's down GEMV, inside the
   expert shard_map, takes its column shard's gate/up partials (the launches recorded, the
-  shared intermediate split 2 ways); tokens equal to the XLA path's under the same mesh."""
+  shared intermediate split 2 ways); tokens equal to the XLA path's under the same mesh. The
+  first two layers: a dense MLP and an MoE layer's shared expert."""
   from pallas_kernels import bf16_matmul
-  config, params = model
+  config, params = _first_layers(model, 2)
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
   prompt = _prompt(config, 21, (1, 10))
   mesh = parallel.make_mesh(2)
