@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glmjax.api import params_dtype
 from glmjax.config import ModelConfig
 from glmjax.model import CausalLM
 from glmjax.runtime import Runtime
@@ -19,15 +20,16 @@ from glmjax.runtime import Runtime
 
 def layer_selections(config: ModelConfig, params, tokens, *, runtime: Runtime = Runtime()) -> dict[int, np.ndarray]:
   """Top-k positions [B, S, k] (-1 empty) used by each decoder layer on a no-cache forward."""
-  dtype = jnp.dtype(params["embed_tokens"]["weight"].dtype)
-  seen = _selections(runtime.arrange(params), jnp.asarray(tokens), config=config, runtime=runtime, dtype=dtype)
+  seen = _selections(runtime.arrange(params), jnp.asarray(tokens), config=config, runtime=runtime,
+                     dtype=params_dtype(params))
   return {layer: np.asarray(sel) for layer, sel in seen.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "dtype"))
 def _selections(params, tokens, *, config: ModelConfig, runtime: Runtime, dtype) -> dict[int, jax.Array]:
-  """The forward as one program (eagerly, each op compiled on its own: 368 compiles for tiny),
-  returning what each MLAttention call gave as its selection while it was traced."""
+  """The forward as one program (run eagerly, each op compiled on its own: about 170 compiles for
+  tiny), returning what each MLAttention call gave as its selection while it was traced. Its own
+  jit, not api's forward: the interception sees only a trace, which a cached program skips."""
   seen: dict[int, jax.Array] = {}
 
   def capture(next_fun, args, kwargs, context):
