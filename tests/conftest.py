@@ -1,16 +1,22 @@
 """Shared fixtures: the transformers-made tiny checkpoint and its reference outputs.
 
-The suite compiles with XLA's CPU backend at optimization level 0 (set before JAX starts its
-backend; child processes inherit it): compiling, not running, is most of the suite's time, and
-the level changes how fast the code runs, not what it computes. On 2 cores it cut the Pallas
-engine and speculative tests from 220 s to 136 s.
+The suite compiles with XLA's CPU backend at optimization level 0 and with its MLIR fusion
+emitters off (set before JAX starts its backend; child processes inherit both): compiling, not
+running, is most of the suite's time, and both change how fast the code runs, not what it
+computes. Level 0 cut the Pallas engine and speculative tests from 220 s to 136 s on 2 cores.
+The fusion emitters (`xla_cpu_disable_new_fusion_emitters`, a backend extra option: the
+elemental LLVM emitter instead) spent most of each compile canonicalising the symbolic tiles of
+the interpreted kernels' reshapes and transposes (perf: 33% of a kernel test's samples in
+`SymbolicExpr::Canonicalize`); without them test_dsa_kernels.py took 70 s against 116, the
+fragment GEMV's cases 14 against 37, test_speculative.py 35 against 50.
 """
 
 import gc
 import os
 import pathlib
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                           " --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters").strip()
 
 import jax
 import jax.numpy as jnp

@@ -289,7 +289,8 @@ print("ok")
 def test_sharded_load_of_quantized_leaves(tmp_path, plain):
   """Four simulated CPU devices (own process: the device count is fixed when jax starts)."""
   write_quantized(plain[0], tmp_path, LAYOUTS["mixed"](), seed=7)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")  # conftest's compile flags, and four devices
   result = subprocess.run([sys.executable, "-c", SHARDED_LOAD.format(path=tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

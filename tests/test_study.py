@@ -89,7 +89,7 @@ def test_step_bytes_follow_the_switches(context):
 
 def _launch(module: str, args: list[str], log: pathlib.Path, cache: pathlib.Path) -> subprocess.Popen:
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # XLA_FLAGS: conftest's optimization level 0
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # XLA_FLAGS: conftest's compile flags
   with open(log, "w") as f:
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=f,
                             stderr=subprocess.STDOUT)
