@@ -71,7 +71,9 @@ WRITES = [("fp8", SHAPES[0], (8, 5, 128, 4, 64), 1), ("bf16", (2, 6, 64, 32, 16)
 def test_the_cache_write_joins_the_launch(kv_dtype, shape, keys, batch):
   """write: the launch also writes its own latent, k_pe and indexer key rows into the layer's
   pages, as paged.write_layer writes those outputs (codes and scales bit for bit): tokens across
-  a page boundary, a padding position that writes nothing; the other outputs as without it."""
+  a page boundary, a padding position that writes nothing; the other outputs as without it (the
+  bf16 ones bit for bit, the indexer's fp32 keys to fp32 rounding: the interpreter compiles the
+  two launches as two XLA programs, and XLA's CPU emitter may round their fp32 norms apart)."""
   from tests.test_paged_write import _layer
   splits, tokens, _, rank, rope = shape
   args = draw(shape, seed=7)
@@ -85,10 +87,14 @@ def test_the_cache_write_joins_the_launch(kv_dtype, shape, keys, batch):
   got = mla_epilogue(*args, index_keys=index_keys, write=(layer, page_table, positions))
   plain = mla_epilogue(*args, index_keys=index_keys)
   for g, w_ in zip(got[:-1], plain, strict=True):
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32))
+    if g.dtype == jnp.float32:
+      scale = np.abs(np.asarray(w_)).max()
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w_), rtol=0, atol=4 * np.finfo(np.float32).eps * scale)
+    else:
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32))
   rows = lambda a: a.reshape(*positions.shape, -1)
-  want = paged.write_layer(layer, page_table, positions, rows(plain[1]), rows(plain[2]),
-                           rows(plain[3]) if keys else None)
+  want = paged.write_layer(layer, page_table, positions, rows(got[1]), rows(got[2]),
+                           rows(got[3]) if keys else None)
   for g, w_, old in zip(jax.tree.leaves(got[-1]), jax.tree.leaves(want), jax.tree.leaves(layer), strict=True):
     assert g.dtype == w_.dtype and g.shape == w_.shape
     np.testing.assert_array_equal(np.asarray(g[1:]).view(np.uint8), np.asarray(w_[1:]).view(np.uint8))
