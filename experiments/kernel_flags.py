@@ -5,9 +5,9 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm,
 --route_planes, --shared_swiglu, --next_norm, --swiglu, --moe_sum) with the DSA kernels'
 --topk_method, --topk_trials, --topk_sample, --indexer_orientation, --indexer_splits,
---indexer_block_k, --indexer_warps, --indexer_stages, --indexer_prefetch, --attention_warps, the
-folds' --fold_splits, --indexer_queries, --attention_queries, --tensor_parallel and
---fragment_operands (`define`); glmjax.runtime.Runtime's fields of those names. `define` also
+--indexer_block_k, --indexer_warps, --indexer_stages, --indexer_prefetch, --attention_warps,
+--attention_scale_rows, the folds' --fold_splits, --indexer_queries, --attention_queries,
+--tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of those names. `define` also
 defines --preset (configs/runs.py), which the experiment's main applies first (`apply_preset`)."""
 
 from typing import Callable
@@ -132,6 +132,8 @@ def define() -> Callable[[], dict[str, str | int]]:
                                             "blocks' loads before the first dot (the same scores)"),
       "attention_warps": flags.DEFINE_integer("attention_warps", 0, "the Pallas sparse MLA kernel's warps per "
                                               "program: 0 (its default, 4), 1, 2, 4, 8 or 16"),
+      "attention_scale_rows": flags.DEFINE_bool("attention_scale_rows", False, "that kernel scales FP8 latent "
+                                                "rows before its dots, not the dots' columns (the same bits)"),
       "fold_splits": flags.DEFINE(_SplitsParser(), "fold_splits", "fill", "the K splits of a bf16 GEMV whose "
                                   "partials a fold reads (o_proj, the q_a and q_b groups): fill (the fewest that "
                                   "cover the SMs), rule (the GEMV's own) or a cap >= 1"),

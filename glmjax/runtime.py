@@ -144,6 +144,9 @@ class Runtime:
   for 5 query tokens, 26.1 against 18.9 us at 80K, faster for 1, 10.4 against 11.5).
   attention_warps: the Pallas sparse MLA kernel's warps per program (SparseMLAConfig.num_warps):
   0 for its default (4; 8 until run 26), the same result.
+  attention_scale_rows: that kernel's SparseMLAConfig.scale_rows: FP8 latent rows scaled before
+  its dots (a scaled bf16 copy of the rows, the path until session 36) rather than the dots'
+  columns after them; the same bits.
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
@@ -201,6 +204,7 @@ class Runtime:
   indexer_stages: int = 0
   indexer_prefetch: bool = False
   attention_warps: int = 0
+  attention_scale_rows: bool = False
   fold_splits: str | int = "fill"
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
@@ -287,7 +291,7 @@ class Runtime:
   def attention_config(self):
     """The Pallas sparse MLA kernel's SparseMLAConfig, likewise."""
     from pallas_kernels.sparse_mla import SparseMLAConfig
-    return self._kernel_config(SparseMLAConfig, dict(attention_warps="num_warps"))
+    return self._kernel_config(SparseMLAConfig, dict(attention_warps="num_warps"), scale_rows=self.attention_scale_rows)
 
   def topk_config(self):
     """The Pallas top-k's TopKConfig, likewise, with topk_method's algorithm and topk_sample's source."""

@@ -18,7 +18,11 @@ fit in one program's registers.)
 
 FP8 latents attend in their 128-wide scale groups: each group's dots take its e4m3 codes times
 one scale per token row, so no [bn, G] -> [bn, R] scale broadcast is built (32 against 37 us for
-fp32 queries at 80K, T=5, BENCHMARKS.md run 10).
+fp32 queries at 80K, T=5, BENCHMARKS.md run 10). The codes enter both dots as they are (e4m3 ->
+bf16 is exact) and the scales, powers of two, multiply the dots' columns instead (the logits',
+and the softmax weights' before the value dot): the same bits as scaling the rows, with no
+scaled copy of each [bn, 128] tile between its load and the two dots (SparseMLAConfig.scale_rows
+keeps the old path for the ablation).
 
 Numerics follow the queries' dtype. The cached rows are exact in bf16 (bf16 pages, or e4m3
 codes times a power-of-two scale per 128 values, dequantised in-kernel), so every dot has an
@@ -81,12 +85,16 @@ class SparseMLAConfig:
   combine: how the splits' partial softmax states merge: "xla" (jnp reductions, which XLA runs
     as two fusions: 3.2 us at 80K, T=5, run 10) or "pallas" (one launch, `_combine_kernel`:
     14 us there, its 40 programs each walking every split; kept as the ablation's other arm).
+  scale_rows: FP8 latents only: multiply each row group by its scale before the dots (a scaled
+    bf16 copy of the rows, which both dots then read), rather than the dots' columns after them
+    (the default; the same bits, as the scales are powers of two).
   """
   block_n: int = 32
   num_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 2
   combine: str = "xla"
+  scale_rows: bool = False
 
   def __post_init__(self):
     check_tile("SparseMLAConfig", "block_n", self.block_n, _MIN_MMA)
@@ -103,7 +111,7 @@ def _first_rows(x: jax.Array, rows: int) -> jax.Array:
 
 def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, chunk: int,
                        block_n: int, page_size: int, softmax_scale: float, fp8: bool, heads: int,
-                       heads_out: int):
+                       heads_out: int, scale_rows: bool):
   """Partial attention of one query token over one split of its selected tokens."""
   # ql_ref [Hp, R] bf16|f32 ; qr_ref [Hp, dr] bf16|f32: blocks of [H, ...] queries, rows past
   # H masked to zero (no padded copy of the queries in HBM)
@@ -137,27 +145,33 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
     idx = pltriton.load(idx_ref.at[pl.ds(start + i * block_n, block_n)], mask=j < k, other=-1)
     valid = idx >= 0
     tok = jnp.maximum(idx, 0)
-    page = jnp.where(valid, pt_ref[jnp.minimum(tok // page_size, max_pages - 1)], 0)
-    slot = (tok % page_size)[:, None]
-    page = page[:, None]
-    lats = []
+    row_page = jnp.where(valid, pt_ref[jnp.minimum(tok // page_size, max_pages - 1)], 0)
+    row_slot = tok % page_size
+    page, slot = row_page[:, None], row_slot[:, None]
+    # The group's codes enter both dots as they are (e4m3 -> bf16 is exact) and its scales,
+    # powers of two, multiply the dots' columns instead: the same bits, without a scaled copy of
+    # the rows (SparseMLAConfig.scale_rows: the old path).
+    lats, scales = [], []
     for g in range(groups):
       lat = lat_ref[page, slot, g * width + cols[None, :]]  # [bn, width]
-      if fp8:
-        lat = lat.astype(jnp.float32) * scale_ref[page, slot, jnp.full_like(slot, g)]
+      scale = scale_ref[row_page, row_slot, jnp.full_like(row_slot, g)] if fp8 else None  # [bn]
+      if scale is not None and scale_rows:
+        lat, scale = lat.astype(jnp.float32) * scale[:, None], None
       lats.append(lat.astype(jnp.bfloat16))
+      scales.append(scale)
+    by_column = lambda x, scale: x if scale is None else x * scale[None, :]
     rope = rope_ref[page, slot, rope_cols[None, :]]  # [bn, dr]
     logits = parts_dot(qr, rope, contract_last)
-    for q_g, lat in zip(ql, lats):
-      logits += parts_dot(q_g, lat, contract_last)
+    for q_g, lat, scale in zip(ql, lats, scales):
+      logits += by_column(parts_dot(q_g, lat, contract_last), scale)
     logits = jnp.where(valid[None, :], logits * softmax_scale, -jnp.inf)  # [Hp, bn]
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no valid token yet: keep zeros
     alpha = jnp.exp(m - m_safe)
     p = jnp.exp(logits - m_safe[:, None])
-    p_parts = bf16_parts(p) if exact else [p.astype(jnp.bfloat16)]
-    accs = tuple(acc * alpha[:, None] + parts_dot(p_parts, lat, (((1,), (0,)), ((), ())))
-                 for acc, lat in zip(accs, lats))
+    p_terms = lambda x: bf16_parts(x) if exact else [x.astype(jnp.bfloat16)]
+    accs = tuple(acc * alpha[:, None] + parts_dot(p_terms(by_column(p, scale)), lat, (((1,), (0,)), ((), ())))
+                 for acc, lat, scale in zip(accs, lats, scales))
     return m_new, l * alpha + jnp.sum(p, axis=1), accs
 
   init = (jnp.full((hp,), -jnp.inf, jnp.float32), jnp.zeros((hp,), jnp.float32),
@@ -318,7 +332,7 @@ def _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, in
   return pl.pallas_call(
       functools.partial(_sparse_mla_kernel, k=k, chunk=chunk, block_n=config.block_n,
                         page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8, heads=h,
-                        heads_out=heads_out),
+                        heads_out=heads_out, scale_rows=config.scale_rows),
       grid=(t, splits, b),  # query token fastest: its programs share the selected rows
       in_specs=[pl.BlockSpec((None, None, hp, rank), lambda i, s, j: (j, i, 0, 0)),
                 pl.BlockSpec((None, None, hp, rope_dim), lambda i, s, j: (j, i, 0, 0)),

@@ -481,6 +481,18 @@ def test_sparse_mla_odd_head_count_and_two_scale_groups():
   _assert_attention_close(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_mla_fp8_scales_on_columns_or_rows_alike(q_dtype):
+  """The FP8 scales (powers of two) applied to the dots' columns give the bits of the rows scaled
+  before the dots (SparseMLAConfig.scale_rows), for both query precisions."""
+  args = _mla_inputs(90, 3, fp8=True, q_dtype=q_dtype, rank=256)  # two scale groups
+  assert len(np.unique(np.asarray(args[3]))) > 4  # scales that differ by row and group
+  columns, rows = (sparse_mla_decode(*args, softmax_scale=0.1, config=SparseMLAConfig(block_n=16, scale_rows=on))
+                   for on in (False, True))
+  np.testing.assert_array_equal(np.asarray(columns), np.asarray(rows))
+  assert np.abs(np.asarray(columns)).max() > 0
+
+
 def test_sparse_mla_empty_selection_and_default_config():
   args = list(_mla_inputs(60, 2, fp8=False))
   args[-1] = args[-1].at[1].set(-1)  # the second sequence selects nothing
