@@ -481,16 +481,19 @@ def test_sparse_mla_odd_head_count_and_two_scale_groups():
   _assert_attention_close(got, want, 1e-5)
 
 
-@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
-def test_sparse_mla_fp8_scales_on_columns_or_rows_alike(q_dtype):
-  """The FP8 scales (powers of two) applied to the dots' columns give the bits of the rows scaled
-  before the dots (SparseMLAConfig.scale_rows), for both query precisions."""
+@pytest.mark.parametrize("q_dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_sparse_mla_fp8_scales_on_columns_or_rows_alike(q_dtype, rtol):
+  """The FP8 scales (powers of two) applied to the dots' columns give the attention of the rows
+  scaled before the dots (SparseMLAConfig.scale_rows), for both query precisions, each near the
+  reference. (The same bits in the interpreter; on an H100 the bf16 path's differ, since the
+  rows' dot accumulates straight into the logits: BENCHMARKS.md run 43.)"""
   args = _mla_inputs(90, 3, fp8=True, q_dtype=q_dtype, rank=256)  # two scale groups
   assert len(np.unique(np.asarray(args[3]))) > 4  # scales that differ by row and group
+  want = sparse_mla_decode_reference(*args, softmax_scale=0.1)
   columns, rows = (sparse_mla_decode(*args, softmax_scale=0.1, config=SparseMLAConfig(block_n=16, scale_rows=on))
                    for on in (False, True))
-  np.testing.assert_array_equal(np.asarray(columns), np.asarray(rows))
-  assert np.abs(np.asarray(columns)).max() > 0
+  _assert_attention_close(columns, rows, rtol)
+  _assert_attention_close(columns, want, rtol)
 
 
 def test_sparse_mla_empty_selection_and_default_config():
