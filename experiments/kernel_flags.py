@@ -6,8 +6,8 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --route_planes, --shared_swiglu, --next_norm, --swiglu, --moe_sum) with the DSA kernels'
 --topk_method, --topk_trials, --topk_sample, --indexer_orientation, --indexer_splits,
 --indexer_block_k, --indexer_warps, --indexer_stages, --indexer_prefetch, --attention_warps,
---attention_scale_rows, the folds' --fold_splits, --indexer_queries, --attention_queries,
---tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of those names. `define` also
+--attention_scales, --attention_block_n, the folds' --fold_splits, --indexer_queries,
+--attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of those names. `define` also
 defines --preset (configs/runs.py), which the experiment's main applies first (`apply_preset`)."""
 
 from typing import Callable
@@ -132,8 +132,12 @@ def define() -> Callable[[], dict[str, str | int]]:
                                             "blocks' loads before the first dot (the same scores)"),
       "attention_warps": flags.DEFINE_integer("attention_warps", 0, "the Pallas sparse MLA kernel's warps per "
                                               "program: 0 (its default, 4), 1, 2, 4, 8 or 16"),
-      "attention_scale_rows": flags.DEFINE_bool("attention_scale_rows", False, "that kernel scales FP8 latent "
-                                                "rows before its dots, not the dots' columns (the same bits)"),
+      "attention_scales": flags.DEFINE_enum("attention_scales", "auto", ["auto", "rows", "columns"], "where that "
+                                            "kernel applies the FP8 latent scales: before its dots on the rows, "
+                                            "after them on the columns, or auto (columns under bf16 queries)"),
+      "attention_block_n": flags.DEFINE_integer("attention_block_n", 0, "that kernel's selected rows a loop step: "
+                                                "0 (its default: 64 for the columns under bf16 queries, else 32) "
+                                                "or a power of two >= 16"),
       "fold_splits": flags.DEFINE(_SplitsParser(), "fold_splits", "fill", "the K splits of a bf16 GEMV whose "
                                   "partials a fold reads (o_proj, the q_a and q_b groups): fill (the fewest that "
                                   "cover the SMs), rule (the GEMV's own) or a cap >= 1"),

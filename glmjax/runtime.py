@@ -25,7 +25,7 @@ FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
-            "fragment_operands": FRAGMENT_OPERAND_CHOICES}
+            "fragment_operands": FRAGMENT_OPERAND_CHOICES, "attention_scales": ("auto", "rows", "columns")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +144,11 @@ class Runtime:
   for 5 query tokens, 26.1 against 18.9 us at 80K, faster for 1, 10.4 against 11.5).
   attention_warps: the Pallas sparse MLA kernel's warps per program (SparseMLAConfig.num_warps):
   0 for its default (4; 8 until run 26), the same result.
-  attention_scale_rows: that kernel's SparseMLAConfig.scale_rows: FP8 latent rows scaled before
-  its dots (a scaled bf16 copy of the rows, the path until session 36) rather than the dots'
-  columns after them; the same bits.
+  attention_scales, attention_block_n: that kernel's FP8 scales ("rows": each latent row tile
+  scaled before the dots, the path until session 36; "columns": the dots' columns after them;
+  "auto": the columns under bf16 queries, the rows under fp32 ones; SparseMLAConfig.scale_rows)
+  and its selected rows a loop step (SparseMLAConfig.block_n; 0: 64 for the columns under bf16
+  queries, else 32). Any choice gives the same attention to fp32 rounding (BENCHMARKS.md run 43).
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation
@@ -204,7 +206,8 @@ class Runtime:
   indexer_stages: int = 0
   indexer_prefetch: bool = False
   attention_warps: int = 0
-  attention_scale_rows: bool = False
+  attention_scales: str = "auto"
+  attention_block_n: int = 0
   fold_splits: str | int = "fill"
   indexer_queries: str = "float32"
   attention_queries: str = "float32"
@@ -291,7 +294,9 @@ class Runtime:
   def attention_config(self):
     """The Pallas sparse MLA kernel's SparseMLAConfig, likewise."""
     from pallas_kernels.sparse_mla import SparseMLAConfig
-    return self._kernel_config(SparseMLAConfig, dict(attention_warps="num_warps"), scale_rows=self.attention_scale_rows)
+    scale_rows = {"auto": None, "rows": True, "columns": False}[self.attention_scales]
+    return self._kernel_config(SparseMLAConfig, dict(attention_warps="num_warps", attention_block_n="block_n"),
+                               scale_rows=scale_rows)
 
   def topk_config(self):
     """The Pallas top-k's TopKConfig, likewise, with topk_method's algorithm and topk_sample's source."""

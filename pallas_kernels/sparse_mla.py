@@ -18,11 +18,13 @@ fit in one program's registers.)
 
 FP8 latents attend in their 128-wide scale groups: each group's dots take its e4m3 codes times
 one scale per token row, so no [bn, G] -> [bn, R] scale broadcast is built (32 against 37 us for
-fp32 queries at 80K, T=5, BENCHMARKS.md run 10). The codes enter both dots as they are (e4m3 ->
-bf16 is exact) and the scales, powers of two, multiply the dots' columns instead (the logits',
-and the softmax weights' before the value dot): the same bits as scaling the rows, with no
-scaled copy of each [bn, 128] tile between its load and the two dots (SparseMLAConfig.scale_rows
-keeps the old path for the ablation).
+fp32 queries at 80K, T=5, BENCHMARKS.md run 10). Under bf16 queries the codes enter both dots
+as they are (e4m3 -> bf16 is exact) and the scales, powers of two, multiply the dots' columns
+instead (the logits', and the softmax weights' before the value dot): no scaled fp32 copy of
+each [bn, 128] tile, so a program's 64 rows fit one 64-row block (SparseMLAConfig.resolved: 13.0
+against 15.1 us at a rank's case, BENCHMARKS.md run 43). Under fp32 queries each group's
+weights are three bf16 terms, which the columns' scales would multiply per group: there the
+rows are scaled (19.5 against 25.3 us).
 
 Numerics follow the queries' dtype. The cached rows are exact in bf16 (bf16 pages, or e4m3
 codes times a power-of-two scale per 128 values, dequantised in-kernel), so every dot has an
@@ -85,23 +87,38 @@ class SparseMLAConfig:
   combine: how the splits' partial softmax states merge: "xla" (jnp reductions, which XLA runs
     as two fusions: 3.2 us at 80K, T=5, run 10) or "pallas" (one launch, `_combine_kernel`:
     14 us there, its 40 programs each walking every split; kept as the ablation's other arm).
-  scale_rows: FP8 latents only: multiply each row group by its scale before the dots (a scaled
-    bf16 copy of the rows, which both dots then read), rather than the dots' columns after them
-    (the default; the same bits, as the scales are powers of two).
+  scale_rows: FP8 latents only: multiply each row group by its scale before the dots (True: a
+    scaled bf16 copy of the rows, which both dots then read) or the dots' columns after them
+    (False; the same attention to fp32 rounding, as the scales are powers of two). None: the
+    columns under bf16 queries, the rows under fp32 ones (`resolved`).
+  block_n None: 64 where the scales go on the columns under bf16 queries, else 32 (`resolved`).
   """
-  block_n: int = 32
+  block_n: int | None = None
   num_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 2
   combine: str = "xla"
-  scale_rows: bool = False
+  scale_rows: bool | None = None
 
   def __post_init__(self):
-    check_tile("SparseMLAConfig", "block_n", self.block_n, _MIN_MMA)
+    if self.block_n is not None:
+      check_tile("SparseMLAConfig", "block_n", self.block_n, _MIN_MMA)
     if self.num_splits is not None:
       check_at_least("SparseMLAConfig", "num_splits", self.num_splits)
     check_launch("SparseMLAConfig", self.num_warps, self.num_stages)
     check_choice("SparseMLAConfig", "combine", self.combine, COMBINES)
+
+
+  def resolved(self, exact: bool, fp8: bool) -> "SparseMLAConfig":
+    """This config with block_n and scale_rows chosen for a call (fp32 queries: `exact`; FP8
+    latents: `fp8`). Measured at a TEP=8 rank's case (80K, 5 tokens, k = 2048, FP8 latents; own
+    us of the attention launch, BENCHMARKS.md run 43, H100): bf16 queries, the columns in 64-row
+    blocks 13.0 against the rows' 15.1 in 32-row blocks (the rows in 64: 20.1; the columns in
+    32: 15.8, in 128: 190); fp32 queries, the rows in 32-row blocks 19.5 against the columns'
+    25.3 (64-row blocks spill: 352-553)."""
+    columns = fp8 and (not exact if self.scale_rows is None else not self.scale_rows)
+    block_n = self.block_n or (64 if columns and not exact else 32)
+    return dataclasses.replace(self, block_n=block_n, scale_rows=fp8 and not columns)
 
 
 def _first_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -322,6 +339,7 @@ def _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, in
       raise ValueError(f"the kernel needs a power-of-two {name} >= 16, got {dim}")
   heads_out = pl.next_power_of_2(h)
   hp = max(_MIN_MMA, heads_out)  # MMA rows; the kernel reads heads past H as zero queries
+  config = config.resolved(exact=q_latent.dtype == jnp.float32, fp8=latent_scale is not None)
   splits = config.num_splits or _num_splits(b * t, k, config.block_n)
   chunk = pl.cdiv(k, splits * config.block_n) * config.block_n
   splits = pl.cdiv(k, chunk)  # no empty splits

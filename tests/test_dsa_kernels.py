@@ -496,6 +496,21 @@ def test_sparse_mla_fp8_scales_on_columns_or_rows_alike(q_dtype, rtol):
   _assert_attention_close(columns, want, rtol)
 
 
+def test_sparse_mla_default_config_follows_the_query_precision():
+  """None fields resolve per call: FP8 latents under bf16 queries take the scales on the dots'
+  columns in 64-row blocks, under fp32 queries the rows in 32-row blocks; bf16 latents 32-row
+  blocks; a field given stays. The bf16 default attends as the reference does."""
+  pick = lambda config, exact, fp8: (lambda c: (c.scale_rows, c.block_n))(config.resolved(exact=exact, fp8=fp8))
+  default = SparseMLAConfig()
+  assert pick(default, False, True) == (False, 64) and pick(default, True, True) == (True, 32)
+  assert pick(default, False, False) == pick(default, True, False) == (False, 32)
+  assert pick(SparseMLAConfig(scale_rows=False), True, True) == (False, 32)
+  assert pick(SparseMLAConfig(block_n=16), False, True) == (False, 16)
+  args = _mla_inputs(91, 5, fp8=True, q_dtype=jnp.bfloat16, rank=256, k=160)  # 64-row blocks, a part one
+  _assert_attention_close(sparse_mla_decode(*args, softmax_scale=0.1),
+                          sparse_mla_decode_reference(*args, softmax_scale=0.1), 1e-2)
+
+
 def test_sparse_mla_empty_selection_and_default_config():
   args = list(_mla_inputs(60, 2, fp8=False))
   args[-1] = args[-1].at[1].set(-1)  # the second sequence selects nothing

@@ -272,8 +272,9 @@ def test_swiglu_and_moe_sum_keep_the_tokens_on_a_bf16_residual_stream():
 @fold_lane
 def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatch):
   """indexer_splits=256, indexer_block_k=16, indexer_warps=8, indexer_stages=2, indexer_prefetch,
-  attention_warps=8, attention_scale_rows: every scores and sparse MLA launch runs with them;
-  each computes what it did, so the tokens are the untuned run's."""
+  attention_warps=8, attention_scales="columns", attention_block_n=16: every scores and sparse
+  MLA launch runs with them; each computes what it did, so the tokens are the untuned run's
+  (FP8 pages, fp32 queries: the rows' path by default)."""
   default = _baseline(tiny, "pallas", "fp8", **UNFOLDED)
   seen = []
 
@@ -286,11 +287,12 @@ def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatc
   monkeypatch.setattr(indexer_topk, "indexer_scores", recording("scores", indexer_topk.indexer_scores))
   monkeypatch.setattr(sparse_mla, "sparse_mla_decode", recording("mla", sparse_mla.sparse_mla_decode))
   tuned = _generate(tiny, "pallas", "fp8", **UNFOLDED, indexer_splits=256, indexer_block_k=16, indexer_warps=8,
-                    indexer_stages=2, indexer_prefetch=True, attention_warps=8, attention_scale_rows=True)
+                    indexer_stages=2, indexer_prefetch=True, attention_warps=8, attention_scales="columns",
+                    attention_block_n=16)
   np.testing.assert_array_equal(tuned, default)
   assert {(c.num_splits, c.block_k, c.num_warps, c.num_stages, c.prefetch) for name, c in seen if name == "scores"} == {
       (256, 16, 8, 2, True)}
-  assert {(c.num_warps, c.scale_rows) for name, c in seen if name == "mla"} == {(8, True)}
+  assert {(c.num_warps, c.scale_rows, c.block_n) for name, c in seen if name == "mla"} == {(8, False, 16)}
 
 
 @fold_lane
