@@ -148,7 +148,8 @@ class Runtime:
   scaled before the dots, the path until session 36; "columns": the dots' columns after them;
   "auto": the columns under bf16 queries, the rows under fp32 ones; SparseMLAConfig.scale_rows)
   and its selected rows a loop step (SparseMLAConfig.block_n; 0: 64 for the columns under bf16
-  queries, else 32). Any choice gives the same attention to fp32 rounding (BENCHMARKS.md run 43).
+  queries, else 32). Any choice gives the same attention up to the rounding of the dots' sums
+  (equal bits under fp32 queries on an H100, within bf16 rounding under bf16 ones: run 43).
   indexer_queries: the indexer queries' precision, "float32" (the Indexer's own; the Pallas
   scores kernel splits them into three bf16 MMA terms to stay exact) or "bfloat16" (rounded
   once, one MMA term: a third of the kernel's tensor-core work; every attention implementation

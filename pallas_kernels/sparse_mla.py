@@ -89,8 +89,9 @@ class SparseMLAConfig:
     14 us there, its 40 programs each walking every split; kept as the ablation's other arm).
   scale_rows: FP8 latents only: multiply each row group by its scale before the dots (True: a
     scaled bf16 copy of the rows, which both dots then read) or the dots' columns after them
-    (False; the same attention to fp32 rounding, as the scales are powers of two). None: the
-    columns under bf16 queries, the rows under fp32 ones (`resolved`).
+    (False). The scales are powers of two, so both compute the same products; the sums may round
+    apart (on an H100: equal bits under fp32 queries, within bf16 rounding under bf16 ones, run
+    43). None: the columns under bf16 queries, the rows under fp32 ones (`resolved`).
   block_n None: 64 where the scales go on the columns under bf16 queries, else 32 (`resolved`).
   """
   block_n: int | None = None
