@@ -93,11 +93,12 @@ class SparseMLAConfig:
     apart (on an H100: equal bits under fp32 queries, within bf16 rounding under bf16 ones, run
     43). None: the columns under bf16 queries, the rows under fp32 ones (`resolved`).
   block_n None: 64 where the scales go on the columns under bf16 queries, else 32 (`resolved`).
+  num_stages None: 3 where FP8 rows are scaled, else 2 (`resolved`).
   """
   block_n: int | None = None
   num_splits: int | None = None
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int | None = None
   combine: str = "xla"
   scale_rows: bool | None = None
 
@@ -106,20 +107,21 @@ class SparseMLAConfig:
       check_tile("SparseMLAConfig", "block_n", self.block_n, _MIN_MMA)
     if self.num_splits is not None:
       check_at_least("SparseMLAConfig", "num_splits", self.num_splits)
-    check_launch("SparseMLAConfig", self.num_warps, self.num_stages)
+    check_launch("SparseMLAConfig", self.num_warps, 1 if self.num_stages is None else self.num_stages)
     check_choice("SparseMLAConfig", "combine", self.combine, COMBINES)
 
-
   def resolved(self, exact: bool, fp8: bool) -> "SparseMLAConfig":
-    """This config with block_n and scale_rows chosen for a call (fp32 queries: `exact`; FP8
-    latents: `fp8`). Measured at a TEP=8 rank's case (80K, 5 tokens, k = 2048, FP8 latents; own
-    us of the attention launch, BENCHMARKS.md run 43, H100): bf16 queries, the columns in 64-row
-    blocks 13.0 against the rows' 15.1 in 32-row blocks (the rows in 64: 20.1; the columns in
-    32: 15.8, in 128: 190); fp32 queries, the rows in 32-row blocks 19.5 against the columns'
-    25.3 (64-row blocks spill: 352-553)."""
+    """This config with block_n, scale_rows and num_stages chosen for a call (fp32 queries:
+    `exact`; FP8 latents: `fp8`). Measured at a TEP=8 rank's case (80K, 5 tokens, k = 2048, FP8
+    latents; own us of the attention launch, BENCHMARKS.md run 43, H100s): bf16 queries, the
+    columns in 64-row blocks 13.0 against the rows' 15.1 in 32-row blocks at 2 stages and 13.9
+    at 3 (the rows in 64: 20.1; the columns in 32: 15.8, in 128: 190; 2 or 8 warps: 33.6, 16.7);
+    fp32 queries, the rows in 32-row blocks at 3 stages 18.6, at 2 19.8, against the columns'
+    25.3 (64-row blocks spill: 352-553). bf16 pages keep 32-row blocks at 2 stages (run 37)."""
     columns = fp8 and (not exact if self.scale_rows is None else not self.scale_rows)
-    block_n = self.block_n or (64 if columns and not exact else 32)
-    return dataclasses.replace(self, block_n=block_n, scale_rows=fp8 and not columns)
+    rows = fp8 and not columns
+    return dataclasses.replace(self, block_n=self.block_n or (64 if columns and not exact else 32), scale_rows=rows,
+                               num_stages=self.num_stages or (3 if rows else 2))
 
 
 def _first_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -166,9 +168,9 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
     row_page = jnp.where(valid, pt_ref[jnp.minimum(tok // page_size, max_pages - 1)], 0)
     row_slot = tok % page_size
     page, slot = row_page[:, None], row_slot[:, None]
-    # The group's codes enter both dots as they are (e4m3 -> bf16 is exact) and its scales,
-    # powers of two, multiply the dots' columns instead: the same bits, without a scaled copy of
-    # the rows (SparseMLAConfig.scale_rows: the old path).
+    # Unless scale_rows, the group's codes enter both dots as they are (e4m3 -> bf16 is exact)
+    # and its scales, powers of two, multiply the dots' columns instead: the same products,
+    # without a scaled fp32 copy of the rows (module docstring).
     lats, scales = [], []
     for g in range(groups):
       lat = lat_ref[page, slot, g * width + cols[None, :]]  # [bn, width]

@@ -498,14 +498,16 @@ def test_sparse_mla_fp8_scales_on_columns_or_rows_alike(q_dtype, rtol):
 
 def test_sparse_mla_default_config_follows_the_query_precision():
   """None fields resolve per call: FP8 latents under bf16 queries take the scales on the dots'
-  columns in 64-row blocks, under fp32 queries the rows in 32-row blocks; bf16 latents 32-row
-  blocks; a field given stays. The bf16 default attends as the reference does."""
-  pick = lambda config, exact, fp8: (lambda c: (c.scale_rows, c.block_n))(config.resolved(exact=exact, fp8=fp8))
+  columns in 64-row blocks, under fp32 queries the rows in 32-row blocks at 3 stages; bf16
+  latents 32-row blocks at 2; a field given stays. The bf16 default attends as the reference
+  does."""
+  pick = lambda config, exact, fp8: (lambda c: (c.scale_rows, c.block_n, c.num_stages))(
+      config.resolved(exact=exact, fp8=fp8))
   default = SparseMLAConfig()
-  assert pick(default, False, True) == (False, 64) and pick(default, True, True) == (True, 32)
-  assert pick(default, False, False) == pick(default, True, False) == (False, 32)
-  assert pick(SparseMLAConfig(scale_rows=False), True, True) == (False, 32)
-  assert pick(SparseMLAConfig(block_n=16), False, True) == (False, 16)
+  assert pick(default, False, True) == (False, 64, 2) and pick(default, True, True) == (True, 32, 3)
+  assert pick(default, False, False) == pick(default, True, False) == (False, 32, 2)
+  assert pick(SparseMLAConfig(scale_rows=False), True, True) == (False, 32, 2)
+  assert pick(SparseMLAConfig(block_n=16, num_stages=1), False, True) == (False, 16, 1)
   args = _mla_inputs(91, 5, fp8=True, q_dtype=jnp.bfloat16, rank=256, k=160)  # 64-row blocks, a part one
   _assert_attention_close(sparse_mla_decode(*args, softmax_scale=0.1),
                           sparse_mla_decode_reference(*args, softmax_scale=0.1), 1e-2)
