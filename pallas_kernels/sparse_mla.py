@@ -117,7 +117,8 @@ class SparseMLAConfig:
     columns in 64-row blocks 13.0 against the rows' 15.1 in 32-row blocks at 2 stages and 13.9
     at 3 (the rows in 64: 20.1; the columns in 32: 15.8, in 128: 190; 2 or 8 warps: 33.6, 16.7);
     fp32 queries, the rows in 32-row blocks at 3 stages 18.6, at 2 19.8, against the columns'
-    25.3 (64-row blocks spill: 352-553). bf16 pages keep 32-row blocks at 2 stages (run 37)."""
+    25.3 (64-row blocks spill: 352-553). bf16 pages keep the earlier defaults, 32-row blocks at
+    2 stages (not measured in run 43)."""
     columns = fp8 and (not exact if self.scale_rows is None else not self.scale_rows)
     rows = fp8 and not columns
     return dataclasses.replace(self, block_n=self.block_n or (64 if columns and not exact else 32), scale_rows=rows,
