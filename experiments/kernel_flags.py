@@ -7,8 +7,9 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --topk_method, --topk_trials, --topk_sample, --indexer_orientation, --indexer_splits,
 --indexer_block_k, --indexer_warps, --indexer_stages, --indexer_prefetch, --attention_warps,
 --attention_scales, --attention_block_n, the folds' --fold_splits, --indexer_queries,
---attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's fields of those names. `define` also
-defines --preset (configs/runs.py), which the experiment's main applies first (`apply_preset`)."""
+--attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's
+fields of those names. `define` also defines --preset (configs/runs.py), which the experiment's
+main applies first (`apply_preset`)."""
 
 from typing import Callable
 

@@ -3,7 +3,9 @@
 The suite compiles with XLA's CPU backend at optimization level 0 and with its MLIR fusion
 emitters off (set before JAX starts its backend; child processes inherit both): compiling, not
 running, is most of the suite's time, and both change how fast the code runs, not what it
-computes. Level 0 cut the Pallas engine and speculative tests from 220 s to 136 s on 2 cores.
+computes beyond fp32 rounding (the other emitter rounded one interpreted kernel's fp32 norm apart
+from another's: test_mla_epilogue's cache-write test). Level 0 cut the Pallas engine and
+speculative tests from 220 s to 136 s on 2 cores.
 The fusion emitters (`xla_cpu_disable_new_fusion_emitters`, a backend extra option: the
 elemental LLVM emitter instead) spent most of each compile canonicalising the symbolic tiles of
 the interpreted kernels' reshapes and transposes (perf: 33% of a kernel test's samples in
