@@ -20,6 +20,7 @@ from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES
 from glmjax.runtime import (FOLD_SWITCHES, FOLDS, INDEXER_QUERY_DTYPES, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES,
                             TENSOR_PARALLEL)
 from pallas_kernels.indexer_scores import ORIENTATIONS
+from pallas_kernels.sparse_mla import SCALE_PLACES
 from pallas_kernels.topk import METHODS, SAMPLE_SOURCES
 
 
@@ -133,7 +134,7 @@ def define() -> Callable[[], dict[str, str | int]]:
                                             "blocks' loads before the first dot (the same scores)"),
       "attention_warps": flags.DEFINE_integer("attention_warps", 0, "the Pallas sparse MLA kernel's warps per "
                                               "program: 0 (its default, 4), 1, 2, 4, 8 or 16"),
-      "attention_scales": flags.DEFINE_enum("attention_scales", "auto", ["auto", "rows", "columns"], "where that "
+      "attention_scales": flags.DEFINE_enum("attention_scales", "auto", list(SCALE_PLACES), "where that "
                                             "kernel applies the FP8 latent scales: before its dots on the rows, "
                                             "after them on the columns, or auto (columns under bf16 queries)"),
       "attention_block_n": flags.DEFINE_integer("attention_block_n", 0, "that kernel's selected rows a loop step: "

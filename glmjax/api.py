@@ -13,11 +13,7 @@ from glmjax.engine import steps
 from glmjax.engine.sampling import Sampling, sample
 from glmjax.model import CausalLM
 from glmjax.runtime import Runtime
-
-
-def _bucket(n: int) -> int:
-  """n rounded up to a power of two."""
-  return 1 << (n - 1).bit_length()
+from glmjax.serve.host_tier import bucket_pow2
 
 
 def params_dtype(params) -> jnp.dtype:
@@ -66,7 +62,7 @@ def generate(config: ModelConfig, params, prompt_ids, max_new_tokens: int, *, ig
   (EOS when the config has none), as transformers does. kv_dtype defaults to the params'
   precision (fp32 pages for an fp32 model, else bf16).
 
-  Shapes go up to powers of two (`_bucket`: the last prefill chunk, padded as the engine pads
+  Shapes go up to powers of two (`bucket_pow2`: the last prefill chunk, padded as the engine pads
   its chunks; the cache's pages; the decode loop's length, each row stopped at its budget), so
   calls with other prompt lengths or token counts reuse the compiled programs.
   """
@@ -77,14 +73,14 @@ def generate(config: ModelConfig, params, prompt_ids, max_new_tokens: int, *, ig
   b, s = prompt.shape
   if kv_dtype is None:
     kv_dtype = "fp32" if params_dtype(params) == jnp.float32 else "bf16"
-  pages_per_seq = _bucket(math.ceil((s + max_new_tokens) / page_size))
+  pages_per_seq = bucket_pow2(math.ceil((s + max_new_tokens) / page_size))
   cache = init_cache(config, num_pages=1 + b * pages_per_seq, page_size=page_size, batch=b,
                      max_pages=pages_per_seq, kv_dtype=kv_dtype)
   cache = cache.replace(page_table=1 + jnp.arange(b * pages_per_seq, dtype=jnp.int32).reshape(b, pages_per_seq))
   spec = steps.StepSpec(config, runtime, jnp.dtype(params_dtype(params)).name)
   for start in range(0, s, prefill_chunk):
     piece = prompt[:, start:start + prefill_chunk]
-    width = min(_bucket(piece.shape[1]), prefill_chunk)
+    width = min(bucket_pow2(piece.shape[1]), prefill_chunk)
     chunk = np.zeros((b, width), np.int32)
     positions = np.full((b, width), -1, np.int32)  # -1: padding, written to the null page
     chunk[:, :piece.shape[1]] = piece
@@ -96,7 +92,7 @@ def generate(config: ModelConfig, params, prompt_ids, max_new_tokens: int, *, ig
   eos = jnp.asarray([] if ignore_eos else config.eos_token_ids, jnp.int32)
   out, _, _, _ = steps.decode_loop(params, cache, first, jnp.ones((b,), bool), key, eos,
                                    jnp.full((b,), max_new_tokens, jnp.int32), spec=spec,
-                                   sampling=sampling, max_new_tokens=_bucket(max_new_tokens))
+                                   sampling=sampling, max_new_tokens=bucket_pow2(max_new_tokens))
   out = np.asarray(out)[:, :max_new_tokens]
   pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_ids[0]
   return np.concatenate([prompt, np.where(out < 0, pad, out)], axis=1).astype(np.int32)

@@ -25,7 +25,7 @@ FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
-            "fragment_operands": FRAGMENT_OPERAND_CHOICES, "attention_scales": ("auto", "rows", "columns")}
+            "fragment_operands": FRAGMENT_OPERAND_CHOICES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,10 +217,11 @@ class Runtime:
 
   def __post_init__(self):
     from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed
+    from pallas_kernels.sparse_mla import SCALE_PLACES
     from pallas_kernels.topk import METHODS, SAMPLE_SOURCES
     from pallas_kernels.checks import check_fold_splits
     for name, choices in {**_CHOICES, "topk_method": METHODS, "topk_sample": SAMPLE_SOURCES,
-                          "indexer_orientation": ORIENTATIONS}.items():
+                          "indexer_orientation": ORIENTATIONS, "attention_scales": tuple(SCALE_PLACES)}.items():
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
     self.indexer_scores_config()  # a clear error for a bad indexer_splits, _block_k or _warps
@@ -294,10 +295,9 @@ class Runtime:
 
   def attention_config(self):
     """The Pallas sparse MLA kernel's SparseMLAConfig, likewise."""
-    from pallas_kernels.sparse_mla import SparseMLAConfig
-    scale_rows = {"auto": None, "rows": True, "columns": False}[self.attention_scales]
+    from pallas_kernels.sparse_mla import SCALE_PLACES, SparseMLAConfig
     return self._kernel_config(SparseMLAConfig, dict(attention_warps="num_warps", attention_block_n="block_n"),
-                               scale_rows=scale_rows)
+                               scale_rows=SCALE_PLACES[self.attention_scales])
 
   def topk_config(self):
     """The Pallas top-k's TopKConfig, likewise, with topk_method's algorithm and topk_sample's source."""

@@ -68,6 +68,8 @@ from pallas_kernels.checks import (bf16_parts, check_at_least, check_choice, che
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 _TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM
 COMBINES = ("xla", "pallas")
+# Where the FP8 latent scales go (Runtime.attention_scales) -> SparseMLAConfig.scale_rows.
+SCALE_PLACES = {"auto": None, "rows": True, "columns": False}
 _COMBINE_BLOCK = 64  # latent columns per program of the Pallas combine
 _MERGE_BLOCK_V, _MERGE_BLOCK_R = 64, 128  # value columns per program, latent columns per step of the merge
 
@@ -176,7 +178,7 @@ def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, 
     for g in range(groups):
       lat = lat_ref[page, slot, g * width + cols[None, :]]  # [bn, width]
       scale = scale_ref[row_page, row_slot, jnp.full_like(row_slot, g)] if fp8 else None  # [bn]
-      if scale is not None and scale_rows:
+      if scale_rows:  # resolved: FP8 latents only
         lat, scale = lat.astype(jnp.float32) * scale[:, None], None
       lats.append(lat.astype(jnp.bfloat16))
       scales.append(scale)
