@@ -21,7 +21,9 @@ storing the finished result, one launch a call), and for the MoE
 `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing), and
 `pallas_hfma2_pairs`, each (token, local expert) pair a one-row product on the CUDA cores
 (pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model), and `pallas_hfma2_pairs_fused`,
-that with the activations' fp16 planes built in one launch each (`--moe_routing=pairs_fused`). The
+that with the activations' fp16 planes built in one launch each (`--moe_routing=pairs_fused`), and
+`pallas_fragments`, each chosen expert read once for all tokens on the fragment GEMV (bf16
+operands; pallas_kernels/moe_fragments.py). The
 `*_f16` rows run fp16 tensor-core operands (MatmulConfig / MoEConfig operands="float16"): NVFP4
 with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
@@ -61,6 +63,7 @@ from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
 from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
 from pallas_kernels.mla_query import absorbed_query, absorbed_query_reference
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
+from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
 from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
 from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
@@ -268,6 +271,11 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
       timed.append(_kernel_entry(fmt, moe_hfma2, xla, (x, *routing, *q), nbytes, timer, impl="pallas_hfma2_pairs"))
       fused = jax.jit(functools.partial(moe_hfma2, config=PairsConfig(fused_planes=True)))  # planes in one launch
       timed.append(_kernel_entry(fmt, fused, xla, (x, *routing, *q), nbytes, timer, impl="pallas_hfma2_pairs_fused"))
+      # each chosen expert once for all tokens on the fragment GEMV (bf16 operands), against XLA on q
+      reference = lambda x, ids, weights, *_: xla(x, ids, weights, *q)
+      fragments = tuple(to_fragments(w, "bfloat16") for w in q)
+      timed.append(_kernel_entry(fmt, moe_fragments, reference, (x, *routing, *fragments), nbytes, timer,
+                                 impl="pallas_fragments"))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, routed=routed or experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)
 
@@ -322,12 +330,14 @@ def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConf
   return rows
 
 
-def moe_sweep_rows(fmt: str, configs: list[MoEConfig] | list[PairsConfig], *, kernel=moe_grouped_matmul,
-                   timer: Callable[..., float] = time_device, **case) -> list[dict[str, Any]]:
-  """Tuning aid: an MoE kernel (the grouped tensor-core one, or moe_hfma2 with PairsConfigs) with
-  `fmt` weights under each config (case: moe_rows')."""
+def moe_sweep_rows(fmt: str, configs: list[MoEConfig] | list[PairsConfig] | list[ExpertsConfig], *,
+                   kernel=moe_grouped_matmul, timer: Callable[..., float] = time_device, **case
+                   ) -> list[dict[str, Any]]:
+  """Tuning aid: an MoE kernel (the grouped tensor-core one, moe_hfma2 with PairsConfigs, or
+  moe_fragments with ExpertsConfigs and fmt "nvfp4_fragments_bf16") with `fmt` (SWEPT) weights
+  under each config (case: moe_rows')."""
   x, routing, weights, chosen_experts = _moe_case(**case)
-  q = tuple(FORMATS[fmt][0](w) for w in weights)
+  q = tuple(SWEPT[fmt][0](w) for w in weights)
   nbytes = _moe_bytes(q, chosen_experts / case["experts"], x, routing[0])
   rows = []
   for config in configs:
@@ -347,7 +357,9 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   over row tiles and K splits with either operand dtype; the bf16 split-K GEMV at a rank's 25 MB
   [5, 6144] -> 2048 over K splits; the fragment-order NVFP4 GEMV (nvfp4_fragments) at M = 1 and
   8 over tiles a program, warps, K splits and chunks a loop step (two tiles a warp sharing the
-  activation loads, sums stored by row), and with either switch off."""
+  activation loads, sums stored by row), and with either switch off; the routed experts on the
+  fragment GEMV (moe_fragments) at the rank's view over either launch's tiles, K splits and
+  chunks a loop step."""
   timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_own_kernels
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
@@ -373,10 +385,16 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                            for s in (2, 4)]
   bf16_fragment_configs += [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)
                             for t, w in ((2, 1), (4, 2), (8, 4)) for u in (1, 2, 4)]
+  # The fragment MoE (each chosen expert once): either launch's tiles, K splits and chunks a loop
+  # step around the defaults (None), the other launch at its default.
+  frag = lambda t, s, u: FragmentConfig(tiles=t, num_warps=max(1, t // 2), split_k=s, unroll=u, tile_groups=2)
+  experts_configs = [ExpertsConfig()]
+  experts_configs += [ExpertsConfig(gate_up=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8, 16) for u in (1, 2)]
+  experts_configs += [ExpertsConfig(down=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8) for u in (1, 2)]
   if quick:
     gemv_configs, fp8_configs, bf16_configs = gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1], bf16_configs[:1]
     pairs_configs, fragment_configs = pairs_configs[:1], fragment_configs[:1]
-    bf16_fragment_configs = bf16_fragment_configs[-1:]
+    bf16_fragment_configs, experts_configs = bf16_fragment_configs[-1:], experts_configs[:1]
   for fmt, shape, configs in (("nvfp4", gemv, gemv_configs), ("fp8", gemv, fp8_configs), ("bf16", dense, bf16_configs),
                               ("nvfp4_fragments", gemv, fragment_configs),
                               ("nvfp4_fragments", (8, *gemv[1:]), fragment_configs),
@@ -389,6 +407,7 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   rank = dict(tokens=5, top_k=2, experts=4, d=64, i=32, routed=16) if quick else dict(
       tokens=5, top_k=8, experts=32, d=6144, i=2048, routed=256)
   yield from moe_sweep_rows("nvfp4", pairs_configs, kernel=moe_hfma2, timer=timer, **rank)
+  yield from moe_sweep_rows("nvfp4_fragments_bf16", experts_configs, kernel=moe_fragments, timer=timer, **rank)
 
 
 QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues")

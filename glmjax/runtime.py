@@ -8,7 +8,8 @@ import dataclasses
 from typing import Literal
 
 from glmjax.config import ModelConfig, derive_indexer_types
-from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES, HFMA2_IMPLS, IMPLS, PAIR_ROUTINGS, arrange_params
+from glmjax.quant import (DENSE_IMPLS, FRAGMENT_IMPL, FRAGMENT_OPERAND_CHOICES, FRAGMENT_ROUTING, HFMA2_IMPLS, IMPLS,
+                          PAIR_ROUTINGS, arrange_params)
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
@@ -16,7 +17,7 @@ MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2, p
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 INDEXER_QUERY_DTYPES = (*QUERY_DTYPES, "float8_e4m3fn")  # ... and the indexer's e4m3 codes (dsa.index_query_operands)
 TENSOR_PARALLEL = ("shard_map", "gspmd")  # how a TEP mesh splits a layer's attention and dense MLP
-MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS)  # how the MoE kernels find the chosen experts (quant.moe_experts)
+MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS, FRAGMENT_ROUTING)  # how the MoE kernels find the chosen experts (quant.moe_experts)
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
@@ -49,7 +50,9 @@ class Runtime:
   tensor-core kernels, or "pairs": each (token, local expert) pair a one-row product on the CUDA
   cores (pallas_kernels/moe_hfma2.py; NVFP4 experts under matmul="pallas_hfma2" or
   "pallas_fragments" only), or "pairs_fused": that with the activations' fp16 planes built in one
-  launch each.
+  launch each, or "fragments": each chosen expert read once for all tokens on the fragment GEMV
+  (pallas_kernels/moe_fragments.py; matmul="pallas_fragments" only: `arrange` moves the NVFP4
+  experts into fragment order too).
   router: the MoE router's choice of experts from its logits, XLA's kernels (glmjax.moe.route:
   the split-K sum, a sort, the weights' gather and normalisation) or one Pallas launch from the
   GEMV's partials (pallas_kernels/moe_route.py; the same choices wherever the summed logits agree).
@@ -265,14 +268,17 @@ class Runtime:
     if self.moe_routing in PAIR_ROUTINGS and self.matmul not in HFMA2_IMPLS:
       raise ValueError(f"moe_routing={self.moe_routing!r} runs the experts on the CUDA cores' fp16x2 FMAs: it "
                        f"needs matmul in {HFMA2_IMPLS}, got {self.matmul!r}")
+    if self.moe_routing == FRAGMENT_ROUTING and self.matmul != FRAGMENT_IMPL:
+      raise ValueError(f"moe_routing={FRAGMENT_ROUTING!r} runs the experts on the fragment GEMV: it needs "
+                       f"matmul={FRAGMENT_IMPL!r}, got {self.matmul!r}")
 
   def arrange(self, params):
     """params in the weight layout this runtime's matmul reads: 2-D NVFP4 weights in fragment
-    order (for fragment_operands) under matmul="pallas_fragments", in ModelOpt's under the others
-    (quant.arrange_params; params already so come back as they are). The entry points taking
-    params and a runtime call it."""
-    return arrange_params(params, fragments=self.matmul == "pallas_fragments",
-                          operands=self.fragment_operands)
+    order (for fragment_operands) under matmul="pallas_fragments", and the routed experts too under
+    moe_routing="fragments"; in ModelOpt's under the others (quant.arrange_params; params already
+    so come back as they are). The entry points taking params and a runtime call it."""
+    return arrange_params(params, fragments=self.matmul == FRAGMENT_IMPL, operands=self.fragment_operands,
+                          experts=self.moe_routing == FRAGMENT_ROUTING)
 
   @property
   def linear_impls(self) -> dict[str, str]:

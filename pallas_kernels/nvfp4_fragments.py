@@ -90,6 +90,7 @@ same registers.
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -384,25 +385,56 @@ def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], config: FragmentC
     first += count
 
 
-def _program(x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, split, *, m: int, n: int, k: int,
-             tiles: int, chunks: int, config: FragmentConfig, operands: str, scaled: bool, interpret: bool):
-  """Row block `block` and K split `split` of one weight (_kernel's refs, one of each; global_ref
-  and amax_ref only when scaled, amax_ref only for float16). The program's tiles in
-  config.tile_groups contiguous groups; element e of a group's arrays is tile e // 128 of the
-  group, lane word e % 128, so one load of the activation words serves every group."""
+# Truncating integer division (operands >= 0): jnp's floor // and % add sign fix-ups that hide
+# from Triton that the lanes' offsets run in aligned groups of 4, and it then loads 4 bytes at a time.
+_div, _rem = (functools.partial(lambda op, a, b: op(a, jnp.int32(b)), op) for op in (lax.div, lax.rem))
+
+
+class Lanes(NamedTuple):
+  """Element e of a tile group's [group * 128] arrays: tile e // 128 of the group, lane word e %
+  128 (lane 4g + t's register r)."""
+  tile: jax.Array
+  word: jax.Array
+  g: jax.Array
+  t: jax.Array
+  r: jax.Array
+
+  @classmethod
+  def of(cls, config: "FragmentConfig") -> "Lanes":
+    e = jnp.arange(config.tiles // config.tile_groups * WORDS)
+    tile, word = _div(e, WORDS), _rem(e, WORDS)
+    lane = _div(word, 4)
+    return cls(tile, word, _div(lane, 4), _rem(lane, 4), _rem(e, 4))
+
+  @property
+  def token(self) -> jax.Array:  # of the lane's sum r (c_r: row g + 8 (r // 2), token 2t + r % 2)
+    return 2 * self.t + _rem(self.r, 2)
+
+  def row(self, start) -> jax.Array:  # of that sum, for the group's first tile `start`
+    return (start + self.tile) * TILE + self.g + 8 * _div(self.r, 2)
+
+
+def group_starts(block, config: "FragmentConfig") -> list:
+  """The first tile of each of row block `block`'s tile groups."""
   group = config.tiles // config.tile_groups
-  size, first = group * WORDS, block * config.tiles
-  starts = [first + i * group for i in range(config.tile_groups)]
-  e = jnp.arange(size)
-  # Truncating integer division (e >= 0): jnp's floor // and % add sign fix-ups that hide from
-  # Triton that these offsets run in aligned groups of 4, and it then loads 4 bytes at a time.
-  div, rem = (functools.partial(lambda op, a, b: op(a, jnp.int32(b)), op) for op in (lax.div, lax.rem))
-  tile, word = div(e, WORDS), rem(e, WORDS)
-  lane, r = div(word, 4), rem(e, 4)
-  g, t = div(lane, 4), rem(lane, 4)
+  return [block * config.tiles + i * group for i in range(config.tile_groups)]
+
+
+def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m: int, k: int, tiles: int,
+                  chunks: int, config: FragmentConfig, operands: str, interpret: bool, expert=0, x_row=0
+                  ) -> tuple[tuple[jax.Array, ...], list, list]:
+  """Row block `block` and K split `split` of one weight of `tiles` row tiles: the fp32 sums
+  (one [group * 128] array a tile group, mma's C fragments), the groups' first tiles and their
+  row masks (None: all in range). The program's tiles in config.tile_groups contiguous groups,
+  whose MMAs share one load of the activation words. words_ref and scales_ref may stack several
+  such weights: `expert` picks one. x's rows start at `x_row` (bfloat16 operands; fp16 ones read
+  the prepared words of one x)."""
+  size, starts = config.tiles // config.tile_groups * WORDS, group_starts(block, config)
+  tile, word, g, t, r = lanes
   oks = [None if tiles % config.tiles == 0 else start + tile < tiles for start in starts]
+  words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
   # float16: lane 4g + t reads words 4g .. 4g + 3; bfloat16: its own word, four times.
-  scale_index = tile * LANES + (g * 4 + r if operands == "float16" else lane)
+  scale_index = tile * LANES + (g * 4 + r if operands == "float16" else 4 * g + t)
   load = lambda ref, index, ok: pltriton.load(ref.at[index], mask=ok, other=None if ok is None else jnp.uint32(0))
 
   def activations(c, a):
@@ -411,14 +443,16 @@ def _program(x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, s
     if operands == "float16":
       return pltriton.load(x_ref.at[(4 * c + a) * WORDS + word])
     column = c * (CHUNK // 2) + 32 * (a // 2) + 8 * t + 4 * (a % 2) + r
-    return pltriton.load(x_ref.at[g * (k // 2) + column], mask=(g < m) & (2 * column < k), other=jnp.uint32(0))
+    return pltriton.load(x_ref.at[(x_row + g) * (k // 2) + column], mask=(g < m) & (2 * column < k),
+                         other=jnp.uint32(0))
 
   def chunk(c) -> tuple:
     """Chunk c's loads: per group the two halves' words and the scale words; the four
     activation arrays, once."""
-    words = [[load(words_ref, pl.ds((2 * c + h) * tiles * WORDS + start * WORDS, size), ok) for h in range(2)]
-             for start, ok in zip(starts, oks)]
-    scales = [load(scales_ref, c * tiles * LANES + start * LANES + scale_index, ok) for start, ok in zip(starts, oks)]
+    words = [[load(words_ref, pl.ds(words_base + (2 * c + h) * tiles * WORDS + start * WORDS, size), ok)
+              for h in range(2)] for start, ok in zip(starts, oks)]
+    scales = [load(scales_ref, scales_base + c * tiles * LANES + start * LANES + scale_index, ok)
+              for start, ok in zip(starts, oks)]
     return words, scales, [activations(c, a) for a in range(4)]
 
   def multiply(accs, loads) -> tuple:
@@ -443,38 +477,56 @@ def _program(x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, s
   accs = (jnp.zeros((size,), jnp.float32),) * config.tile_groups
   accs = lax.fori_loop(0, steps, step, accs)
   accs = lax.fori_loop(begin + steps * config.unroll, end, lambda c, accs: multiply(accs, chunk(c)), accs)
-  # Lane 4g + t's sum r (c_r: row 16 T + g + 8 (r // 2), token 2t + r % 2). scaled: times the
-  # epilogue's scale, at [split, token, row], rows < N; rows_out: at [split, token, row] of the
-  # padded rows; else slab t of this split at 32 T + 4g + r. Padding tokens' sums (token >= m;
-  # whole slabs: 2t >= m) are not written.
-  factor = None
+  return accs, starts, oks
+
+
+def store_rows(o_ref, accs, starts, lanes: Lanes, factor, *, m: int, n: int, base=0) -> None:
+  """Each group's sums times `factor` (a scalar or per lane) at [token, row] of the [M, N] slab
+  that starts at `base` of o_ref (in o_ref's dtype), tokens < m and rows < n only."""
+  for start, acc in zip(starts, accs):
+    token, row = lanes.token, lanes.row(start)
+    keep = (token < m) & (row < n)
+    _masked_store(o_ref, base + token * n + row, (acc * factor).astype(o_ref.dtype), keep)
+
+
+def _masked_store(o_ref, index, value, keep) -> None:
+  # Masked lanes point past the end: their in-range index could be a stored lane's (a row past N
+  # is the next token's), and the interpreter's masked store writes back what it read there.
+  pltriton.store(o_ref.at[jnp.where(keep, index, o_ref.shape[0])], value, mask=keep)
+
+
+def _program(x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, split, *, m: int, n: int, k: int,
+             tiles: int, chunks: int, config: FragmentConfig, operands: str, scaled: bool, interpret: bool):
+  """Row block `block` and K split `split` of one weight (_kernel's refs, one of each; global_ref
+  and amax_ref only when scaled, amax_ref only for float16): fragment_sums, then the stores."""
+  lanes = Lanes.of(config)
+  accs, starts, oks = fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes, m=m, k=k, tiles=tiles,
+                                    chunks=chunks, config=config, operands=operands, interpret=interpret)
+  # scaled: times the epilogue's scale, at [split, token, row], rows < N; rows_out: at [split,
+  # token, row] of the padded rows; else slab t of this split at 32 T + 4g + r. Padding tokens'
+  # sums (token >= m; whole slabs: 2t >= m) are not written.
   if scaled:
-    token, row = 2 * t + rem(r, 2), tile * TILE + g + 8 * div(r, 2)
     if operands == "float16":  # f16_rows' scale of the lane's token, undone
-      amax = pltriton.load(amax_ref.at[jnp.minimum(token, m - 1)])
+      amax = pltriton.load(amax_ref.at[jnp.minimum(lanes.token, m - 1)])
       factor = global_ref[0] * (DECODE_SCALE * row_inverse_scale(amax))
     else:
       factor = global_ref[0] * BF16_SCALE
-    index = lambda start: (split * m + token) * n + start * TILE + row
-    keeps = [(token < m) & (start * TILE + row < n) for start in starts]
-  elif config.rows_out:
-    token = 2 * t + rem(r, 2)
-    keep = token < m
-    row = tile * TILE + g + 8 * div(r, 2)
-    index = lambda start: (split * TOKENS + token) * (tiles * TILE) + start * TILE + row
+    store_rows(o_ref, accs, starts, lanes, factor, m=m, n=n, base=split * m * n)
+    return
+  if config.rows_out:
+    keep = lanes.token < m
+    index = lambda start: (split * TOKENS + lanes.token) * (tiles * TILE) + lanes.row(start)
   else:
-    keep = t < pl.cdiv(m, 2)
-    index = lambda start: (split * 4 + t) * tiles * LANES + (start + tile) * LANES + g * 4 + r
-  if not scaled:
-    keeps = [keep if ok is None else keep & ok for ok in oks]
-  for start, keep, acc in zip(starts, keeps, accs):
-    value = acc if factor is None else (acc * factor).astype(o_ref.dtype)
-    # Masked lanes point past the end: their in-range index could be a stored lane's (a row past
-    # N is the next token's), and the interpreter's masked store writes back what it read there.
-    pltriton.store(o_ref.at[jnp.where(keep, index(start), o_ref.shape[0])], value, mask=keep)
+    keep = lanes.t < pl.cdiv(m, 2)
+    index = lambda start: ((split * 4 + lanes.t) * tiles * LANES + (start + lanes.tile) * LANES + lanes.g * 4
+                           + lanes.r)
+  for start, ok, acc in zip(starts, oks, accs):
+    _masked_store(o_ref, index(start), acc, keep if ok is None else keep & ok)
 
 
 def _check_x(x: jax.Array, w: FragmentWeight, name: str) -> None:
+  if w.ndim != 2:
+    raise ValueError(f"{name}: one [N, K] weight, got stacked experts {w.shape} (moe_fragments runs those)")
   n, k = w.shape
   if x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] != k or not 1 <= x.shape[0] <= TOKENS:
     raise ValueError(f"{name}: x must be bf16 [M, {k}] with 1 <= M <= {TOKENS}, got {x.dtype}{list(x.shape)}")

@@ -98,22 +98,24 @@ def test_agreement_compares_index_sets_and_float_errors():
 @pytest.mark.side_lane  # 15-20 s on 2 cores: beside the multi-device tests (Makefile)
 def test_quant_sweep_covers_the_stacks_kernels():
   """kernels_bench --sweep's quant rows: the NVFP4 GEMV on the CUDA cores beside the tensor
-  cores' default, the routed experts as pairs at a rank's view, the FP8 and bf16 GEMVs and the
-  fragment-order NVFP4 GEMV at 1 and 8 rows (one config each in the quick sweep), every one
-  timed (interpret mode: the PTX runs its jnp twin)."""
+  cores' default, the routed experts as pairs and on the fragment GEMV at a rank's view, the FP8
+  and bf16 GEMVs and the fragment-order NVFP4 GEMV at 1 and 8 rows (one config each in the quick
+  sweep), every one timed (interpret mode: the PTX runs its jnp twin)."""
   from experiments.bench_quant import quant_sweep_rows
   rows = list(quant_sweep_rows(quick=True))
   assert {r["name"] for r in rows} == {"sweep", "moe_sweep"}
   gemv = [r["config"] for r in rows if r["name"] == "sweep" and r["format"] == "nvfp4"]
   assert len(gemv) == 2 and {"dot='hfma2'" in c for c in gemv} == {True, False}
-  assert [r["config"].startswith("PairsConfig(") and "fused_planes=True" in r["config"]
-          for r in rows if r["name"] == "moe_sweep"] == [True]
+  moe = [r["config"] for r in rows if r["name"] == "moe_sweep"]
+  assert len(moe) == 2 and moe[0].startswith("PairsConfig(") and "fused_planes=True" in moe[0]
+  assert moe[1] == "ExpertsConfig(gate_up=None, down=None)"  # the fragment MoE at its defaults
   for fmt in ("fp8", "bf16"):
     assert len({r["config"] for r in rows if r["name"] == "sweep" and r["format"] == fmt}) == 1
   for fmt in ("nvfp4_fragments", "nvfp4_fragments_bf16"):
-    fragments = [(r["m"], r["config"]) for r in rows if r["format"] == fmt]
+    fragments = [(r["m"], r["config"]) for r in rows if r["name"] == "sweep" and r["format"] == fmt]
     assert [m for m, _ in fragments] == [1, 8] and all(c.startswith("FragmentConfig(") for _, c in fragments)
-  assert all("final_out=True" in r["config"] for r in rows if r["format"] == "nvfp4_fragments_bf16")
+  assert all("final_out=True" in r["config"] for r in rows
+             if r["name"] == "sweep" and r["format"] == "nvfp4_fragments_bf16")
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
 
 

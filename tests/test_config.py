@@ -304,7 +304,7 @@ def test_runtime_fold_splits_is_a_rule_or_a_cap(bad):
   assert [Runtime(**kw).fold_splits for kw in ({}, dict(fold_splits="rule"), dict(fold_splits=3))] == ["fill", "rule", 3]
 
 
-def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
+def test_runtime_expert_routings_need_their_matmuls():
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match=r"moe_routing='pairs'.*matmul in \('pallas_hfma2', 'pallas_fragments'\)"):
     Runtime(matmul="pallas_ptx_f16", moe_routing="pairs")
@@ -312,6 +312,10 @@ def test_runtime_pairs_routing_needs_the_cuda_core_matmul():
     Runtime(matmul="pallas", moe_routing="pairs_fused")
   assert Runtime(matmul="pallas_hfma2", moe_routing="pairs").moe_routing == "pairs"
   assert Runtime(matmul="pallas_fragments", moe_routing="pairs_fused").moe_routing == "pairs_fused"
+  with pytest.raises(ValueError, match="moe_routing='fragments' runs the experts on the fragment GEMV: it needs "
+                     "matmul='pallas_fragments', got 'pallas_hfma2'"):
+    Runtime(matmul="pallas_hfma2", moe_routing="fragments")
+  assert Runtime(matmul="pallas_fragments", moe_routing="fragments").moe_routing == "fragments"
 
 
 def test_runtime_route_planes_needs_the_pallas_router_and_fused_pairs():

@@ -306,8 +306,10 @@ def test_fragment_matmul_rejects_bad_inputs():
   for x in (jnp.ones((9, 128), jnp.bfloat16), jnp.ones((2, 144), jnp.bfloat16), jnp.ones((2, 128), jnp.float32)):
     with pytest.raises(ValueError, match="x must be bf16"):
       fragment_matmul(x, w)
-  with pytest.raises(ValueError, match="one \\[N, K\\] weight"):
-    to_fragments(quantize_nvfp4(jnp.ones((2, 32, 128), jnp.float32)))
+  with pytest.raises(ValueError, match="one \\[N, K\\] weight or stacked experts \\[E, N, K\\], got shape"):
+    to_fragments(quantize_nvfp4(jnp.ones((2, 2, 32, 128), jnp.float32)))
+  with pytest.raises(ValueError, match="one \\[N, K\\] weight, got stacked experts \\(2, 32, 128\\)"):
+    fragment_matmul(jnp.ones((2, 128), jnp.bfloat16), to_fragments(quantize_nvfp4(jnp.ones((2, 32, 128), jnp.float32))))
   with pytest.raises(ValueError, match="multiple of num_warps"):
     FragmentConfig(tiles=2, num_warps=4)
   with pytest.raises(ValueError, match="power of two"):

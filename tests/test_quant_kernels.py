@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4
+from glmjax.quant import linear, moe_experts, quantize_fp8_block, quantize_nvfp4, to_fragments
 from pallas_kernels.bf16_matmul import (bf16_matmul, bf16_matmul_group, bf16_matmul_reference, swiglu_matmul,
                                        swiglu_matmul_reference)
 from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.hfma2_planes import rows_planes
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
+from pallas_kernels.nvfp4_fragments import FragmentConfig
 from pallas_kernels.nvfp4_matmul import MatmulConfig, default_config, nvfp4_matmul, nvfp4_matmul_reference
 from tests.ptx_emulator import f16_value as _f16, f32_value as _f32, run_ptx as _run_ptx
 
@@ -372,6 +373,57 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   assert partials.dtype == jnp.float32 and partials.shape == (down[2] * groups, 5, 80)
   np.testing.assert_array_equal(np.asarray(partials.sum(0).astype(jnp.bfloat16), np.float32),
                                 np.asarray(out, np.float32))
+
+
+@pytest.mark.parametrize("gate_up,down", [
+    (None, None),  # default_fragment_config's: one K split here (80 and 48 inputs are one chunk each)
+    (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1))])
+def test_moe_fragments(gate_up, down):
+  """The chosen experts each read once for all tokens on the fragment GEMV (its PTX's twin
+  here), found in-kernel: expert 2 meets four tokens, ids 7, 9 and -1 are other ranks', token 4
+  has no local expert; ragged tiles (48 rows in two-tile blocks) and padded chunks (K = 80,
+  48); a weight's row blocks shared by the gate's and up's launch."""
+  from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
+  x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
+  fragments = [to_fragments(w, "bfloat16") for w in experts]
+  config = ExpertsConfig(gate_up, down)
+  out = moe_fragments(x, ids, weights, *fragments, config=config)
+  assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
+  assert rel_err(out, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
+  np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
+  partials = moe_fragments(x, ids, weights, *fragments, config=config, keep_partials=True)
+  assert partials.dtype == jnp.float32 and partials.shape[1:] == (5, 80)
+  np.testing.assert_array_equal(np.asarray(partials.sum(0).astype(jnp.bfloat16), np.float32),
+                                np.asarray(out, np.float32))
+  # no local expert at all: zeros, with every slot's partials unwritten
+  none = moe_fragments(x, jnp.full_like(ids, 7), weights, *fragments, config=config)
+  np.testing.assert_array_equal(np.asarray(none, np.float32), 0.0)
+
+
+def test_moe_fragments_split_k_and_bad_inputs():
+  """K split in both launches (two chunks of 128 each): the split sums equal one split's within
+  fp32 rounding; weights not in bf16 fragment order, or more tokens than the MMA's 8, are clear
+  errors."""
+  from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
+  rng = np.random.default_rng(3)
+  e, d, i = 3, 256, 256
+  x = jnp.asarray(rng.standard_normal((3, d)), jnp.bfloat16)
+  experts = [quantize_nvfp4(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32))
+             for shape in ((e, i, d), (e, i, d), (e, d, i))]
+  ids, weights = jnp.array([[2, 0], [1, 2], [2, 5]], jnp.int32), jnp.asarray(rng.uniform(0.1, 1, (3, 2)), jnp.float32)
+  fragments = [to_fragments(w, "bfloat16") for w in experts]
+  one = FragmentConfig(tiles=2, num_warps=1, tile_groups=2)
+  split = dataclasses.replace(one, split_k=2)
+  whole = moe_fragments(x, ids, weights, *fragments, config=ExpertsConfig(one, one))
+  halves = moe_fragments(x, ids, weights, *fragments, config=ExpertsConfig(split, split))
+  assert rel_err(halves, whole) <= 1e-2 * TOL + 2 ** -8
+  assert rel_err(whole, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
+  with pytest.raises(ValueError, match="up_proj must be stacked experts in fragment order on bfloat16"):
+    moe_fragments(x, ids, weights, fragments[0], experts[1], fragments[2])
+  with pytest.raises(ValueError, match="down_proj must be stacked experts .* on bfloat16 operands"):
+    moe_fragments(x, ids, weights, *fragments[:2], to_fragments(experts[2]))
+  with pytest.raises(ValueError, match="at most 8 tokens"):
+    moe_fragments(jnp.zeros((9, d), jnp.bfloat16), jnp.zeros((9, 2), jnp.int32), jnp.ones((9, 2)), *fragments)
 
 
 def test_moe_experts_pairs_routing():

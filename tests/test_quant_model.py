@@ -16,7 +16,7 @@ from configs import get_model_config
 from glmjax.layers import Linear
 from glmjax.model import abstract_params
 from glmjax.engine.engine import Engine
-from glmjax.quant import (FragmentWeight, NVFP4Weight, QuantizedWeight, linear, quantize_fp8_block, quantize_nvfp4,
+from glmjax.quant import (FragmentWeight, NVFP4Weight, QuantizedWeight, arrange_params, linear, quantize_fp8_block, quantize_nvfp4,
                           quantize_params, to_fragments)
 from glmjax.runtime import Runtime
 
@@ -236,6 +236,40 @@ def test_fragment_matmul_in_the_model(params_bf16):
                                 np.asarray(q["layers_1"]["self_attn"]["o_proj"]["weight"].dequantize(jnp.float32)))
   engine = Engine(CONFIG, q, runtime=bf16, num_pages=4, page_size=16)
   assert engine.params["layers_1"]["self_attn"]["o_proj"]["weight"].operands == "bfloat16"
+
+
+def test_fragment_experts_in_the_model(params_bf16):
+  """moe_routing="fragments" (NVFP4 experts): forward moves the stacked routed experts into bf16
+  fragment order too, and each MoE layer runs the fragment MoE's three launches (gate/up, the
+  chosen slots' swiglu, down) where the pairs run theirs; the logits equal the pairs' within bf16
+  rounding. Past 8 rows (the MMA's N) the experts take the reference on the weights moved back,
+  its logits the XLA path's. The engine arranges the experts once; moved back, the same bits."""
+  q = quantized(params_bf16, "nvfp4_experts")
+  runtime = Runtime(matmul="pallas_fragments", moe_routing="fragments")
+  names = lambda runtime, ids: collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(
+      lambda p: glmjax.forward(CONFIG, p, ids, runtime=runtime))(q).jaxpr))
+  ids = tokens(8, 1, 5)
+  pairs = Runtime(matmul="pallas_fragments", moe_routing="pairs")
+  launched, paired = names(runtime, ids), names(pairs, ids)
+  moe = len(MOE_LAYERS)
+  assert {name: launched[name] for name in ("moe_fragments_gate_up", "moe_fragments_swiglu", "moe_fragments_down")
+          } == dict.fromkeys(("moe_fragments_gate_up", "moe_fragments_swiglu", "moe_fragments_down"), moe)
+  assert not any(name.startswith("moe_hfma2") for name in launched)
+  assert sum(launched.values()) == sum(paired.values()) - sum(n for name, n in paired.items()
+                                                              if name.startswith("moe_hfma2")) + 3 * moe
+  want = glmjax.forward(CONFIG, q, ids, runtime=pairs)
+  assert rel_err(glmjax.forward(CONFIG, q, ids, runtime=runtime), want) <= 2e-3
+  many = tokens(8, 1, 10)
+  assert rel_err(glmjax.forward(CONFIG, q, many, runtime=runtime),
+                 glmjax.forward(CONFIG, q, many, runtime=Runtime())) <= 2e-3
+  engine = Engine(CONFIG, q, runtime=runtime, num_pages=4, page_size=16)
+  experts = engine.params["layers_1"]["mlp"]["experts"]
+  assert all(isinstance(w, FragmentWeight) and w.ndim == 3 and w.operands == "bfloat16" for w in experts.values())
+  back = arrange_params(engine.params, fragments=False)["layers_1"]["mlp"]["experts"]
+  for name, w in back.items():
+    assert isinstance(w, NVFP4Weight)
+    for got, original in zip(jax.tree.leaves(w), jax.tree.leaves(q["layers_1"]["mlp"]["experts"][name])):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(original))
 
 
 def test_fragment_linear_takes_rows_in_eights():

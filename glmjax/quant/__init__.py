@@ -63,10 +63,13 @@ DENSE_IMPLS = ("xla", "pallas", "pallas_grouped")
 # The NVFP4 experts on the CUDA cores, a (token, expert) pair at a time: the activations' fp16
 # planes from XLA's glue, or built in one launch each (pallas_kernels/hfma2_planes.py).
 PAIR_ROUTINGS = ("pairs", "pairs_fused")
+# The NVFP4 experts in fragment order, each chosen one read once for all tokens on the fragment
+# GEMV (pallas_kernels/moe_fragments.py), under FRAGMENT_IMPL only.
+FRAGMENT_ROUTING, FRAGMENT_IMPL = "fragments", "pallas_fragments"
 QuantizedWeight = NVFP4Weight | FP8BlockWeight | FragmentWeight
 
 __all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FRAGMENT_OPERAND_CHOICES", "FRAGMENT_OPERANDS", "FragmentWeight", "IMPLS",
-           "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight", "arrange_params", "decode_sized",
+           "FRAGMENT_IMPL", "FRAGMENT_ROUTING", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight", "arrange_params", "decode_sized",
            "from_fragments", "linear", "linear_group", "linear_group_partials", "linear_partials", "moe_experts",
            "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes",
            "to_fragments"]
@@ -294,7 +297,11 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   chosen experts (MoEConfig.routing: "table" from XLA, or "scan" in-kernel), or "pairs": each
   (token, local expert) pair a one-row product on the CUDA cores (pallas_kernels/moe_hfma2.py;
   NVFP4 weights under an impl of HFMA2_IMPLS only, else a clear error), "pairs_fused" that with
-  the activations' fp16 planes built in one launch each (PairsConfig.fused_planes); `chosen`: the
+  the activations' fp16 planes built in one launch each (PairsConfig.fused_planes), or
+  "fragments": each chosen expert read once for all tokens on the fragment GEMV
+  (pallas_kernels/moe_fragments.py; impl FRAGMENT_IMPL and stacked experts in bf16 fragment order,
+  `arrange_params(..., experts=True)`; up to 8 tokens, more take the reference on the weights
+  moved back to ModelOpt's order); `chosen`: the
   distinct local experts a step is expected to read, which picks the kernels' tiles
   (default_moe_config; None: all of them). partials: fp32 terms [S, T, D] whose sum rounded to
   x.dtype is the result (the pairs' down partials, unsummed; else [1, T, D]), for a kernel that
@@ -307,6 +314,16 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
                      f"impl={impl!r} for x {x.dtype}{list(x.shape)}")
   if routing in PAIR_ROUTINGS:
     _check_pairs(impl, routing, gate_proj, up_proj, down_proj)
+  if routing == FRAGMENT_ROUTING:
+    from pallas_kernels.moe_fragments import TOKENS, check_expert_fragments, moe_fragments
+    if impl != FRAGMENT_IMPL:
+      raise ValueError(f"moe_experts: routing={routing!r} runs on the fragment GEMV: it needs impl="
+                       f"{FRAGMENT_IMPL!r}, got {impl!r}")
+    check_expert_fragments(gate_proj, up_proj, down_proj)
+    if decode_sized(x) and x.shape[0] <= TOKENS:
+      return moe_fragments(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, keep_partials=partials)
+    gate_proj, up_proj, down_proj = map(from_fragments, (gate_proj, up_proj, down_proj))
+    impl = "xla"
   if impl != "xla" and decode_sized(x):
     if routing in PAIR_ROUTINGS:
       from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2

@@ -7,7 +7,8 @@ checkpoint and every non-kernel path see ModelOpt's tensors).
 
   words   u32 [Kc, 2, Nt * 128]  tile T (16 rows), chunk c (128 inputs): each lane's A fragments
   scales  u32 [Kc, Nt * 32]      the e4m3 block scales of rows g and g + 8, four a word
-N and K are zero-padded to whole tiles and chunks (zero codes and scales add nothing).
+N and K are zero-padded to whole tiles and chunks (zero codes and scales add nothing). Stacked
+experts [E, N, K] hold each expert's arrays behind an expert axis (words [E, Kc, 2, Nt * 128]).
 """
 
 import dataclasses
@@ -65,12 +66,13 @@ def _cdiv(a: int, b: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FragmentWeight(QuantizedWeight):
-  """An NVFP4 weight of logical shape [N, K] in fragment order (module docstring) for an MMA on
-  `operands` (OPERANDS: the orders differ in which columns a word's codes hold)."""
-  words: jax.Array         # u32 [Kc, 2, Nt * 128]
-  scales: jax.Array        # u32 [Kc, Nt * 32]
-  global_scale: jax.Array  # f32 []
-  input_scale: jax.Array   # f32 [] (ModelOpt's, kept for the checkpoint)
+  """An NVFP4 weight of logical shape [N, K], or stacked experts [E, N, K], in fragment order
+  (module docstring) for an MMA on `operands` (OPERANDS: the orders differ in which columns a
+  word's codes hold)."""
+  words: jax.Array         # u32 [(E,) Kc, 2, Nt * 128]
+  scales: jax.Array        # u32 [(E,) Kc, Nt * 32]
+  global_scale: jax.Array  # f32 [(E)]
+  input_scale: jax.Array   # f32 [(E)] (ModelOpt's, kept for the checkpoint)
   shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
   operands: str = dataclasses.field(default="float16", metadata=dict(static=True))
   format: ClassVar[str] = NVFP4Weight.format
@@ -78,10 +80,10 @@ class FragmentWeight(QuantizedWeight):
 
   @property
   def tiles(self) -> int:
-    return self.scales.shape[1] // LANES
+    return self.scales.shape[-1] // LANES
 
   def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
-    """[N, K] in `dtype`, as the NVFP4Weight it came from dequantizes."""
+    """[(E,) N, K] in `dtype`, as the NVFP4Weight it came from dequantizes."""
     return from_fragments(self).dequantize(dtype)
 
 
@@ -105,12 +107,14 @@ def _bytes(w: jax.Array) -> jax.Array:
 
 
 def to_fragments(w: NVFP4Weight, operands: str = "float16") -> FragmentWeight:
-  """A 2-D NVFP4Weight rearranged into fragment order for an MMA on `operands` (a copy of its
-  4.5 bits a weight)."""
-  if w.ndim != 2:
-    raise ValueError(f"to_fragments: one [N, K] weight, got shape {w.shape}")
+  """An NVFP4Weight [N, K], or stacked experts [E, N, K] (each rearranged alone), in fragment
+  order for an MMA on `operands` (a copy of its 4.5 bits a weight)."""
+  if w.ndim not in (2, 3):
+    raise ValueError(f"to_fragments: one [N, K] weight or stacked experts [E, N, K], got shape {w.shape}")
   if operands not in OPERANDS:
     raise ValueError(f"to_fragments: operands must be one of {OPERANDS}, got {operands!r}")
+  if w.ndim == 3:
+    return dataclasses.replace(jax.vmap(functools.partial(to_fragments, operands=operands))(w), shape=w.shape)
   code_dims, nibble, word_axes, scale_dims, scale_axes = _ORDERS[operands]
   n, k = w.shape
   nt, kc = _cdiv(n, TILE), _cdiv(k, CHUNK)
@@ -126,6 +130,8 @@ def to_fragments(w: NVFP4Weight, operands: str = "float16") -> FragmentWeight:
 
 def from_fragments(f: FragmentWeight) -> NVFP4Weight:
   """Inverse of `to_fragments`, bit for bit: the padding dropped, ModelOpt's arrays back."""
+  if len(f.shape) == 3:
+    return jax.vmap(from_fragments)(dataclasses.replace(f, shape=f.shape[1:]))
   (n, k), kc, nt = f.shape, f.scales.shape[0], f.tiles
   _, nibble, word_axes, _, scale_axes = _ORDERS[f.operands]
   packed = _bytes(f.words.reshape(kc, 2, nt, 8, 4, 4)).transpose(_inverse(word_axes))
@@ -146,20 +152,26 @@ def _split(leaf: QuantizedWeight) -> bool:
   return any(concrete(a) and not a.sharding.is_fully_replicated for a in jax.tree.leaves(leaf))
 
 
-def arrange_params(params: Any, fragments: bool, operands: str = "auto") -> Any:
+def arrange_params(params: Any, fragments: bool, operands: str = "auto", experts: bool = False) -> Any:
   """Params with every 2-D NVFP4 weight that the model multiplies through `linear` in fragment
   order for an MMA on `operands` (OPERAND_CHOICES; "auto": each weight's by `operands_for`)
-  (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False); other
-  leaves, NVFP4 experts (3-D), the RAW weights and weights split over devices as they are. Each
-  moved weight is one jitted call on its device; params with nothing to move come back as they
-  are (the same object)."""
+  (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False); with
+  experts too, the stacked routed experts (3-D NVFP4, under "experts") in fragment order on
+  bfloat16 operands (what pallas_kernels/moe_fragments.py reads). Other leaves, the RAW weights
+  and weights split over devices stay as they are. Each moved weight is one jitted call on its
+  device; params with nothing to move come back as they are (the same object)."""
   operands_for((), operands)  # a clear error for a bad choice
+  experts = fragments and experts
+
+  def wanted(leaf) -> str:  # the operands a weight to move takes
+    return "bfloat16" if leaf.ndim == 3 else operands_for(leaf.shape, operands)
+
   def moves(path, leaf) -> bool:
     if isinstance(leaf, FragmentWeight):
-      return not fragments or leaf.operands != operands_for(leaf.shape, operands)
+      return not (experts if leaf.ndim == 3 else fragments) or leaf.operands != wanted(leaf)
     names = {getattr(key, "key", None) for key in path}
-    return (fragments and isinstance(leaf, NVFP4Weight) and leaf.ndim == 2 and not names & set(RAW)
-            and not _split(leaf))
+    takes = leaf.ndim == 2 and fragments or leaf.ndim == 3 and experts and "experts" in names
+    return isinstance(leaf, NVFP4Weight) and takes and not names & set(RAW) and not _split(leaf)
   found = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)[0]
   if not any(moves(path, leaf) for path, leaf in found):
     return params
@@ -168,6 +180,6 @@ def arrange_params(params: Any, fragments: bool, operands: str = "auto") -> Any:
 
   def move(leaf):
     raw = back(leaf) if isinstance(leaf, FragmentWeight) else leaf
-    return to[operands_for(leaf.shape, operands)](raw) if fragments else raw
+    return to[wanted(leaf)](raw) if (experts if leaf.ndim == 3 else fragments) else raw
   return jax.tree_util.tree_map_with_path(lambda path, leaf: move(leaf) if moves(path, leaf) else leaf, params,
                                           is_leaf=_is_leaf)

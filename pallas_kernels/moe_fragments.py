@@ -1,0 +1,224 @@
+"""Routed-expert MLP of a decode step on the fragment GEMV: each chosen expert's weights read once,
+by the tensor cores, for all the step's tokens at once.
+
+  out[t] = sum_s w[t,s] * down_e(silu(gate_e x_t) * up_e x_t),  e = ids[t,s] in [0, E)
+
+Why: nvfp4_fragments' program (weights stored in mma.sync's fragment order, decoded in the lanes
+that multiply them) streams one weight at 75% of copy speed where the CUDA-core pairs of
+moe_hfma2 reach 51% at one TEP=8 rank's experts (BENCHMARKS.md run 27), and an expert that two
+tokens chose is read once, not once a token: the tokens are the MMA's N, which pads to 8 anyway.
+
+The chosen experts are found in-kernel, with no XLA routing table: every program loads the step's
+T*k ids (a few hundred bytes), marks the local experts any id names (0 <= id < E) and ranks them;
+slot s is the s-th of them in id order, `count` of them. Programs loop over the slots, so a
+launch has the grid of one expert's weights whatever the choice, and no program waits on an
+expert nobody chose.
+
+  gate_up: program (row block j of gate's then up's tiles, K split s): for each slot, the rows'
+           sums against every token (bf16 operands: x's rows read as they are), scaled by the
+           expert's global scale, at [slot, s, token, row] of fp32 partials (slots >= count
+           unwritten).
+  XLA:     h = silu(sum_s g) * sum_s u, bf16 [slot, token, I] (one fusion).
+  down:    program (row block j, K split s): for each slot, the rows' sums against h[slot],
+           times the expert's global scale and each token's routing weight for it (zero where the
+           token did not choose it), summed over the slots in registers: fp32 partials [S, T, D],
+           summed by XLA (or by a kernel that takes them: `keep_partials`).
+
+Weights: `to_fragments` of the stacked NVFP4 experts with bfloat16 operands (x and h need no row
+scaling then; an fp16 MMA would need an activations launch per slot). Numerics are
+nvfp4_fragments': exact products, fp32 sums; h is rounded to bf16 as the model's expert MLP
+rounds it. The reference is moe_grouped_matmul_reference (the model's expert MLP in fp32).
+Lowering: Triton, as nvfp4_fragments (the PTX MMAs; the interpreter runs their jnp twin).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from glmjax.quant.fragments import FragmentWeight
+from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.moe_grouped_matmul import check_moe_inputs
+from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, default_fragment_config,
+                                            fragment_sums, group_starts, store_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+  """Each launch's FragmentConfig (tiles a program, K splits, warps, chunks a loop step); None:
+  default_fragment_config of one expert's rows (gate's and up's together), which sizes the
+  grid as for a single GEMV of that shape."""
+  gate_up: FragmentConfig | None = None
+  down: FragmentConfig | None = None
+
+  def resolved(self, i: int, d: int) -> tuple[FragmentConfig, FragmentConfig]:
+    plain = lambda c: dataclasses.replace(c, rows_out=False, final_out=False)
+    return (plain(self.gate_up or default_fragment_config(2 * i, d)), plain(self.down or default_fragment_config(d, i)))
+
+
+def chosen_experts(ids_ref, *, slots: int, experts: int):
+  """(count, expert_of): the local experts the step's [slots] ids name, and expert_of(s) -> the
+  s-th of them in id order (s < count), from ids_ref read whole (padded past `slots`)."""
+  s = jnp.arange(ids_ref.shape[0])
+  ids = pltriton.load(ids_ref, mask=s < slots, other=-1)
+  e = jnp.arange(pl.next_power_of_2(experts))
+  named = jnp.max(jnp.where(ids[:, None] == e[None, :], 1, 0), axis=0)
+  present = jnp.where(e < experts, named, 0)
+  rank = jnp.cumsum(present) - present  # chosen experts before e
+  return jnp.sum(present), lambda slot: jnp.sum(jnp.where((present == 1) & (rank == slot), e, 0))
+
+
+def _routing_weight(ids_ref, weights_ref, expert, token, *, m: int, top_k: int):
+  """Per lane: the routing weight that token `token` (< m, else 0) gives `expert` (0 if none)."""
+  total = jnp.zeros(token.shape, jnp.float32)
+  for j in range(top_k):
+    index = jnp.where(token < m, token * top_k + j, 0)
+    chosen = (pltriton.load(ids_ref.at[index]) == expert) & (token < m)
+    total += jnp.where(chosen, pltriton.load(weights_ref.at[index]), 0.0)
+  return total
+
+
+def _gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global, up_global, g_ref,
+                    u_ref, *, m: int, slots: int, experts: int, d: int, i: int, tiles: int,
+                    config: FragmentConfig, interpret: bool):
+  # ids_ref i32 [Sp] of the [T*k] ids; x_ref u32 [T * D / 2] (x's bf16 pairs); gate / up words
+  # u32 [E * Kc * 2 * Nt * 128], scales u32 [E * Kc * Nt * 32], global f32 [E]; g_ref, u_ref f32
+  # [E * S * T * I] ([slot, split, token, row]). Row blocks [0, B) are gate's, [B, 2B) up's.
+  block, split = pl.program_id(0), pl.program_id(1)
+  count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
+  lanes = Lanes.of(config)
+  blocks = pl.cdiv(tiles, config.tiles)
+  sizes = dict(m=m, k=d, tiles=tiles, chunks=pl.cdiv(d, 128), config=config, operands="bfloat16",
+               interpret=interpret)
+  for w, (words, scales, global_ref, o_ref) in enumerate(((gate_words, gate_scales, gate_global, g_ref),
+                                                          (up_words, up_scales, up_global, u_ref))):
+    own = block - w * blocks
+
+    def slot(s, words=words, scales=scales, global_ref=global_ref, o_ref=o_ref, own=own):
+      e = expert_of(s)
+      accs, starts, _ = fragment_sums(x_ref, words, scales, own, split, lanes, expert=e, **sizes)
+      store_rows(o_ref, accs, starts, lanes, global_ref[e] * BF16_SCALE, m=m, n=i,
+                 base=(s * config.split_k + split) * m * i)
+
+    pl.when((own >= 0) & (own < blocks))(lambda slot=slot: pl.loop(0, count)(slot))
+
+
+def _down_kernel(ids_ref, weights_ref, h_ref, words_ref, scales_ref, global_ref, o_ref, *, m: int, top_k: int,
+                 slots: int, experts: int, d: int, i: int, tiles: int, config: FragmentConfig, interpret: bool):
+  # ids_ref, weights_ref: i32 / f32 [Sp] of the [T*k] choice; h_ref u32 [E * T * I / 2] (h's bf16
+  # pairs, [slot, token, I]); down words, scales, global as gate's; o_ref f32 [S * T * D].
+  block, split = pl.program_id(0), pl.program_id(1)
+  count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
+  lanes = Lanes.of(config)
+
+  def slot(s, totals):
+    e = expert_of(s)
+    accs, starts, _ = fragment_sums(h_ref, words_ref, scales_ref, block, split, lanes, m=m, k=i, tiles=tiles,
+                                    chunks=pl.cdiv(i, 128), config=config, operands="bfloat16",
+                                    interpret=interpret, expert=e, x_row=s * m)
+    factor = global_ref[e] * BF16_SCALE * _routing_weight(ids_ref, weights_ref, e, lanes.token, m=m, top_k=top_k)
+    return tuple(total + acc * factor for total, acc in zip(totals, accs))
+
+  totals = lax.fori_loop(0, count, slot, (jnp.zeros(lanes.tile.shape, jnp.float32),) * config.tile_groups)
+  store_rows(o_ref, totals, group_starts(block, config), lanes, 1.0, m=m, n=d, base=split * m * d)
+
+
+def _swiglu_kernel(ids_ref, g_ref, u_ref, h_ref, *, slots: int, experts: int, m: int, i: int, splits: int):
+  # ids_ref i32 [Sp]; g_ref, u_ref f32 [E * S * T * I]; h_ref u32 [E * T * I / 2]. Program
+  # (slot, token): h's row, for chosen slots only (the others' partials are unwritten).
+  slot, token = pl.program_id(0), pl.program_id(1)
+  count, _ = chosen_experts(ids_ref, slots=slots, experts=experts)
+  pairs = jnp.arange(pl.next_power_of_2(i // 2))
+  ok = pairs < i // 2
+
+  @pl.when(slot < count)
+  def _():
+    row = lambda ref, s, c: pltriton.load(ref.at[((slot * splits + s) * m + token) * i + 2 * pairs + c], mask=ok,
+                                          other=0.0)
+    h = [jax.nn.silu(sum(row(g_ref, s, c) for s in range(splits))) * sum(row(u_ref, s, c) for s in range(splits))
+         for c in range(2)]
+    bits = [lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32) for v in h]
+    pltriton.store(h_ref.at[(slot * m + token) * (i // 2) + pairs], bits[0] | (bits[1] << 16), mask=ok)
+
+
+def swiglu(ids: jax.Array, g: jax.Array, u: jax.Array, *, slots: int, experts: int, m: int, i: int, splits: int,
+           interpret: bool) -> jax.Array:
+  """h = silu(sum_s g) * sum_s u in bf16 for the chosen slots' rows, as bf16 pairs u32 [E * T * I
+  / 2] (what the down program reads), one launch; rows of unchosen slots are left unwritten."""
+  whole = lambda n: pl.BlockSpec((n,), lambda s, t: (0,))
+  size = experts * m * i // 2
+  return pl.pallas_call(
+      functools.partial(_swiglu_kernel, slots=slots, experts=experts, m=m, i=i, splits=splits),
+      grid=(experts, m), in_specs=[whole(pl.next_power_of_2(slots)), whole(g.size), whole(u.size)],
+      out_specs=whole(size), out_shape=jax.ShapeDtypeStruct((size,), jnp.uint32),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      name="moe_fragments_swiglu")(ids, g, u)
+
+
+def bf16_pairs(x: jax.Array) -> jax.Array:
+  """bf16 [...] (an even size) -> its pairs as u32, the order the bfloat16 program reads rows."""
+  return lax.bitcast_convert_type(x.reshape(-1, 2), jnp.uint32)
+
+
+def check_expert_fragments(gate: FragmentWeight, up: FragmentWeight, down: FragmentWeight) -> None:
+  """ValueError unless the three are stacked experts' FragmentWeights on bfloat16 operands."""
+  for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+    if not isinstance(w, FragmentWeight) or w.ndim != 3 or w.operands != "bfloat16":
+      raise ValueError(f"moe_fragments: {name} must be stacked experts in fragment order on bfloat16 operands "
+                       f"(to_fragments(w, 'bfloat16') of an NVFP4Weight [E, N, K]), got "
+                       f"{type(w).__name__}{list(w.shape)}{getattr(w, 'operands', '')}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "keep_partials", "interpret"))
+def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj: FragmentWeight,
+                  up_proj: FragmentWeight, down_proj: FragmentWeight, *, config: ExpertsConfig | None = None,
+                  keep_partials: bool = False, interpret: bool | None = None) -> jax.Array:
+  """Routed-expert MLP of a decode step on the fragment GEMV (module docstring).
+
+  Args:
+    x: bf16 [T, D], T <= 8 (the MMA's N).
+    topk_ids: int32 [T, k] expert ids; outside [0, E) contributes zero.
+    topk_weights: [T, k] routing weights (applied in fp32).
+    gate_proj, up_proj: stacked [E, I, D], down_proj [E, D, I]: to_fragments(w, "bfloat16") of
+      NVFP4Weights.
+    config: the launches' tiles; default ExpertsConfig().
+    keep_partials: return the down launch's fp32 partials [S, T, D] unsummed.
+    interpret: run the Pallas interpreter; default: on the CPU backend.
+  Returns:
+    bf16 [T, D], or the partials.
+  """
+  check_expert_fragments(gate_proj, up_proj, down_proj)
+  check_moe_inputs("moe_fragments", x, topk_ids, topk_weights, gate_proj, up_proj, down_proj)
+  (t, d), (e, i), top_k = x.shape, gate_proj.shape[:2], topk_ids.shape[1]
+  if t > TOKENS:
+    raise ValueError(f"moe_fragments: at most {TOKENS} tokens (the MMA's N), got {t}")
+  gate_up_config, down_config = (config or ExpertsConfig()).resolved(i, d)
+  interpret = resolve_interpret(interpret)
+  slots = t * top_k
+  ids, weights = topk_ids.reshape(slots), topk_weights.astype(jnp.float32).reshape(slots)
+  sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, interpret=interpret)
+
+  def launch(kernel, inputs, out_size: int, cfg: FragmentConfig, tiles: int, name: str, outs: int = 1, **extra):
+    whole = lambda n: pl.BlockSpec((n,), lambda j, s: (0,))
+    out = jax.ShapeDtypeStruct((out_size,), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(kernel, **sizes, config=cfg, tiles=tiles, **extra),
+        grid=(outs * pl.cdiv(tiles, cfg.tiles), cfg.split_k),
+        in_specs=[whole(pl.next_power_of_2(slots)), *(whole(a.size) for a in inputs[1:])],
+        out_specs=[whole(out_size)] * outs, out_shape=[out] * outs,
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        interpret=interpret, name=name)(*inputs)
+
+  flat = lambda w: (w.words.reshape(-1), w.scales.reshape(-1))
+  (gw, gs), (uw, us) = flat(gate_proj), flat(up_proj)
+  g, u = launch(_gate_up_kernel, [ids, bf16_pairs(x), gw, uw, gs, us, gate_proj.global_scale, up_proj.global_scale],
+                e * gate_up_config.split_k * t * i, gate_up_config, gate_proj.tiles, "moe_fragments_gate_up", outs=2)
+  h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, interpret=interpret)
+  partials = launch(_down_kernel, [ids, weights, h, *flat(down_proj), down_proj.global_scale],
+                    down_config.split_k * t * d, down_config, down_proj.tiles, "moe_fragments_down", top_k=top_k)
+  partials = partials[0].reshape(down_config.split_k, t, d)
+  return partials if keep_partials else partials.sum(0).astype(x.dtype)
