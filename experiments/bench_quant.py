@@ -358,8 +358,8 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   [5, 6144] -> 2048 over K splits; the fragment-order NVFP4 GEMV (nvfp4_fragments) at M = 1 and
   8 over tiles a program, warps, K splits and chunks a loop step (two tiles a warp sharing the
   activation loads, sums stored by row), and with either switch off; the routed experts on the
-  fragment GEMV (moe_fragments) at the rank's view over either launch's tiles, K splits and
-  chunks a loop step."""
+  fragment GEMV (moe_fragments) at the rank's view over program groups and either launch's tiles,
+  K splits and chunks a loop step."""
   timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_own_kernels
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
@@ -385,10 +385,11 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
                            for s in (2, 4)]
   bf16_fragment_configs += [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)
                             for t, w in ((2, 1), (4, 2), (8, 4)) for u in (1, 2, 4)]
-  # The fragment MoE (each chosen expert once): either launch's tiles, K splits and chunks a loop
-  # step around the defaults (None), the other launch at its default.
+  # The fragment MoE (each chosen expert once): the chosen experts over 1-4 program groups, then
+  # either launch's tiles, K splits and chunks a loop step around the defaults (None), the other
+  # launch at its default.
   frag = lambda t, s, u: FragmentConfig(tiles=t, num_warps=max(1, t // 2), split_k=s, unroll=u, tile_groups=2)
-  experts_configs = [ExpertsConfig()]
+  experts_configs = [ExpertsConfig(groups=g) for g in (1, 2, 4)]
   experts_configs += [ExpertsConfig(gate_up=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8, 16) for u in (1, 2)]
   experts_configs += [ExpertsConfig(down=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8) for u in (1, 2)]
   if quick:

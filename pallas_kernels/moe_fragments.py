@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.fragments import FragmentWeight
-from pallas_kernels.checks import resolve_interpret
+from pallas_kernels.checks import check_at_least, resolve_interpret
+from pallas_kernels.moe_hfma2 import strided_loop
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, default_fragment_config,
                                             fragment_sums, group_starts, store_rows)
@@ -51,9 +52,15 @@ from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, 
 class ExpertsConfig:
   """Each launch's FragmentConfig (tiles a program, K splits, warps, chunks a loop step); None:
   default_fragment_config of one expert's rows (gate's and up's together), which sizes the
-  grid as for a single GEMV of that shape."""
+  grid as for a single GEMV of that shape. groups: programs sharing a row block and K split,
+  each taking every groups-th chosen expert (more programs in flight where few experts are
+  chosen; down's partials then [S * groups, T, D])."""
   gate_up: FragmentConfig | None = None
   down: FragmentConfig | None = None
+  groups: int = 1
+
+  def __post_init__(self):
+    check_at_least("ExpertsConfig", "groups", self.groups)
 
   def resolved(self, i: int, d: int) -> tuple[FragmentConfig, FragmentConfig]:
     plain = lambda c: dataclasses.replace(c, rows_out=False, final_out=False)
@@ -83,12 +90,12 @@ def _routing_weight(ids_ref, weights_ref, expert, token, *, m: int, top_k: int):
 
 
 def _gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global, up_global, g_ref,
-                    u_ref, *, m: int, slots: int, experts: int, d: int, i: int, tiles: int,
+                    u_ref, *, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
                     config: FragmentConfig, interpret: bool):
   # ids_ref i32 [Sp] of the [T*k] ids; x_ref u32 [T * D / 2] (x's bf16 pairs); gate / up words
   # u32 [E * Kc * 2 * Nt * 128], scales u32 [E * Kc * Nt * 32], global f32 [E]; g_ref, u_ref f32
   # [E * S * T * I] ([slot, split, token, row]). Row blocks [0, B) are gate's, [B, 2B) up's.
-  block, split = pl.program_id(0), pl.program_id(1)
+  block, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
   lanes = Lanes.of(config)
   blocks = pl.cdiv(tiles, config.tiles)
@@ -98,20 +105,24 @@ def _gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales
                                                           (up_words, up_scales, up_global, u_ref))):
     own = block - w * blocks
 
-    def slot(s, words=words, scales=scales, global_ref=global_ref, o_ref=o_ref, own=own):
+    def slot(s, carry, words=words, scales=scales, global_ref=global_ref, o_ref=o_ref, own=own):
       e = expert_of(s)
       accs, starts, _ = fragment_sums(x_ref, words, scales, own, split, lanes, expert=e, **sizes)
       store_rows(o_ref, accs, starts, lanes, global_ref[e] * BF16_SCALE, m=m, n=i,
                  base=(s * config.split_k + split) * m * i)
+      return carry
 
-    pl.when((own >= 0) & (own < blocks))(lambda slot=slot: pl.loop(0, count)(slot))
+    @pl.when((own >= 0) & (own < blocks))
+    def _(slot=slot):
+      strided_loop(count, slot, 0, group=group, groups=groups)
 
 
 def _down_kernel(ids_ref, weights_ref, h_ref, words_ref, scales_ref, global_ref, o_ref, *, m: int, top_k: int,
-                 slots: int, experts: int, d: int, i: int, tiles: int, config: FragmentConfig, interpret: bool):
+                 slots: int, experts: int, d: int, i: int, tiles: int, groups: int, config: FragmentConfig,
+                 interpret: bool):
   # ids_ref, weights_ref: i32 / f32 [Sp] of the [T*k] choice; h_ref u32 [E * T * I / 2] (h's bf16
-  # pairs, [slot, token, I]); down words, scales, global as gate's; o_ref f32 [S * T * D].
-  block, split = pl.program_id(0), pl.program_id(1)
+  # pairs, [slot, token, I]); down words, scales, global as gate's; o_ref f32 [S * G * T * D].
+  block, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
   lanes = Lanes.of(config)
 
@@ -123,8 +134,9 @@ def _down_kernel(ids_ref, weights_ref, h_ref, words_ref, scales_ref, global_ref,
     factor = global_ref[e] * BF16_SCALE * _routing_weight(ids_ref, weights_ref, e, lanes.token, m=m, top_k=top_k)
     return tuple(total + acc * factor for total, acc in zip(totals, accs))
 
-  totals = lax.fori_loop(0, count, slot, (jnp.zeros(lanes.tile.shape, jnp.float32),) * config.tile_groups)
-  store_rows(o_ref, totals, group_starts(block, config), lanes, 1.0, m=m, n=d, base=split * m * d)
+  totals = strided_loop(count, slot, (jnp.zeros(lanes.tile.shape, jnp.float32),) * config.tile_groups, group=group,
+                        groups=groups)
+  store_rows(o_ref, totals, group_starts(block, config), lanes, 1.0, m=m, n=d, base=(split * groups + group) * m * d)
 
 
 def _swiglu_kernel(ids_ref, g_ref, u_ref, h_ref, *, slots: int, experts: int, m: int, i: int, splits: int):
@@ -186,7 +198,7 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
     gate_proj, up_proj: stacked [E, I, D], down_proj [E, D, I]: to_fragments(w, "bfloat16") of
       NVFP4Weights.
     config: the launches' tiles; default ExpertsConfig().
-    keep_partials: return the down launch's fp32 partials [S, T, D] unsummed.
+    keep_partials: return the down launch's fp32 partials [S * groups, T, D] unsummed.
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
     bf16 [T, D], or the partials.
@@ -196,18 +208,19 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
   (t, d), (e, i), top_k = x.shape, gate_proj.shape[:2], topk_ids.shape[1]
   if t > TOKENS:
     raise ValueError(f"moe_fragments: at most {TOKENS} tokens (the MMA's N), got {t}")
-  gate_up_config, down_config = (config or ExpertsConfig()).resolved(i, d)
+  config = config or ExpertsConfig()
+  (gate_up_config, down_config), groups = config.resolved(i, d), config.groups
   interpret = resolve_interpret(interpret)
   slots = t * top_k
   ids, weights = topk_ids.reshape(slots), topk_weights.astype(jnp.float32).reshape(slots)
-  sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, interpret=interpret)
+  sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, groups=groups, interpret=interpret)
 
   def launch(kernel, inputs, out_size: int, cfg: FragmentConfig, tiles: int, name: str, outs: int = 1, **extra):
-    whole = lambda n: pl.BlockSpec((n,), lambda j, s: (0,))
+    whole = lambda n: pl.BlockSpec((n,), lambda j, s, g: (0,))
     out = jax.ShapeDtypeStruct((out_size,), jnp.float32)
     return pl.pallas_call(
         functools.partial(kernel, **sizes, config=cfg, tiles=tiles, **extra),
-        grid=(outs * pl.cdiv(tiles, cfg.tiles), cfg.split_k),
+        grid=(outs * pl.cdiv(tiles, cfg.tiles), cfg.split_k, groups),
         in_specs=[whole(pl.next_power_of_2(slots)), *(whole(a.size) for a in inputs[1:])],
         out_specs=[whole(out_size)] * outs, out_shape=[out] * outs,
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
@@ -219,6 +232,7 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
                 e * gate_up_config.split_k * t * i, gate_up_config, gate_proj.tiles, "moe_fragments_gate_up", outs=2)
   h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, interpret=interpret)
   partials = launch(_down_kernel, [ids, weights, h, *flat(down_proj), down_proj.global_scale],
-                    down_config.split_k * t * d, down_config, down_proj.tiles, "moe_fragments_down", top_k=top_k)
-  partials = partials[0].reshape(down_config.split_k, t, d)
+                    down_config.split_k * groups * t * d, down_config, down_proj.tiles, "moe_fragments_down",
+                    top_k=top_k)
+  partials = partials[0].reshape(down_config.split_k * groups, t, d)
   return partials if keep_partials else partials.sum(0).astype(x.dtype)

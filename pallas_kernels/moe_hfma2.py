@@ -95,8 +95,9 @@ def _local_pairs(ids_ref, weights_ref, *, slots: int, experts: int):
   return jnp.sum(local.astype(jnp.int32)), pick
 
 
-def _pair_loop(count, body, init, *, group, groups: int):
-  """body(p, carry) folded over this program's pairs p = group, group + groups, ... < count."""
+def strided_loop(count, body, init, *, group, groups: int):
+  """body(p, carry) folded over this program's share p = group, group + groups, ... < count (of
+  pairs here, of chosen experts in moe_fragments)."""
   trips = jnp.maximum(count - group + groups - 1, 0) // groups
   return lax.fori_loop(0, trips, lambda it, carry: body(group + it * groups, carry), init)
 
@@ -140,7 +141,7 @@ def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate
       store_tile(o_ref.at[pl.ds(p, 1)], row_result(acc, global_ref[e], amax_ref[token])[None], None, rows_ok)
     return carry
 
-  _pair_loop(count, pair, 0, group=group, groups=config.groups)
+  strided_loop(count, pair, 0, group=group, groups=config.groups)
 
 
 def _down_kernel(ids_ref, weights_ref, planes_ref, amax_ref, words_ref, scales_ref, global_ref, o_ref, *,
@@ -162,7 +163,7 @@ def _down_kernel(ids_ref, weights_ref, planes_ref, amax_ref, words_ref, scales_r
     y = row_result(acc, global_ref[e], amax_ref[p]) * weight
     return total + jnp.where(tokens[:, None] == slot // top_k, y[None, :], 0.0)
 
-  total = _pair_loop(count, pair, jnp.zeros((o_ref.shape[0], cfg.block_n), jnp.float32), group=group,
+  total = strided_loop(count, pair, jnp.zeros((o_ref.shape[0], cfg.block_n), jnp.float32), group=group,
                      groups=config.groups)
   store_tile(o_ref, total, range_mask(0, o_ref.shape[0], t), rows_ok)
 

@@ -375,24 +375,25 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
                                 np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("gate_up,down", [
-    (None, None),  # default_fragment_config's: one K split here (80 and 48 inputs are one chunk each)
-    (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1))])
-def test_moe_fragments(gate_up, down):
+@pytest.mark.parametrize("gate_up,down,groups", [
+    (None, None, 1),  # default_fragment_config's: one K split here (80 and 48 inputs are one chunk each)
+    (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3)])
+def test_moe_fragments(gate_up, down, groups):
   """The chosen experts each read once for all tokens on the fragment GEMV (its PTX's twin
   here), found in-kernel: expert 2 meets four tokens, ids 7, 9 and -1 are other ranks', token 4
   has no local expert; ragged tiles (48 rows in two-tile blocks) and padded chunks (K = 80,
-  48); a weight's row blocks shared by the gate's and up's launch."""
+  48); a weight's row blocks shared by the gate's and up's launch; the chosen experts over one
+  program or spread over three (groups)."""
   from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
   x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
   fragments = [to_fragments(w, "bfloat16") for w in experts]
-  config = ExpertsConfig(gate_up, down)
+  config = ExpertsConfig(gate_up, down, groups)
   out = moe_fragments(x, ids, weights, *fragments, config=config)
   assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
   assert rel_err(out, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
   np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
   partials = moe_fragments(x, ids, weights, *fragments, config=config, keep_partials=True)
-  assert partials.dtype == jnp.float32 and partials.shape[1:] == (5, 80)
+  assert partials.dtype == jnp.float32 and partials.shape == (groups, 5, 80)
   np.testing.assert_array_equal(np.asarray(partials.sum(0).astype(jnp.bfloat16), np.float32),
                                 np.asarray(out, np.float32))
   # no local expert at all: zeros, with every slot's partials unwritten
@@ -424,6 +425,8 @@ def test_moe_fragments_split_k_and_bad_inputs():
     moe_fragments(x, ids, weights, *fragments[:2], to_fragments(experts[2]))
   with pytest.raises(ValueError, match="at most 8 tokens"):
     moe_fragments(jnp.zeros((9, d), jnp.bfloat16), jnp.zeros((9, 2), jnp.int32), jnp.ones((9, 2)), *fragments)
+  with pytest.raises(ValueError, match="ExpertsConfig.groups must be >= 1, got 0"):
+    ExpertsConfig(groups=0)
 
 
 def test_moe_experts_pairs_routing():
