@@ -18,7 +18,9 @@ expert nobody chose.
            sums against every token (bf16 operands: x's rows read as they are), scaled by the
            expert's global scale, at [slot, s, token, row] of fp32 partials (slots >= count
            unwritten).
-  XLA:     h = silu(sum_s g) * sum_s u, bf16 [slot, token, I] (one fusion).
+  swiglu:  h = silu(sum_s g) * sum_s u, bf16 [slot, token, I], a program per chosen slot and
+           token (`swiglu`); or, with ExpertsConfig.fused_swiglu, none: gate_up's programs run
+           the whole K for the same rows of gate and up and store h themselves.
   down:    program (row block j, K split s): for each slot, the rows' sums against h[slot],
            times the expert's global scale and each token's routing weight for it (zero where the
            token did not choose it), summed over the slots in registers: fp32 partials [S, T, D],
@@ -54,17 +56,26 @@ class ExpertsConfig:
   default_fragment_config of one expert's rows (gate's and up's together), which sizes the
   grid as for a single GEMV of that shape. groups: programs sharing a row block and K split,
   each taking every groups-th chosen expert (more programs in flight where few experts are
-  chosen; down's partials then [S * groups, T, D])."""
+  chosen; down's partials then [S * groups, T, D]). fused_swiglu: the gate/up launch runs the
+  whole K in each program, gate's rows in its first tile group and up's same rows in its second,
+  and stores h = silu(g) * u itself: no swiglu launch, no fp32 partials (gate_up: split_k 1 and 2
+  tile groups; default 2 tiles a program, one warp, 2 chunks a loop step)."""
   gate_up: FragmentConfig | None = None
   down: FragmentConfig | None = None
   groups: int = 1
+  fused_swiglu: bool = False
 
   def __post_init__(self):
     check_at_least("ExpertsConfig", "groups", self.groups)
+    if self.fused_swiglu and self.gate_up is not None and (self.gate_up.split_k, self.gate_up.tile_groups) != (1, 2):
+      raise ValueError(f"ExpertsConfig.fused_swiglu takes gate's and up's rows as a program's two tile groups over "
+                       f"the whole K: gate_up needs split_k=1 and tile_groups=2, got {self.gate_up}")
 
   def resolved(self, i: int, d: int) -> tuple[FragmentConfig, FragmentConfig]:
     plain = lambda c: dataclasses.replace(c, rows_out=False, final_out=False)
-    return (plain(self.gate_up or default_fragment_config(2 * i, d)), plain(self.down or default_fragment_config(d, i)))
+    fused = FragmentConfig(tiles=2, num_warps=1, unroll=2, tile_groups=2)
+    gate_up = self.gate_up or (fused if self.fused_swiglu else default_fragment_config(2 * i, d))
+    return plain(gate_up), plain(self.down or default_fragment_config(d, i))
 
 
 def chosen_experts(ids_ref, *, slots: int, experts: int):
@@ -115,6 +126,28 @@ def _gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales
     @pl.when((own >= 0) & (own < blocks))
     def _(slot=slot):
       strided_loop(count, slot, 0, group=group, groups=groups)
+
+
+def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global, up_global,
+                           h_ref, *, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
+                           config: FragmentConfig, interpret: bool):
+  # As _gate_up_kernel's refs, with h_ref bf16 [E * T * I] ([slot, token, row]) for the partials:
+  # program (row block j, 0, group g) takes rows j of gate (tile group 0) and of up (group 1)
+  # over the whole K, so its sums are final and it stores h = silu(g) * u itself.
+  block, group = pl.program_id(0), pl.program_id(2)
+  count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
+  lanes = Lanes.of(config)
+
+  def slot(s, carry):
+    e = expert_of(s)
+    (g, u), starts, _ = fragment_sums(x_ref, (gate_words, up_words), (gate_scales, up_scales), block, 0, lanes, m=m,
+                                      k=d, tiles=tiles, chunks=pl.cdiv(d, 128), config=config, operands="bfloat16",
+                                      interpret=interpret, expert=e)
+    h = jax.nn.silu(g * (gate_global[e] * BF16_SCALE)) * (u * (up_global[e] * BF16_SCALE))
+    store_rows(h_ref, [h], starts[:1], lanes, 1.0, m=m, n=i, base=s * m * i)
+    return carry
+
+  strided_loop(count, slot, 0, group=group, groups=groups)
 
 
 def _down_kernel(ids_ref, weights_ref, h_ref, words_ref, scales_ref, global_ref, o_ref, *, m: int, top_k: int,
@@ -215,24 +248,31 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
   ids, weights = topk_ids.reshape(slots), topk_weights.astype(jnp.float32).reshape(slots)
   sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, groups=groups, interpret=interpret)
 
-  def launch(kernel, inputs, out_size: int, cfg: FragmentConfig, tiles: int, name: str, outs: int = 1, **extra):
+  def launch(kernel, inputs, out: jax.ShapeDtypeStruct, cfg: FragmentConfig, tiles: int, blocks: int, name: str,
+             outs: int = 1, **extra):
     whole = lambda n: pl.BlockSpec((n,), lambda j, s, g: (0,))
-    out = jax.ShapeDtypeStruct((out_size,), jnp.float32)
     return pl.pallas_call(
         functools.partial(kernel, **sizes, config=cfg, tiles=tiles, **extra),
-        grid=(outs * pl.cdiv(tiles, cfg.tiles), cfg.split_k, groups),
+        grid=(blocks, cfg.split_k, groups),
         in_specs=[whole(pl.next_power_of_2(slots)), *(whole(a.size) for a in inputs[1:])],
-        out_specs=[whole(out_size)] * outs, out_shape=[out] * outs,
+        out_specs=[whole(out.size)] * outs, out_shape=[out] * outs,
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=interpret, name=name)(*inputs)
 
   flat = lambda w: (w.words.reshape(-1), w.scales.reshape(-1))
   (gw, gs), (uw, us) = flat(gate_proj), flat(up_proj)
-  g, u = launch(_gate_up_kernel, [ids, bf16_pairs(x), gw, uw, gs, us, gate_proj.global_scale, up_proj.global_scale],
-                e * gate_up_config.split_k * t * i, gate_up_config, gate_proj.tiles, "moe_fragments_gate_up", outs=2)
-  h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, interpret=interpret)
+  gate_up = [ids, bf16_pairs(x), gw, uw, gs, us, gate_proj.global_scale, up_proj.global_scale]
+  if config.fused_swiglu:  # h straight from the gate/up launch
+    h = launch(_swiglu_gate_up_kernel, gate_up, jax.ShapeDtypeStruct((e * t * i,), x.dtype), gate_up_config,
+               gate_proj.tiles, pl.cdiv(gate_proj.tiles, gate_up_config.tiles // 2), "moe_fragments_gate_up_swiglu")
+    h = bf16_pairs(h[0])
+  else:
+    g, u = launch(_gate_up_kernel, gate_up, jax.ShapeDtypeStruct((e * gate_up_config.split_k * t * i,), jnp.float32),
+                  gate_up_config, gate_proj.tiles, 2 * pl.cdiv(gate_proj.tiles, gate_up_config.tiles),
+                  "moe_fragments_gate_up", outs=2)
+    h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, interpret=interpret)
   partials = launch(_down_kernel, [ids, weights, h, *flat(down_proj), down_proj.global_scale],
-                    down_config.split_k * groups * t * d, down_config, down_proj.tiles, "moe_fragments_down",
-                    top_k=top_k)
+                    jax.ShapeDtypeStruct((down_config.split_k * groups * t * d,), jnp.float32), down_config,
+                    down_proj.tiles, pl.cdiv(down_proj.tiles, down_config.tiles), "moe_fragments_down", top_k=top_k)
   partials = partials[0].reshape(down_config.split_k * groups, t, d)
   return partials if keep_partials else partials.sum(0).astype(x.dtype)

@@ -426,12 +426,19 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
   """Row block `block` and K split `split` of one weight of `tiles` row tiles: the fp32 sums
   (one [group * 128] array a tile group, mma's C fragments), the groups' first tiles and their
   row masks (None: all in range). The program's tiles in config.tile_groups contiguous groups,
-  whose MMAs share one load of the activation words. words_ref and scales_ref may stack several
-  such weights: `expert` picks one. x's rows start at `x_row` (bfloat16 operands; fp16 ones read
-  the prepared words of one x)."""
-  size, starts = config.tiles // config.tile_groups * WORDS, group_starts(block, config)
+  whose MMAs share one load of the activation words. Given tuples of refs instead, one weight a
+  group (each of `tiles` tiles): block `block` of group-sized blocks, the same rows of each.
+  words_ref and scales_ref may stack several such weights: `expert` picks one. x's rows start
+  at `x_row` (bfloat16 operands; fp16 ones read the prepared words of one x)."""
+  group = config.tiles // config.tile_groups
+  if isinstance(words_ref, tuple):
+    refs, starts = list(zip(words_ref, scales_ref)), [block * group] * len(words_ref)
+  else:
+    refs, starts = [(words_ref, scales_ref)] * config.tile_groups, group_starts(block, config)
+  size = group * WORDS
   tile, word, g, t, r = lanes
-  oks = [None if tiles % config.tiles == 0 else start + tile < tiles for start in starts]
+  whole = tiles % (group if isinstance(words_ref, tuple) else config.tiles) == 0
+  oks = [None if whole else start + tile < tiles for start in starts]
   words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
   # float16: lane 4g + t reads words 4g .. 4g + 3; bfloat16: its own word, four times.
   scale_index = tile * LANES + (g * 4 + r if operands == "float16" else 4 * g + t)
@@ -449,10 +456,10 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
   def chunk(c) -> tuple:
     """Chunk c's loads: per group the two halves' words and the scale words; the four
     activation arrays, once."""
-    words = [[load(words_ref, pl.ds(words_base + (2 * c + h) * tiles * WORDS + start * WORDS, size), ok)
-              for h in range(2)] for start, ok in zip(starts, oks)]
-    scales = [load(scales_ref, scales_base + c * tiles * LANES + start * LANES + scale_index, ok)
-              for start, ok in zip(starts, oks)]
+    words = [[load(words, pl.ds(words_base + (2 * c + h) * tiles * WORDS + start * WORDS, size), ok)
+              for h in range(2)] for (words, _), start, ok in zip(refs, starts, oks)]
+    scales = [load(scales, scales_base + c * tiles * LANES + start * LANES + scale_index, ok)
+              for (_, scales), start, ok in zip(refs, starts, oks)]
     return words, scales, [activations(c, a) for a in range(4)]
 
   def multiply(accs, loads) -> tuple:

@@ -375,19 +375,22 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
                                 np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("gate_up,down,groups", [
-    (None, None, 1),  # default_fragment_config's: one K split here (80 and 48 inputs are one chunk each)
-    (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3)])
-def test_moe_fragments(gate_up, down, groups):
+@pytest.mark.parametrize("gate_up,down,groups,fused", [
+    (None, None, 1, False),  # default_fragment_config's: one K split here (80 and 48 inputs are one chunk each)
+    (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3,
+     False),
+    (None, None, 2, True),  # h from the gate/up launch: one gate and one up tile a program
+    (FragmentConfig(tiles=4, num_warps=2, tile_groups=2), None, 1, True)])  # two of each: 48 rows, one ragged
+def test_moe_fragments(gate_up, down, groups, fused):
   """The chosen experts each read once for all tokens on the fragment GEMV (its PTX's twin
   here), found in-kernel: expert 2 meets four tokens, ids 7, 9 and -1 are other ranks', token 4
   has no local expert; ragged tiles (48 rows in two-tile blocks) and padded chunks (K = 80,
   48); a weight's row blocks shared by the gate's and up's launch; the chosen experts over one
-  program or spread over three (groups)."""
+  program or spread over three (groups); h built in the gate/up launch (fused_swiglu)."""
   from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
   x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
   fragments = [to_fragments(w, "bfloat16") for w in experts]
-  config = ExpertsConfig(gate_up, down, groups)
+  config = ExpertsConfig(gate_up, down, groups, fused)
   out = moe_fragments(x, ids, weights, *fragments, config=config)
   assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
   assert rel_err(out, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
@@ -427,6 +430,10 @@ def test_moe_fragments_split_k_and_bad_inputs():
     moe_fragments(jnp.zeros((9, d), jnp.bfloat16), jnp.zeros((9, 2), jnp.int32), jnp.ones((9, 2)), *fragments)
   with pytest.raises(ValueError, match="ExpertsConfig.groups must be >= 1, got 0"):
     ExpertsConfig(groups=0)
+  with pytest.raises(ValueError, match="fused_swiglu .* gate_up needs split_k=1 and tile_groups=2"):
+    ExpertsConfig(gate_up=split, fused_swiglu=True)
+  fused = moe_fragments(x, ids, weights, *fragments, config=ExpertsConfig(down=split, fused_swiglu=True))
+  assert rel_err(fused, whole) <= 1e-2 * TOL + 2 ** -8
 
 
 def test_moe_experts_pairs_routing():
