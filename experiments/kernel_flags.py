@@ -109,7 +109,9 @@ def define() -> Callable[[], dict[str, str | int]]:
                                        "the MoE kernels' expert lookup: table (XLA) or scan (in-kernel) for the "
                                        "grouped tensor-core kernels, or pairs (each token-expert pair a one-row "
                                        "product on the CUDA cores; NVFP4 experts, --matmul=pallas_hfma2), "
-                                       "pairs_fused (that, the activations' fp16 planes in one launch each)"),
+                                       "pairs_fused (that, the activations' fp16 planes in one launch each), or "
+                                       "fragments (each chosen expert read once for all tokens on the fragment "
+                                       "GEMV; --matmul=pallas_fragments)"),
       **{name: flags.DEFINE_enum(name, "xla", list(FOLDS), _FOLD_HELP[name]) for name in FOLD_SWITCHES},
       "topk_method": flags.DEFINE_enum("topk_method", "sampled", list(METHODS),
                                        "the Pallas top-k's algorithm (--attention=pallas)"),
