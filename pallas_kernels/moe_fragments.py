@@ -23,14 +23,16 @@ expert nobody chose.
            the whole K for the same rows of gate and up and store h themselves.
   down:    program (row block j, K split s): for each slot, the rows' sums against h[slot],
            times the expert's global scale and each token's routing weight for it (zero where the
-           token did not choose it), summed over the slots in registers: fp32 partials [S, T, D],
-           summed by XLA (or by a kernel that takes them: `keep_partials`).
+           token did not choose it), summed over the slots in registers: fp32 partials [S * groups,
+           T, D], summed by XLA (or by a kernel that takes them: `keep_partials`).
 
 Weights: `to_fragments` of the stacked NVFP4 experts with bfloat16 operands (x and h need no row
 scaling then; an fp16 MMA would need an activations launch per slot). Numerics are
 nvfp4_fragments': exact products, fp32 sums; h is rounded to bf16 as the model's expert MLP
 rounds it. The reference is moe_grouped_matmul_reference (the model's expert MLP in fp32).
-Lowering: Triton, as nvfp4_fragments (the PTX MMAs; the interpreter runs their jnp twin).
+Lowering: Triton, as nvfp4_fragments and for its reason (loads, inline-PTX MMAs on registers the
+program states, a store; Mosaic GPU's wgmma wants 64-row operands from shared memory); the
+interpreter runs the MMAs' jnp twin.
 """
 
 import dataclasses
@@ -44,8 +46,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.fragments import FragmentWeight
 from pallas_kernels.checks import check_at_least, resolve_interpret
-from pallas_kernels.moe_hfma2 import strided_loop
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
+from pallas_kernels.moe_hfma2 import strided_loop
 from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, default_fragment_config,
                                             fragment_sums, group_starts, store_rows)
 
