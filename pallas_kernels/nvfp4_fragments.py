@@ -395,6 +395,7 @@ class Lanes(NamedTuple):
   128 (lane 4g + t's register r)."""
   tile: jax.Array
   word: jax.Array
+  lane: jax.Array
   g: jax.Array
   t: jax.Array
   r: jax.Array
@@ -404,7 +405,7 @@ class Lanes(NamedTuple):
     e = jnp.arange(config.tiles // config.tile_groups * WORDS)
     tile, word = _div(e, WORDS), _rem(e, WORDS)
     lane = _div(word, 4)
-    return cls(tile, word, _div(lane, 4), _rem(lane, 4), _rem(e, 4))
+    return cls(tile, word, lane, _div(lane, 4), _rem(lane, 4), _rem(e, 4))
 
   @property
   def token(self) -> jax.Array:  # of the lane's sum r (c_r: row g + 8 (r // 2), token 2t + r % 2)
@@ -436,12 +437,12 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
   else:
     refs, starts = [(words_ref, scales_ref)] * config.tile_groups, group_starts(block, config)
   size = group * WORDS
-  tile, word, g, t, r = lanes
+  tile, word, lane, g, t, r = lanes
   whole = tiles % (group if isinstance(words_ref, tuple) else config.tiles) == 0
   oks = [None if whole else start + tile < tiles for start in starts]
   words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
   # float16: lane 4g + t reads words 4g .. 4g + 3; bfloat16: its own word, four times.
-  scale_index = tile * LANES + (g * 4 + r if operands == "float16" else 4 * g + t)
+  scale_index = tile * LANES + (g * 4 + r if operands == "float16" else lane)
   load = lambda ref, index, ok: pltriton.load(ref.at[index], mask=ok, other=None if ok is None else jnp.uint32(0))
 
   def activations(c, a):
