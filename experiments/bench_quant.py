@@ -62,8 +62,8 @@ from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
 from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
 from pallas_kernels.mla_query import absorbed_query, absorbed_query_reference
-from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
+from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
 from pallas_kernels.moe_route import route_select
 from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, HFMA2_MAX_ROWS, OPERANDS, MatmulConfig, default_config,
@@ -386,9 +386,8 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   bf16_fragment_configs += [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)
                             for t, w in ((2, 1), (4, 2), (8, 4)) for u in (1, 2, 4)]
   # The fragment MoE (each chosen expert once): the chosen experts over 1-4 program groups, with h
-  # from its own launch or from gate/up's (fused_swiglu), then
-  # either launch's tiles, K splits and chunks a loop step around the defaults (None), the other
-  # launch at its default.
+  # from its own launch or from gate/up's (fused_swiglu), then either launch's tiles, K splits and
+  # chunks a loop step around the defaults (None), the other launch at its default.
   frag = lambda t, s, u: FragmentConfig(tiles=t, num_warps=max(1, t // 2), split_k=s, unroll=u, tile_groups=2)
   experts_configs = [ExpertsConfig(groups=g, fused_swiglu=f) for f in (False, True) for g in (1, 2, 4)]
   experts_configs += [ExpertsConfig(gate_up=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8, 16) for u in (1, 2)]

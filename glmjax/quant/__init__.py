@@ -68,9 +68,9 @@ PAIR_ROUTINGS = ("pairs", "pairs_fused")
 FRAGMENT_ROUTING, FRAGMENT_IMPL = "fragments", "pallas_fragments"
 QuantizedWeight = NVFP4Weight | FP8BlockWeight | FragmentWeight
 
-__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FRAGMENT_OPERAND_CHOICES", "FRAGMENT_OPERANDS", "FragmentWeight", "IMPLS",
-           "FRAGMENT_IMPL", "FRAGMENT_ROUTING", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight", "arrange_params", "decode_sized",
-           "from_fragments", "linear", "linear_group", "linear_group_partials", "linear_partials", "moe_experts",
+__all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FRAGMENT_IMPL", "FRAGMENT_OPERAND_CHOICES", "FRAGMENT_OPERANDS",
+           "FRAGMENT_ROUTING", "FragmentWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight",
+           "arrange_params", "decode_sized", "from_fragments", "linear", "linear_group", "linear_group_partials", "linear_partials", "moe_experts",
            "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes",
            "to_fragments"]
 
@@ -301,8 +301,8 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   "fragments": each chosen expert read once for all tokens on the fragment GEMV
   (pallas_kernels/moe_fragments.py; impl FRAGMENT_IMPL and stacked experts in bf16 fragment order,
   `arrange_params(..., experts=True)`; up to 8 tokens, more take the reference on the weights
-  moved back to ModelOpt's order); `chosen`: the
-  distinct local experts a step is expected to read, which picks the kernels' tiles
+  moved back to ModelOpt's order); `chosen`: the distinct local experts a step is expected to
+  read, which picks the kernels' tiles
   (default_moe_config; None: all of them). partials: fp32 terms [S, T, D] whose sum rounded to
   x.dtype is the result (the pairs' down partials, unsummed; else [1, T, D]), for a kernel that
   sums them itself (bf16_matmul.swiglu_matmul's epilogue). x_planes: x's fp16 planes and row

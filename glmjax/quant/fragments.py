@@ -73,7 +73,7 @@ class FragmentWeight(QuantizedWeight):
   scales: jax.Array        # u32 [(E,) Kc, Nt * 32]
   global_scale: jax.Array  # f32 [(E)]
   input_scale: jax.Array   # f32 [(E)] (ModelOpt's, kept for the checkpoint)
-  shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   operands: str = dataclasses.field(default="float16", metadata=dict(static=True))
   format: ClassVar[str] = NVFP4Weight.format
   bits_per_weight: ClassVar[float] = NVFP4Weight.bits_per_weight
