@@ -23,6 +23,7 @@ from pallas_kernels.hfma2_planes import rows_planes
 from pallas_kernels.moe_grouped_matmul import MoEConfig, moe_grouped_matmul, moe_grouped_matmul_reference
 from pallas_kernels.nvfp4_fragments import FragmentConfig
 from pallas_kernels.nvfp4_matmul import MatmulConfig, default_config, nvfp4_matmul, nvfp4_matmul_reference
+from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.ptx_emulator import f16_value as _f16, f32_value as _f32, run_ptx as _run_ptx
 
 TOL = 1e-2
@@ -627,3 +628,17 @@ def test_hfma2_k_loop_pipelining_reaches_the_triton_loop(monkeypatch):
   bare, staged = modules
   assert "tt.num_stages" not in bare and "nvfp4_hfma2_stages3" in staged
   assert staged.count("tt.num_stages = 3") == 1  # the K loop
+
+
+def test_moe_fragments_lowers_for_h200():
+  """Every launch of the fragment MoE (its slot loops under pl.when, the in-kernel choice, the
+  swiglu program, the fused gate/up) lowers to Triton for an H200 on this machine."""
+  from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
+  stacked = lambda shape: jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), "bfloat16"),
+                                         jax.ShapeDtypeStruct(shape, jnp.float32))
+  e, d, i = 6, 272, 96
+  args = (jax.ShapeDtypeStruct((5, d), jnp.bfloat16), jax.ShapeDtypeStruct((5, 8), jnp.int32),
+          jax.ShapeDtypeStruct((5, 8), jnp.float32), stacked((e, i, d)), stacked((e, i, d)), stacked((e, d, i)))
+  for config in (ExpertsConfig(), ExpertsConfig(groups=3, fused_swiglu=True)):
+    text = h200_text(functools.partial(moe_fragments, config=config, interpret=False), *args)
+    assert text.count(TRITON_CALL) == (2 if config.fused_swiglu else 3)
