@@ -216,7 +216,8 @@ def check_expert_fragments(gate: FragmentWeight, up: FragmentWeight, down: Fragm
   for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
     if not isinstance(w, FragmentWeight) or w.ndim != 3 or w.operands != "bfloat16":
       raise ValueError(f"moe_fragments: {name} must be stacked experts in fragment order on bfloat16 operands "
-                       f"(to_fragments(w, 'bfloat16') of an NVFP4Weight [E, N, K]), got "
+                       f"(to_fragments(w, 'bfloat16') of an NVFP4Weight [E, N, K]; Runtime(moe_routing="
+                       f"'fragments').arrange moves them, except experts split over devices), got "
                        f"{type(w).__name__}{list(w.shape)}{getattr(w, 'operands', '')}")
 
 
