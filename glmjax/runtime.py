@@ -17,7 +17,8 @@ MATMUL_IMPLS = IMPLS  # xla, pallas, pallas_ptx, pallas_ptx_f16, pallas_hfma2, p
 QUERY_DTYPES = ("float32", "bfloat16")  # precision of the queries entering the DSA kernels
 INDEXER_QUERY_DTYPES = (*QUERY_DTYPES, "float8_e4m3fn")  # ... and the indexer's e4m3 codes (dsa.index_query_operands)
 TENSOR_PARALLEL = ("shard_map", "gspmd")  # how a TEP mesh splits a layer's attention and dense MLP
-MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS, FRAGMENT_ROUTING)  # how the MoE kernels find the chosen experts (quant.moe_experts)
+# How the MoE kernels find the chosen experts (quant.moe_experts).
+MOE_ROUTINGS = ("table", "scan", *PAIR_ROUTINGS, FRAGMENT_ROUTING)
 FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas launch that replaces them
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",

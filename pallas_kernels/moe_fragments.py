@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.quant.fragments import FragmentWeight
+from glmjax.quant.fragments import CHUNK, FragmentWeight
 from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.moe_hfma2 import strided_loop
@@ -112,7 +112,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales
   count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
   lanes = Lanes.of(config)
   blocks = pl.cdiv(tiles, config.tiles)
-  sizes = dict(m=m, k=d, tiles=tiles, chunks=pl.cdiv(d, 128), config=config, operands="bfloat16",
+  sizes = dict(m=m, k=d, tiles=tiles, chunks=pl.cdiv(d, CHUNK), config=config, operands="bfloat16",
                interpret=interpret)
   for w, (words, scales, global_ref, o_ref) in enumerate(((gate_words, gate_scales, gate_global, g_ref),
                                                           (up_words, up_scales, up_global, u_ref))):
@@ -143,7 +143,7 @@ def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up
   def slot(s, carry):
     e = expert_of(s)
     (g, u), starts, _ = fragment_sums(x_ref, (gate_words, up_words), (gate_scales, up_scales), block, 0, lanes, m=m,
-                                      k=d, tiles=tiles, chunks=pl.cdiv(d, 128), config=config, operands="bfloat16",
+                                      k=d, tiles=tiles, chunks=pl.cdiv(d, CHUNK), config=config, operands="bfloat16",
                                       interpret=interpret, expert=e)
     h = jax.nn.silu(g * (gate_global[e] * BF16_SCALE)) * (u * (up_global[e] * BF16_SCALE))
     store_rows(h_ref, [h], starts[:1], lanes, 1.0, m=m, n=i, base=s * m * i)
@@ -164,7 +164,7 @@ def _down_kernel(ids_ref, weights_ref, h_ref, words_ref, scales_ref, global_ref,
   def slot(s, totals):
     e = expert_of(s)
     accs, starts, _ = fragment_sums(h_ref, words_ref, scales_ref, block, split, lanes, m=m, k=i, tiles=tiles,
-                                    chunks=pl.cdiv(i, 128), config=config, operands="bfloat16",
+                                    chunks=pl.cdiv(i, CHUNK), config=config, operands="bfloat16",
                                     interpret=interpret, expert=e, x_row=s * m)
     factor = global_ref[e] * BF16_SCALE * _routing_weight(ids_ref, weights_ref, e, lanes.token, m=m, top_k=top_k)
     return tuple(total + acc * factor for total, acc in zip(totals, accs))

@@ -164,7 +164,7 @@ def _down_kernel(ids_ref, weights_ref, planes_ref, amax_ref, words_ref, scales_r
     return total + jnp.where(tokens[:, None] == slot // top_k, y[None, :], 0.0)
 
   total = strided_loop(count, pair, jnp.zeros((o_ref.shape[0], cfg.block_n), jnp.float32), group=group,
-                     groups=config.groups)
+                       groups=config.groups)
   store_tile(o_ref, total, range_mask(0, o_ref.shape[0], t), rows_ok)
 
 

@@ -431,14 +431,14 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
   group (each of `tiles` tiles): block `block` of group-sized blocks, the same rows of each.
   words_ref and scales_ref may stack several such weights: `expert` picks one. x's rows start
   at `x_row` (bfloat16 operands; fp16 ones read the prepared words of one x)."""
-  group = config.tiles // config.tile_groups
-  if isinstance(words_ref, tuple):
+  group, paired = config.tiles // config.tile_groups, isinstance(words_ref, tuple)
+  if paired:
     refs, starts = list(zip(words_ref, scales_ref)), [block * group] * len(words_ref)
   else:
     refs, starts = [(words_ref, scales_ref)] * config.tile_groups, group_starts(block, config)
   size = group * WORDS
   tile, word, lane, g, t, r = lanes
-  whole = tiles % (group if isinstance(words_ref, tuple) else config.tiles) == 0
+  whole = tiles % (group if paired else config.tiles) == 0
   oks = [None if whole else start + tile < tiles for start in starts]
   words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
   # float16: lane 4g + t reads words 4g .. 4g + 3; bfloat16: its own word, four times.

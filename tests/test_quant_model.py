@@ -16,8 +16,8 @@ from configs import get_model_config
 from glmjax.layers import Linear
 from glmjax.model import abstract_params
 from glmjax.engine.engine import Engine
-from glmjax.quant import (FragmentWeight, NVFP4Weight, QuantizedWeight, arrange_params, linear, quantize_fp8_block, quantize_nvfp4,
-                          quantize_params, to_fragments)
+from glmjax.quant import (FragmentWeight, NVFP4Weight, QuantizedWeight, arrange_params, linear, quantize_fp8_block,
+                          quantize_nvfp4, quantize_params, to_fragments)
 from glmjax.runtime import Runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")

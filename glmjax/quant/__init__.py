@@ -70,9 +70,9 @@ QuantizedWeight = NVFP4Weight | FP8BlockWeight | FragmentWeight
 
 __all__ = ["DENSE_IMPLS", "FP8BlockWeight", "FRAGMENT_IMPL", "FRAGMENT_OPERAND_CHOICES", "FRAGMENT_OPERANDS",
            "FRAGMENT_ROUTING", "FragmentWeight", "IMPLS", "NVFP4Weight", "PAIR_ROUTINGS", "POLICIES", "QuantizedWeight",
-           "arrange_params", "decode_sized", "from_fragments", "linear", "linear_group", "linear_group_partials", "linear_partials", "moe_experts",
-           "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4", "quantize_params", "quantizes",
-           "to_fragments"]
+           "arrange_params", "decode_sized", "from_fragments", "linear", "linear_group", "linear_group_partials",
+           "linear_partials", "moe_experts", "param", "quantize_fp8_block", "quantize_leaf", "quantize_nvfp4",
+           "quantize_params", "quantizes", "to_fragments"]
 
 
 def _check_impl(impl: str, dense: str = "xla") -> None:
@@ -303,9 +303,10 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   `arrange_params(..., experts=True)`; up to 8 tokens, more take the reference on the weights
   moved back to ModelOpt's order); `chosen`: the distinct local experts a step is expected to
   read, which picks the kernels' tiles (default_moe_config; None: all of them). partials: fp32
-  terms [S, T, D] whose sum rounded to x.dtype is the result (the pairs' down partials, unsummed; else [1, T, D]), for a kernel that
-  sums them itself (bf16_matmul.swiglu_matmul's epilogue). x_planes: x's fp16 planes and row
-  maxima where a caller built them (`builds_x_planes`; moe_route.route_select_planes).
+  terms [S, T, D] whose sum rounded to x.dtype is the result (the pairs' or the fragments' down
+  partials, unsummed; else [1, T, D]), for a kernel that sums them itself
+  (bf16_matmul.swiglu_matmul's epilogue). x_planes: x's fp16 planes and row maxima where a
+  caller built them (`builds_x_planes`; moe_route.route_select_planes).
   """
   _check_impl(impl)
   if x_planes is not None and not builds_x_planes(x, impl, routing):

@@ -163,12 +163,15 @@ def arrange_params(params: Any, fragments: bool, operands: str = "auto", experts
   operands_for((), operands)  # a clear error for a bad choice
   experts = fragments and experts
 
+  def arranged(leaf) -> bool:  # whether a weight of its kind goes to fragment order
+    return experts if leaf.ndim == 3 else fragments
+
   def wanted(leaf) -> str:  # the operands a weight to move takes
     return "bfloat16" if leaf.ndim == 3 else operands_for(leaf.shape, operands)
 
   def moves(path, leaf) -> bool:
     if isinstance(leaf, FragmentWeight):
-      return not (experts if leaf.ndim == 3 else fragments) or leaf.operands != wanted(leaf)
+      return not arranged(leaf) or leaf.operands != wanted(leaf)
     names = {getattr(key, "key", None) for key in path}
     takes = leaf.ndim == 2 and fragments or leaf.ndim == 3 and experts and "experts" in names
     return isinstance(leaf, NVFP4Weight) and takes and not names & set(RAW) and not _split(leaf)
@@ -180,6 +183,6 @@ def arrange_params(params: Any, fragments: bool, operands: str = "auto", experts
 
   def move(leaf):
     raw = back(leaf) if isinstance(leaf, FragmentWeight) else leaf
-    return to[wanted(leaf)](raw) if (experts if leaf.ndim == 3 else fragments) else raw
+    return to[wanted(leaf)](raw) if arranged(leaf) else raw
   return jax.tree_util.tree_map_with_path(lambda path, leaf: move(leaf) if moves(path, leaf) else leaf, params,
                                           is_leaf=_is_leaf)
