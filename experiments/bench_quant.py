@@ -27,8 +27,9 @@ operands; pallas_kernels/moe_fragments.py). The
 `*_f16` rows run fp16 tensor-core operands (MatmulConfig / MoEConfig operands="float16"): NVFP4
 with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
-pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). `frac_of_copy` is against
-the H200's 4.22 TB/s copy.
+pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). Both entry points first
+time this device's copy (`glmjax.bench.copy_tbs`, 1 GB, the `copy` row), and every row's
+`frac_of_copy` is against that speed, not one card's figure.
 
 The projections of one TEP=8 rank that share an input also run as a group (`group_rows`:
 the GEMV once per weight against bf16_matmul_group's one launch, `pallas_grouped`), and the
@@ -45,14 +46,14 @@ rank sees them, among all 256 (about 5 local ones chosen); 5 tokens, top-8, D = 
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from configs import get_model_config
-from glmjax.bench import agreement, bandwidth_tbs, time_device, time_own_kernels
+from glmjax.bench import agreement, bandwidth_tbs, copy_tbs, time_device, time_own_kernels
 from glmjax.config import ModelConfig
 from glmjax.moe import route
 from glmjax.quant import (FRAGMENT_OPERANDS, from_fragments, linear, moe_experts, quantize_fp8_block, quantize_nvfp4,
@@ -74,7 +75,8 @@ from pallas_kernels.nvfp4_fragments import (FragmentConfig, default_fragment_con
 from pallas_kernels.nvfp4_matmul_mgpu import K_MULTIPLE, TMA_ROW_TILE, nvfp4_matmul_mgpu
 from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 
-COPY_TBS = 4.22
+TIMERS = {"loop": time_device, "own": time_own_kernels}
+QUICK_TIMER = functools.partial(time_device, iters=2, repeats=1, warmup=1)  # the quick runs' (tests')
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
 SWEPT = FORMATS | {"bf16": (lambda w: w, bf16_matmul),  # config_sweep_rows' kernels
                    "nvfp4_fragments": (lambda w: to_fragments(quantize_nvfp4(w)), fragment_matmul),
@@ -86,9 +88,19 @@ def _nbytes(tree) -> int:
 
 
 def _rate(seconds: float, nbytes: int) -> dict[str, float]:
-  """A timed row's columns: us, bytes, achieved TB/s and its fraction of the copy speed."""
-  tbs = bandwidth_tbs(nbytes, seconds)
-  return dict(us=seconds * 1e6, bytes=nbytes, tbs=tbs, frac_of_copy=tbs / COPY_TBS)
+  """A timed row's columns: us, bytes and achieved TB/s."""
+  return dict(us=seconds * 1e6, bytes=nbytes, tbs=bandwidth_tbs(nbytes, seconds))
+
+
+def with_copy_fraction(rows: Iterable[dict[str, Any]], timer: Callable[..., float], *, quick: bool = False
+                       ) -> Iterator[dict[str, Any]]:
+  """A `copy` row (this device's copy speed over 1 GB, 1 MB if quick, timed by `timer` as the
+  rows are), then `rows`, each with a TB/s given its fraction of that speed."""
+  nbytes = 1 << (20 if quick else 30)
+  copy = copy_tbs(nbytes, timer)
+  yield dict(name="copy", impl="xla", us=2 * nbytes / copy / 1e6, bytes=2 * nbytes, tbs=copy, frac_of_copy=1.0)
+  for row in rows:
+    yield dict(row, frac_of_copy=row["tbs"] / copy) if "tbs" in row else row
 
 
 def _rows(case: dict[str, Any], timed: list[tuple]) -> list[dict[str, Any]]:
@@ -359,8 +371,13 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   8 over tiles a program, warps, K splits and chunks a loop step (two tiles a warp sharing the
   activation loads, sums stored by row), and with either switch off; the routed experts on the
   fragment GEMV (moe_fragments) at the rank's view over program groups and either launch's tiles,
-  K splits and chunks a loop step."""
-  timer = functools.partial(time_device, iters=2, repeats=1, warmup=1) if quick else time_own_kernels
+  K splits and chunks a loop step. First the `copy` row (with_copy_fraction)."""
+  timer = QUICK_TIMER if quick else time_own_kernels
+  yield from with_copy_fraction(_sweeps(quick, timer), timer, quick=quick)
+
+
+def _sweeps(quick: bool, timer: Callable[..., float]) -> Iterator[dict[str, Any]]:
+  """quant_sweep_rows' rows, without the copy."""
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
   hfma2 = lambda bn, bk, s, w=4: MatmulConfig(block_n=bn, block_k=bk, split_k=s, num_warps=w, **HFMA2_FIELDS)
@@ -412,20 +429,24 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
 
 
 QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues")
-TIMERS = {"loop": time_device, "own": time_own_kernels}
 
 
 def quant_rows(*, quick: bool = False, timer: str = "loop", cases: tuple[str, ...] = QUANT_CASES
                ) -> Iterator[dict[str, Any]]:
   """Benchmark rows (see the module docstring) of `cases` (QUANT_CASES), each implementation
   timed by `timer`: "loop" (time_device: many calls in one program, launch gaps included) or
-  "own" (its own kernels' device time from a profile); quick: tiny shapes, few iterations."""
+  "own" (its own kernels' device time from a profile); quick: tiny shapes, few iterations. First
+  the `copy` row (with_copy_fraction)."""
+  timer = QUICK_TIMER if quick else TIMERS[timer]
+  yield from with_copy_fraction(_cases(quick, timer, cases), timer, quick=quick)
+
+
+def _cases(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+  """quant_rows' rows, without the copy."""
   if quick:
-    timer = functools.partial(time_device, iters=2, repeats=1, warmup=1)
     gemv = [("gemv", 64, 128), ("expert_gate_up", 32, 96), ("expert_down", 96, 32)]
     moe = dict(tokens=5, top_k=2, experts=4, d=64, i=32)
   else:
-    timer = TIMERS[timer]
     gemv = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)]
     moe = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
   for name, n, k in gemv:

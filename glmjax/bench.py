@@ -99,6 +99,15 @@ def bandwidth_tbs(num_bytes: float, seconds: float) -> float:
   return num_bytes / seconds / 1e12
 
 
+def copy_tbs(nbytes: int = 1 << 30, timer: Callable[..., float] = time_device) -> float:
+  """This device's copy speed in TB/s: `x + 1` over a bf16 array of `nbytes`, whose read and
+  write (2 * nbytes) `timer` times. A benchmark's fraction of copy divides by the speed measured
+  in its own run, not by one card's figure: the H200's copy is 4.22 TB/s, an H100's 2.92
+  (BENCHMARKS.md run 42)."""
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  return bandwidth_tbs(2 * x.nbytes, timer(lambda a: a + 1, x))
+
+
 @contextlib.contextmanager
 def maybe_profile(log_dir: str) -> Iterator[None]:
   """A jax.profiler trace (TensorBoard / XProf) of the block into log_dir; nothing when empty."""
