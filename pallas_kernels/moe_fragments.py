@@ -48,23 +48,35 @@ from glmjax.quant.fragments import CHUNK, FragmentWeight
 from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.moe_hfma2 import strided_loop
-from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, default_fragment_config,
-                                            fragment_sums, group_starts, store_rows)
+from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, fragment_sums, group_starts,
+                                            store_rows)
+
+
+# The launches' defaults, the fastest of BENCHMARKS.md run 44's (H100, 5 tokens, top-8, GLM-5's
+# experts): gate/up in 4-tile programs over 2 K splits, down in 2-tile programs over the whole K,
+# the chosen experts dealt over 8 program groups.
+GATE_UP = FragmentConfig(tiles=4, num_warps=2, split_k=2, unroll=2, tile_groups=2)
+DOWN = FragmentConfig(tiles=2, num_warps=1, split_k=1, unroll=2, tile_groups=2)
+FUSED_GATE_UP = FragmentConfig(tiles=2, num_warps=1, unroll=2, tile_groups=2)
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsConfig:
   """Each launch's FragmentConfig (tiles a program, K splits, warps, chunks a loop step); None:
-  default_fragment_config of one expert's rows (gate's and up's together), which sizes the
-  grid as for a single GEMV of that shape. groups: programs sharing a row block and K split,
-  each taking every groups-th chosen expert (more programs in flight where few experts are
-  chosen; down's partials then [S * groups, T, D]). fused_swiglu: the gate/up launch runs the
-  whole K in each program, gate's rows in its first tile group and up's same rows in its second,
-  and stores h = silu(g) * u itself: no swiglu launch, no fp32 partials (gate_up: split_k 1 and 2
-  tile groups; default 2 tiles a program, one warp, 2 chunks a loop step)."""
+  GATE_UP / DOWN (FUSED_GATE_UP under fused_swiglu). groups: programs sharing a row block and K
+  split, each taking every groups-th chosen expert: a program walks its experts one after
+  another, so more groups put more of them in flight (down's partials then [S * groups, T, D]).
+  fused_swiglu: the gate/up launch runs the whole K in each program, gate's rows in its first
+  tile group and up's same rows in its second, and stores h = silu(g) * u itself: no swiglu
+  launch, no fp32 partials (gate_up: split_k 1 and 2 tile groups).
+
+  Defaults measured (BENCHMARKS.md run 44, H100, own us): all 32 experts local, 24 chosen (510
+  MB), 228.0 against the single-GEMV tiles in one group's 348.5 and the pairs' 399.4: 76.5% of
+  the card's 1 GB copy; one TEP=8 rank's view, 6 chosen (127.5 MB), 75.1 against 102.0 and the
+  pairs' 63.9 (each expert chosen by one token there: nothing to share)."""
   gate_up: FragmentConfig | None = None
   down: FragmentConfig | None = None
-  groups: int = 1
+  groups: int = 8
   fused_swiglu: bool = False
 
   def __post_init__(self):
@@ -73,11 +85,10 @@ class ExpertsConfig:
       raise ValueError(f"ExpertsConfig.fused_swiglu takes gate's and up's rows as a program's two tile groups over "
                        f"the whole K: gate_up needs split_k=1 and tile_groups=2, got {self.gate_up}")
 
-  def resolved(self, i: int, d: int) -> tuple[FragmentConfig, FragmentConfig]:
+  def resolved(self) -> tuple[FragmentConfig, FragmentConfig]:
     plain = lambda c: dataclasses.replace(c, rows_out=False, final_out=False)
-    fused = FragmentConfig(tiles=2, num_warps=1, unroll=2, tile_groups=2)
-    gate_up = self.gate_up or (fused if self.fused_swiglu else default_fragment_config(2 * i, d))
-    return plain(gate_up), plain(self.down or default_fragment_config(d, i))
+    gate_up = self.gate_up or (FUSED_GATE_UP if self.fused_swiglu else GATE_UP)
+    return plain(gate_up), plain(self.down or DOWN)
 
 
 def chosen_experts(ids_ref, *, slots: int, experts: int):
@@ -245,7 +256,7 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
   if t > TOKENS:
     raise ValueError(f"moe_fragments: at most {TOKENS} tokens (the MMA's N), got {t}")
   config = config or ExpertsConfig()
-  (gate_up_config, down_config), groups = config.resolved(i, d), config.groups
+  (gate_up_config, down_config), groups = config.resolved(), config.groups
   interpret = resolve_interpret(interpret)
   slots = t * top_k
   ids, weights = topk_ids.reshape(slots), topk_weights.astype(jnp.float32).reshape(slots)

@@ -134,7 +134,7 @@ def test_quant_sweep_covers_the_stacks_kernels():
   assert len(gemv) == 2 and {"dot='hfma2'" in c for c in gemv} == {True, False}
   moe = [r["config"] for r in rows if r["name"] == "moe_sweep"]
   assert len(moe) == 2 and moe[0].startswith("PairsConfig(") and "fused_planes=True" in moe[0]
-  assert moe[1] == "ExpertsConfig(gate_up=None, down=None, groups=1, fused_swiglu=False)"  # its defaults
+  assert moe[1] == "ExpertsConfig(gate_up=None, down=None, groups=8, fused_swiglu=False)"  # its defaults
   for fmt in ("fp8", "bf16"):
     assert len({r["config"] for r in rows if r["name"] == "sweep" and r["format"] == fmt}) == 1
   for fmt in ("nvfp4_fragments", "nvfp4_fragments_bf16"):

@@ -377,7 +377,7 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
 
 
 @pytest.mark.parametrize("gate_up,down,groups,fused", [
-    (None, None, 1, False),  # default_fragment_config's: one K split here (80 and 48 inputs are one chunk each)
+    (None, None, 8, False),  # the defaults: gate/up's second K split idle here (80 inputs are one chunk)
     (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3,
      False),
     (None, None, 2, True),  # h from the gate/up launch: one gate and one up tile a program
