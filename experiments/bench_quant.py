@@ -95,7 +95,7 @@ def _rate(seconds: float, nbytes: int) -> dict[str, float]:
 def with_copy_fraction(rows: Iterable[dict[str, Any]], timer: Callable[..., float], *, quick: bool = False
                        ) -> Iterator[dict[str, Any]]:
   """A `copy` row (this device's copy speed over 1 GB, 1 MB if quick, timed by `timer` as the
-  rows are), then `rows`, each with a TB/s given its fraction of that speed."""
+  rows are), then `rows`, each row that has a TB/s given its fraction of that speed."""
   nbytes = 1 << (20 if quick else 30)
   copy = copy_tbs(nbytes, timer)
   yield dict(name="copy", impl="xla", us=2 * nbytes / copy / 1e6, bytes=2 * nbytes, tbs=copy, frac_of_copy=1.0)
