@@ -28,8 +28,8 @@ operands; pallas_kernels/moe_fragments.py). The
 with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
 pallas_kernels/bf16_matmul.py, `--dense_matmul=pallas` in the model). Both entry points first
-time this device's copy (`glmjax.bench.copy_tbs`, 1 GB, the `copy` row), and every row's
-`frac_of_copy` is against that speed, not one card's figure.
+time this device's streaming read (`glmjax.bench.read_tbs`, 1 GB, the `read` row), and every
+row's `frac_of_read` is against that speed, not one card's figure.
 
 The projections of one TEP=8 rank that share an input also run as a group (`group_rows`:
 the GEMV once per weight against bf16_matmul_group's one launch, `pallas_grouped`), and the
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import get_model_config
-from glmjax.bench import agreement, bandwidth_tbs, copy_tbs, time_device, time_own_kernels
+from glmjax.bench import agreement, bandwidth_tbs, read_tbs, time_device, time_own_kernels
 from glmjax.config import ModelConfig
 from glmjax.moe import route
 from glmjax.quant import (FRAGMENT_OPERANDS, from_fragments, linear, moe_experts, quantize_fp8_block, quantize_nvfp4,
@@ -92,15 +92,15 @@ def _rate(seconds: float, nbytes: int) -> dict[str, float]:
   return dict(us=seconds * 1e6, bytes=nbytes, tbs=bandwidth_tbs(nbytes, seconds))
 
 
-def with_copy_fraction(rows: Iterable[dict[str, Any]], timer: Callable[..., float], *, quick: bool = False
+def with_read_fraction(rows: Iterable[dict[str, Any]], timer: Callable[..., float], *, quick: bool = False
                        ) -> Iterator[dict[str, Any]]:
-  """A `copy` row (this device's copy speed over 1 GB, 1 MB if quick, timed by `timer` as the
-  rows are), then `rows`, each row that has a TB/s given its fraction of that speed."""
+  """A `read` row (this device's streaming read over 1 GB, 1 MB if quick, timed by `timer` as
+  the rows are), then `rows`, each row that has a TB/s given its fraction of that speed."""
   nbytes = 1 << (20 if quick else 30)
-  copy = copy_tbs(nbytes, timer)
-  yield dict(name="copy", impl="xla", us=2 * nbytes / copy / 1e6, bytes=2 * nbytes, tbs=copy, frac_of_copy=1.0)
+  read = read_tbs(nbytes, timer)
+  yield dict(name="read", impl="xla", us=nbytes / read / 1e6, bytes=nbytes, tbs=read, frac_of_read=1.0)
   for row in rows:
-    yield dict(row, frac_of_copy=row["tbs"] / copy) if "tbs" in row else row
+    yield dict(row, frac_of_read=row["tbs"] / read) if "tbs" in row else row
 
 
 def _rows(case: dict[str, Any], timed: list[tuple]) -> list[dict[str, Any]]:
@@ -371,13 +371,13 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   8 over tiles a program, warps, K splits and chunks a loop step (two tiles a warp sharing the
   activation loads, sums stored by row), and with either switch off; the routed experts on the
   fragment GEMV (moe_fragments) at the rank's view over program groups and either launch's tiles,
-  K splits and chunks a loop step. First the `copy` row (with_copy_fraction)."""
+  K splits and chunks a loop step. First the `read` row (with_read_fraction)."""
   timer = QUICK_TIMER if quick else time_own_kernels
-  yield from with_copy_fraction(_sweeps(quick, timer), timer, quick=quick)
+  yield from with_read_fraction(_sweeps(quick, timer), timer, quick=quick)
 
 
 def _sweeps(quick: bool, timer: Callable[..., float]) -> Iterator[dict[str, Any]]:
-  """quant_sweep_rows' rows, without the copy."""
+  """quant_sweep_rows' rows, without the read row."""
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
   hfma2 = lambda bn, bk, s, w=4: MatmulConfig(block_n=bn, block_k=bk, split_k=s, num_warps=w, **HFMA2_FIELDS)
@@ -436,13 +436,13 @@ def quant_rows(*, quick: bool = False, timer: str = "loop", cases: tuple[str, ..
   """Benchmark rows (see the module docstring) of `cases` (QUANT_CASES), each implementation
   timed by `timer`: "loop" (time_device: many calls in one program, launch gaps included) or
   "own" (its own kernels' device time from a profile); quick: tiny shapes, few iterations. First
-  the `copy` row (with_copy_fraction)."""
+  the `read` row (with_read_fraction)."""
   timer = QUICK_TIMER if quick else TIMERS[timer]
-  yield from with_copy_fraction(_cases(quick, timer, cases), timer, quick=quick)
+  yield from with_read_fraction(_cases(quick, timer, cases), timer, quick=quick)
 
 
 def _cases(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-  """quant_rows' rows, without the copy."""
+  """quant_rows' rows, without the read row."""
   if quick:
     gemv = [("gemv", 64, 128), ("expert_gate_up", 32, 96), ("expert_down", 96, 32)]
     moe = dict(tokens=5, top_k=2, experts=4, d=64, i=32)

@@ -99,13 +99,13 @@ def bandwidth_tbs(num_bytes: float, seconds: float) -> float:
   return num_bytes / seconds / 1e12
 
 
-def copy_tbs(nbytes: int = 1 << 30, timer: Callable[..., float] = time_device) -> float:
-  """This device's copy speed in TB/s: `x + 1` over a bf16 array of `nbytes`, whose read and
-  write (2 * nbytes) `timer` times. A benchmark's fraction of copy divides by the speed measured
-  in its own run, not by one card's figure: the H200's copy is 4.22 TB/s, an H100's 2.92
-  (BENCHMARKS.md run 42)."""
+def read_tbs(nbytes: int = 1 << 30, timer: Callable[..., float] = time_device) -> float:
+  """This device's streaming read speed in TB/s: an fp32 sum of `nbytes` of bf16, timed by
+  `timer`. The bound of a kernel that streams its weights once, measured in the benchmark's own
+  run, not one card's figure (BENCHMARKS.md run 45, H200: 4.57 TB/s, where XLA's bf16 GEMV reads
+  at 4.35, and `x + 1`, a read and a write, moves 3.36)."""
   x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  return bandwidth_tbs(2 * x.nbytes, timer(lambda a: a + 1, x))
+  return bandwidth_tbs(x.nbytes, timer(lambda a: jnp.sum(a, dtype=jnp.float32), x))
 
 
 @contextlib.contextmanager

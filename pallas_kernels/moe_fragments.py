@@ -52,9 +52,9 @@ from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, 
                                             store_rows)
 
 
-# The launches' defaults, the fastest of BENCHMARKS.md run 44's (H100, 5 tokens, top-8, GLM-5's
-# experts): gate/up in 4-tile programs over 2 K splits, down in 2-tile programs over the whole K,
-# the chosen experts dealt over 8 program groups.
+# The launches' defaults, the fastest of BENCHMARKS.md runs 44 (H100) and 45 (H200) at 5 tokens,
+# top-8, GLM-5's experts: gate/up in 4-tile programs over 2 K splits, down in 2-tile programs
+# over the whole K, the chosen experts dealt over 8 program groups.
 GATE_UP = FragmentConfig(tiles=4, num_warps=2, split_k=2, unroll=2, tile_groups=2)
 DOWN = FragmentConfig(tiles=2, num_warps=1, split_k=1, unroll=2, tile_groups=2)
 FUSED_GATE_UP = FragmentConfig(tiles=2, num_warps=1, unroll=2, tile_groups=2)
@@ -70,10 +70,12 @@ class ExpertsConfig:
   tile group and up's same rows in its second, and stores h = silu(g) * u itself: no swiglu
   launch, no fp32 partials (gate_up: split_k 1 and 2 tile groups).
 
-  Defaults measured (BENCHMARKS.md run 44, H100, own us): all 32 experts local, 24 chosen (510
-  MB), 228.0 against the single-GEMV tiles in one group's 348.5 and the pairs' 399.4: 76.5% of
-  the card's 1 GB copy; one TEP=8 rank's view, 6 chosen (127.5 MB), 75.1 against 102.0 and the
-  pairs' 63.9 (each expert chosen by one token there: nothing to share)."""
+  Defaults measured (BENCHMARKS.md runs 44-45, own us), 5 tokens, top-8: all 32 experts local,
+  24 chosen (510 MB), on an H200 211.7, the best of 10 configs there, against the pairs' 347.8
+  (2.41 TB/s: 57% of the H200's 4.22 TB/s copy, 53% of its 4.57 TB/s read stream); on an H100
+  228.0 against session 37's defaults' 348.5 and the pairs' 399.4. One TEP=8 rank's view, 6
+  chosen (127.5 MB): H200 72.6 against the pairs' 56.3, H100 75.1 against 63.9 (each expert
+  chosen by one token there: nothing to share)."""
   gate_up: FragmentConfig | None = None
   down: FragmentConfig | None = None
   groups: int = 8
