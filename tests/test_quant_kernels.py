@@ -386,8 +386,8 @@ def test_moe_fragments(gate_up, down, groups, fused):
   """The chosen experts each read once for all tokens on the fragment GEMV (its PTX's twin
   here), found in-kernel: expert 2 meets four tokens, ids 7, 9 and -1 are other ranks', token 4
   has no local expert; ragged tiles (48 rows in two-tile blocks) and padded chunks (K = 80,
-  48); a weight's row blocks shared by the gate's and up's launch; the chosen experts over one
-  program or spread over three (groups); h built in the gate/up launch (fused_swiglu)."""
+  48); a weight's row blocks shared by the gate's and up's launch; the chosen experts dealt over
+  8 program groups (the default), 3, 2 or 1 (groups); h built in the gate/up launch (fused_swiglu)."""
   from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
   x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
   fragments = [to_fragments(w, "bfloat16") for w in experts]
