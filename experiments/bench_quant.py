@@ -23,7 +23,7 @@ storing the finished result, one launch a call), and for the MoE
 (pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model), and `pallas_hfma2_pairs_fused`,
 that with the activations' fp16 planes built in one launch each (`--moe_routing=pairs_fused`), and
 `pallas_fragments`, each chosen expert read once for all tokens on the fragment GEMV (bf16
-operands; pallas_kernels/moe_fragments.py). The
+operands; pallas_kernels/moe_fragments.py), and `pallas_fragments_f16`, that on fp16 operands. The
 `*_f16` rows run fp16 tensor-core operands (MatmulConfig / MoEConfig operands="float16"): NVFP4
 with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
@@ -283,11 +283,11 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
       timed.append(_kernel_entry(fmt, moe_hfma2, xla, (x, *routing, *q), nbytes, timer, impl="pallas_hfma2_pairs"))
       fused = jax.jit(functools.partial(moe_hfma2, config=PairsConfig(fused_planes=True)))  # planes in one launch
       timed.append(_kernel_entry(fmt, fused, xla, (x, *routing, *q), nbytes, timer, impl="pallas_hfma2_pairs_fused"))
-      # each chosen expert once for all tokens on the fragment GEMV (bf16 operands), against XLA on q
+      # each chosen expert once for all tokens on the fragment GEMV (either operands), against XLA on q
       reference = lambda x, ids, weights, *_: xla(x, ids, weights, *q)
-      fragments = tuple(to_fragments(w, "bfloat16") for w in q)
-      timed.append(_kernel_entry(fmt, moe_fragments, reference, (x, *routing, *fragments), nbytes, timer,
-                                 impl="pallas_fragments"))
+      for operands, impl in (("bfloat16", "pallas_fragments"), ("float16", "pallas_fragments_f16")):
+        fragments = tuple(to_fragments(w, operands) for w in q)
+        timed.append(_kernel_entry(fmt, moe_fragments, reference, (x, *routing, *fragments), nbytes, timer, impl=impl))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, routed=routed or experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)
 

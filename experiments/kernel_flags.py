@@ -7,7 +7,7 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --topk_method, --topk_trials, --topk_sample, --indexer_orientation, --indexer_splits,
 --indexer_block_k, --indexer_warps, --indexer_stages, --indexer_prefetch, --attention_warps,
 --attention_scales, --attention_block_n, the folds' --fold_splits, --indexer_queries,
---attention_queries, --tensor_parallel and --fragment_operands (`define`); glmjax.runtime.Runtime's
+--attention_queries, --tensor_parallel, --fragment_operands and --expert_operands (`define`); glmjax.runtime.Runtime's
 fields of those names. `define` also defines --preset (configs/runs.py), which the experiment's
 main applies first (`apply_preset`)."""
 
@@ -16,7 +16,7 @@ from typing import Callable
 from absl import flags
 
 from configs.runs import RUN_PRESETS, get_run_preset
-from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES
+from glmjax.quant import DENSE_IMPLS, FRAGMENT_OPERAND_CHOICES, FRAGMENT_OPERANDS
 from glmjax.runtime import (FOLD_SWITCHES, FOLDS, INDEXER_QUERY_DTYPES, MATMUL_IMPLS, MOE_ROUTINGS, QUERY_DTYPES,
                             TENSOR_PARALLEL)
 from pallas_kernels.indexer_scores import ORIENTATIONS
@@ -160,5 +160,8 @@ def define() -> Callable[[], dict[str, str | int]]:
                                              "by its row maximum in a launch before the GEMV), bfloat16 (K "
                                              "permuted in the weights' order so the GEMV reads x's rows itself) "
                                              "or auto (bfloat16 up to 2^25 weights, float16 above)"),
+      "expert_operands": flags.DEFINE_enum("expert_operands", "bfloat16", list(FRAGMENT_OPERANDS),
+                                           "--moe_routing=fragments' MMA operands: bfloat16 (x and h read as "
+                                           "they are) or float16 (x and h scaled into fp16 by their row maxima)"),
   }
   return lambda: {name: flag.value for name, flag in switches.items()}

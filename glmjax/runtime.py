@@ -8,8 +8,8 @@ import dataclasses
 from typing import Literal
 
 from glmjax.config import ModelConfig, derive_indexer_types
-from glmjax.quant import (DENSE_IMPLS, FRAGMENT_IMPL, FRAGMENT_OPERAND_CHOICES, FRAGMENT_ROUTING, HFMA2_IMPLS, IMPLS,
-                          PAIR_ROUTINGS, arrange_params)
+from glmjax.quant import (DENSE_IMPLS, FRAGMENT_IMPL, FRAGMENT_OPERAND_CHOICES, FRAGMENT_OPERANDS, FRAGMENT_ROUTING,
+                          HFMA2_IMPLS, IMPLS, PAIR_ROUTINGS, arrange_params)
 
 Attention = Literal["dense", "sparse", "pallas"]
 ATTENTION_IMPLS = ("dense", "sparse", "pallas")
@@ -27,7 +27,7 @@ FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
-            "fragment_operands": FRAGMENT_OPERAND_CHOICES}
+            "fragment_operands": FRAGMENT_OPERAND_CHOICES, "expert_operands": FRAGMENT_OPERANDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +178,9 @@ class Runtime:
   its size, quant.fragments.operands_for). Run 32 (H200): bfloat16 faster on expert-sized
   matrices and in tep8_shard's all-linears NVFP4 step (16.79 -> 15.82 ms), slower at the 117 MB
   GEMV (52.9 against 45.8 us); run 33 put the crossover between 25M and 75M weights.
+  expert_operands: under moe_routing="fragments", the routed experts' operand dtype: "bfloat16"
+  (x and h read as they are) or "float16" (x scaled into fp16 in a launch before gate/up, h by
+  the swiglu launch; fewer instructions a weight; pallas_kernels/moe_fragments.py).
   """
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None
@@ -218,6 +221,7 @@ class Runtime:
   attention_queries: str = "float32"
   tensor_parallel: str = "shard_map"
   fragment_operands: str = "auto"
+  expert_operands: str = "bfloat16"
 
   def __post_init__(self):
     from pallas_kernels.indexer_scores import ORIENTATIONS  # the kernels import glmjax: imported when needed
@@ -279,7 +283,7 @@ class Runtime:
     moe_routing="fragments"; in ModelOpt's under the others (quant.arrange_params; params already
     so come back as they are). The entry points taking params and a runtime call it."""
     return arrange_params(params, fragments=self.matmul == FRAGMENT_IMPL, operands=self.fragment_operands,
-                          experts=self.moe_routing == FRAGMENT_ROUTING)
+                          experts=self.moe_routing == FRAGMENT_ROUTING, expert_operands=self.expert_operands)
 
   @property
   def linear_impls(self) -> dict[str, str]:

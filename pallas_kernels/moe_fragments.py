@@ -26,10 +26,15 @@ expert nobody chose.
            token did not choose it), summed over the slots in registers: fp32 partials [S * groups,
            T, D], summed by XLA (or by a kernel that takes them: `keep_partials`).
 
-Weights: `to_fragments` of the stacked NVFP4 experts with bfloat16 operands (x and h need no row
-scaling then; an fp16 MMA would need an activations launch per slot). Numerics are
-nvfp4_fragments': exact products, fp32 sums; h is rounded to bf16 as the model's expert MLP
-rounds it. The reference is moe_grouped_matmul_reference (the model's expert MLP in fp32).
+Weights: `to_fragments` of the stacked NVFP4 experts, on either operand dtype (the three alike):
+- bfloat16: x's and h's rows read as they are (no launch before gate/up);
+- float16: fewer instructions a weight (nvfp4_fragments: 96 SASS a call's four k-steps against
+  113), but x and h must be scaled into fp16 by their rows' maxima and laid out as the MMA's B
+  fragments: x by activations_kernel, a launch before gate/up; h by the swiglu launch, which
+  holds whole rows (so fused_swiglu, whose programs hold a few of a row's columns, cannot).
+Numerics are nvfp4_fragments': exact products, fp32 sums; h is rounded to bf16 as the model's
+expert MLP rounds it (and then scaled into fp16 exactly, but for entries under 2^-31 of its row's
+largest, f16_rows). The reference is moe_grouped_matmul_reference (the model's expert MLP in fp32).
 Lowering: Triton, as nvfp4_fragments and for its reason (loads, inline-PTX MMAs on registers the
 program states, a store; Mosaic GPU's wgmma wants 64-row operands from shared memory); the
 interpreter runs the MMAs' jnp twin.
@@ -44,12 +49,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.quant.fragments import CHUNK, FragmentWeight
+from glmjax.quant.fragments import CHUNK, OPERANDS, WORDS, FragmentWeight
 from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.moe_hfma2 import strided_loop
-from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, fragment_sums, group_starts,
-                                            store_rows)
+from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, activations_kernel,
+                                            fragment_sums, group_starts, operand_scale, store_row_words, store_rows)
 
 
 # The launches' defaults, the fastest of BENCHMARKS.md runs 44 (H100) and 45 (H200) at 5 tokens,
@@ -115,18 +120,27 @@ def _routing_weight(ids_ref, weights_ref, expert, token, *, m: int, top_k: int):
   return total
 
 
-def _gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global, up_global, g_ref,
-                    u_ref, *, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
-                    config: FragmentConfig, interpret: bool):
-  # ids_ref i32 [Sp] of the [T*k] ids; x_ref u32 [T * D / 2] (x's bf16 pairs); gate / up words
+def _x_refs(refs: tuple, operands: str) -> tuple:
+  """(x_ref, amax_ref, the other refs) of a kernel's refs after its ids: float16 operands take
+  the activation words and their rows' maxima, bfloat16 ones x's rows alone (amax_ref None)."""
+  return (refs[0], refs[1], refs[2:]) if operands == "float16" else (refs[0], None, refs[1:])
+
+
+def _gate_up_kernel(ids_ref, *refs, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
+                    config: FragmentConfig, operands: str, interpret: bool):
+  # ids_ref i32 [Sp] of the [T*k] ids; x_ref u32: bfloat16, [T * D / 2] (x's bf16 pairs); float16,
+  # [Kc * 4 * 128] activation words (activations_kernel) and amax_ref f32 [8]; gate / up words
   # u32 [E * Kc * 2 * Nt * 128], scales u32 [E * Kc * Nt * 32], global f32 [E]; g_ref, u_ref f32
   # [E * S * T * I] ([slot, split, token, row]). Row blocks [0, B) are gate's, [B, 2B) up's.
+  x_ref, amax_ref, (gate_words, up_words, gate_scales, up_scales, gate_global, up_global, g_ref, u_ref) = _x_refs(
+      refs, operands)
   block, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
   lanes = Lanes.of(config)
   blocks = pl.cdiv(tiles, config.tiles)
-  sizes = dict(m=m, k=d, tiles=tiles, chunks=pl.cdiv(d, CHUNK), config=config, operands="bfloat16",
+  sizes = dict(m=m, k=d, tiles=tiles, chunks=pl.cdiv(d, CHUNK), config=config, operands=operands,
                interpret=interpret)
+  scale = operand_scale(amax_ref, lanes, m=m, operands=operands)
   for w, (words, scales, global_ref, o_ref) in enumerate(((gate_words, gate_scales, gate_global, g_ref),
                                                           (up_words, up_scales, up_global, u_ref))):
     own = block - w * blocks
@@ -134,7 +148,7 @@ def _gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales
     def slot(s, carry, words=words, scales=scales, global_ref=global_ref, o_ref=o_ref, own=own):
       e = expert_of(s)
       accs, starts, _ = fragment_sums(x_ref, words, scales, own, split, lanes, expert=e, **sizes)
-      store_rows(o_ref, accs, starts, lanes, global_ref[e] * BF16_SCALE, m=m, n=i,
+      store_rows(o_ref, accs, starts, lanes, global_ref[e] * scale, m=m, n=i,
                  base=(s * config.split_k + split) * m * i)
       return carry
 
@@ -145,9 +159,9 @@ def _gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales
 
 def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global, up_global,
                            h_ref, *, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
-                           config: FragmentConfig, interpret: bool):
-  # As _gate_up_kernel's refs, with h_ref bf16 [E * T * I] ([slot, token, row]) for the partials:
-  # program (row block j, 0, group g) takes rows j of gate (tile group 0) and of up (group 1)
+                           config: FragmentConfig, operands: str, interpret: bool):
+  # As _gate_up_kernel's refs (bfloat16 operands only), with h_ref bf16 [E * T * I] ([slot,
+  # token, row]) for the partials: program (row block j, 0, group g) takes rows j of gate (tile group 0) and of up (group 1)
   # over the whole K, so its sums are final and it stores h = silu(g) * u itself.
   block, group = pl.program_id(0), pl.program_id(2)
   count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
@@ -156,7 +170,7 @@ def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up
   def slot(s, carry):
     e = expert_of(s)
     (g, u), starts, _ = fragment_sums(x_ref, (gate_words, up_words), (gate_scales, up_scales), block, 0, lanes, m=m,
-                                      k=d, tiles=tiles, chunks=pl.cdiv(d, CHUNK), config=config, operands="bfloat16",
+                                      k=d, tiles=tiles, chunks=pl.cdiv(d, CHUNK), config=config, operands=operands,
                                       interpret=interpret, expert=e)
     h = jax.nn.silu(g * (gate_global[e] * BF16_SCALE)) * (u * (up_global[e] * BF16_SCALE))
     store_rows(h_ref, [h], starts[:1], lanes, 1.0, m=m, n=i, base=s * m * i)
@@ -165,21 +179,26 @@ def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up
   strided_loop(count, slot, 0, group=group, groups=groups)
 
 
-def _down_kernel(ids_ref, weights_ref, h_ref, words_ref, scales_ref, global_ref, o_ref, *, m: int, top_k: int,
-                 slots: int, experts: int, d: int, i: int, tiles: int, groups: int, config: FragmentConfig,
-                 interpret: bool):
-  # ids_ref, weights_ref: i32 / f32 [Sp] of the [T*k] choice; h_ref u32 [E * T * I / 2] (h's bf16
-  # pairs, [slot, token, I]); down words, scales, global as gate's; o_ref f32 [S * G * T * D].
+def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, experts: int, d: int, i: int,
+                 tiles: int, groups: int, config: FragmentConfig, operands: str, interpret: bool):
+  # ids_ref, weights_ref: i32 / f32 [Sp] of the [T*k] choice; h_ref u32 (`swiglu`'s): bfloat16,
+  # [E * T * I / 2] (h's bf16 pairs, [slot, token, I]); float16, [E * Ic * 4 * 128] (slot s's
+  # activation words from s * Ic * 512) and amax_ref f32 [E * 8]; down words, scales, global as
+  # gate's; o_ref f32 [S * G * T * D].
+  h_ref, amax_ref, (words_ref, scales_ref, global_ref, o_ref) = _x_refs(refs, operands)
   block, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
   lanes = Lanes.of(config)
+  chunks = pl.cdiv(i, CHUNK)
 
   def slot(s, totals):
     e = expert_of(s)
+    h_base = s * (chunks * 4 * WORDS if operands == "float16" else m * (i // 2))
     accs, starts, _ = fragment_sums(h_ref, words_ref, scales_ref, block, split, lanes, m=m, k=i, tiles=tiles,
-                                    chunks=pl.cdiv(i, CHUNK), config=config, operands="bfloat16",
-                                    interpret=interpret, expert=e, x_row=s * m)
-    factor = global_ref[e] * BF16_SCALE * _routing_weight(ids_ref, weights_ref, e, lanes.token, m=m, top_k=top_k)
+                                    chunks=chunks, config=config, operands=operands, interpret=interpret, expert=e,
+                                    x_base=h_base)
+    scale = operand_scale(amax_ref, lanes, m=m, operands=operands, base=s * TOKENS)
+    factor = global_ref[e] * scale * _routing_weight(ids_ref, weights_ref, e, lanes.token, m=m, top_k=top_k)
     return tuple(total + acc * factor for total, acc in zip(totals, accs))
 
   totals = strided_loop(count, slot, (jnp.zeros(lanes.tile.shape, jnp.float32),) * config.tile_groups, group=group,
@@ -187,34 +206,49 @@ def _down_kernel(ids_ref, weights_ref, h_ref, words_ref, scales_ref, global_ref,
   store_rows(o_ref, totals, group_starts(block, config), lanes, 1.0, m=m, n=d, base=(split * groups + group) * m * d)
 
 
-def _swiglu_kernel(ids_ref, g_ref, u_ref, h_ref, *, slots: int, experts: int, m: int, i: int, splits: int):
-  # ids_ref i32 [Sp]; g_ref, u_ref f32 [E * S * T * I]; h_ref u32 [E * T * I / 2]. Program
-  # (slot, token): h's row, for chosen slots only (the others' partials are unwritten).
+def _swiglu_kernel(ids_ref, g_ref, u_ref, *h_refs, slots: int, experts: int, m: int, i: int, splits: int,
+                   operands: str):
+  # ids_ref i32 [Sp]; g_ref, u_ref f32 [E * S * T * I]; h_refs as _down_kernel's h_ref (and
+  # amax_ref). Program (slot, token): h's row, rounded to bf16, for chosen slots only (the others'
+  # partials are unwritten); float16: tokens past M too, as zeros (the MMA reads all 8).
   slot, token = pl.program_id(0), pl.program_id(1)
   count, _ = chosen_experts(ids_ref, slots=slots, experts=experts)
-  pairs = jnp.arange(pl.next_power_of_2(i // 2))
-  ok = pairs < i // 2
+  chunks = pl.cdiv(i, CHUNK)
+  pairs = jnp.arange(pl.next_power_of_2(chunks * CHUNK // 2))
+  ok = (pairs < i // 2) & (token < m)
 
   @pl.when(slot < count)
   def _():
-    row = lambda ref, s, c: pltriton.load(ref.at[((slot * splits + s) * m + token) * i + 2 * pairs + c], mask=ok,
-                                          other=0.0)
-    h = [jax.nn.silu(sum(row(g_ref, s, c) for s in range(splits))) * sum(row(u_ref, s, c) for s in range(splits))
-         for c in range(2)]
-    bits = [lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32) for v in h]
-    pltriton.store(h_ref.at[(slot * m + token) * (i // 2) + pairs], bits[0] | (bits[1] << 16), mask=ok)
+    at = lambda s, c: ((slot * splits + s) * m + jnp.minimum(token, m - 1)) * i + 2 * pairs + c
+    row = lambda ref, s, c: pltriton.load(ref.at[at(s, c)], mask=ok, other=0.0)
+    h = [(jax.nn.silu(sum(row(g_ref, s, c) for s in range(splits))) * sum(row(u_ref, s, c) for s in range(splits))
+          ).astype(jnp.bfloat16) for c in range(2)]
+    if operands == "float16":
+      words_ref, amax_ref = h_refs
+      store_row_words(words_ref, amax_ref, *(v.astype(jnp.float32) for v in h), token, pairs,
+                      pairs=chunks * CHUNK // 2, words_base=slot * chunks * 4 * WORDS, amax_base=slot * TOKENS)
+      return
+    bits = [lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32) for v in h]
+    pltriton.store(h_refs[0].at[(slot * m + token) * (i // 2) + pairs], bits[0] | (bits[1] << 16), mask=ok)
 
 
 def swiglu(ids: jax.Array, g: jax.Array, u: jax.Array, *, slots: int, experts: int, m: int, i: int, splits: int,
-           interpret: bool) -> jax.Array:
-  """h = silu(sum_s g) * sum_s u in bf16 for the chosen slots' rows, as bf16 pairs u32 [E * T * I
-  / 2] (what the down program reads), one launch; rows of unchosen slots are left unwritten."""
+           operands: str, interpret: bool) -> list[jax.Array]:
+  """h = silu(sum_s g) * sum_s u in bf16 for the chosen slots' rows, one launch, as the down
+  program reads it: bfloat16 operands, bf16 pairs u32 [E * T * I / 2]; float16, each slot's
+  activation words (fragment_activations' order, [E * Ic * 4 * 128] u32) and its rows' maxima (f32
+  [E * 8]). Rows of unchosen slots are left unwritten."""
   whole = lambda n: pl.BlockSpec((n,), lambda s, t: (0,))
-  size = experts * m * i // 2
+  if operands == "float16":
+    outs = [jax.ShapeDtypeStruct((experts * pl.cdiv(i, CHUNK) * 4 * WORDS,), jnp.uint32),
+            jax.ShapeDtypeStruct((experts * TOKENS,), jnp.float32)]
+  else:
+    outs = [jax.ShapeDtypeStruct((experts * m * i // 2,), jnp.uint32)]
   return pl.pallas_call(
-      functools.partial(_swiglu_kernel, slots=slots, experts=experts, m=m, i=i, splits=splits),
-      grid=(experts, m), in_specs=[whole(pl.next_power_of_2(slots)), whole(g.size), whole(u.size)],
-      out_specs=whole(size), out_shape=jax.ShapeDtypeStruct((size,), jnp.uint32),
+      functools.partial(_swiglu_kernel, slots=slots, experts=experts, m=m, i=i, splits=splits, operands=operands),
+      grid=(experts, TOKENS if operands == "float16" else m),
+      in_specs=[whole(pl.next_power_of_2(slots)), whole(g.size), whole(u.size)],
+      out_specs=[whole(o.size) for o in outs], out_shape=outs,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
       name="moe_fragments_swiglu")(ids, g, u)
 
@@ -225,13 +259,13 @@ def bf16_pairs(x: jax.Array) -> jax.Array:
 
 
 def check_expert_fragments(gate: FragmentWeight, up: FragmentWeight, down: FragmentWeight) -> None:
-  """ValueError unless the three are stacked experts' FragmentWeights on bfloat16 operands."""
+  """ValueError unless the three are stacked experts' FragmentWeights on one operand dtype."""
   for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-    if not isinstance(w, FragmentWeight) or w.ndim != 3 or w.operands != "bfloat16":
-      raise ValueError(f"moe_fragments: {name} must be stacked experts in fragment order on bfloat16 operands "
-                       f"(to_fragments(w, 'bfloat16') of an NVFP4Weight [E, N, K]; Runtime(moe_routing="
-                       f"'fragments').arrange moves them, except experts split over devices), got "
-                       f"{type(w).__name__}{list(w.shape)}{getattr(w, 'operands', '')}")
+    if not isinstance(w, FragmentWeight) or w.ndim != 3 or w.operands != getattr(gate, "operands", None):
+      raise ValueError(f"moe_fragments: {name} must be stacked experts in fragment order on gate_proj's operands "
+                       f"(to_fragments(w, operands) of an NVFP4Weight [E, N, K], operands in {OPERANDS}; "
+                       f"Runtime(moe_routing='fragments').arrange moves them, except experts split over devices), "
+                       f"got {type(w).__name__}{list(w.shape)}{getattr(w, 'operands', '')}")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "keep_partials", "interpret"))
@@ -244,8 +278,9 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
     x: bf16 [T, D], T <= 8 (the MMA's N).
     topk_ids: int32 [T, k] expert ids; outside [0, E) contributes zero.
     topk_weights: [T, k] routing weights (applied in fp32).
-    gate_proj, up_proj: stacked [E, I, D], down_proj [E, D, I]: to_fragments(w, "bfloat16") of
-      NVFP4Weights.
+    gate_proj, up_proj: stacked [E, I, D], down_proj [E, D, I]: to_fragments(w, operands) of
+      NVFP4Weights, one operand dtype: bfloat16 reads x and h as they are; float16 scales x into fp16
+      in a launch before gate/up, and the swiglu launch stores h so (fused_swiglu cannot).
     config: the launches' tiles; default ExpertsConfig().
     keep_partials: return the down launch's fp32 partials [S * groups, T, D] unsummed.
     interpret: run the Pallas interpreter; default: on the CPU backend.
@@ -259,10 +294,14 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
     raise ValueError(f"moe_fragments: at most {TOKENS} tokens (the MMA's N), got {t}")
   config = config or ExpertsConfig()
   (gate_up_config, down_config), groups = config.resolved(), config.groups
+  operands = gate_proj.operands
+  if config.fused_swiglu and operands == "float16":
+    raise ValueError("moe_fragments: fused_swiglu stores h from the gate/up programs, which cannot scale its rows "
+                     "into fp16 (each holds a few of a row's columns): it needs experts on bfloat16 operands")
   interpret = resolve_interpret(interpret)
   slots = t * top_k
   ids, weights = topk_ids.reshape(slots), topk_weights.astype(jnp.float32).reshape(slots)
-  sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, groups=groups, interpret=interpret)
+  sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, groups=groups, operands=operands, interpret=interpret)
 
   def launch(kernel, inputs, out: jax.ShapeDtypeStruct, cfg: FragmentConfig, tiles: int, blocks: int, name: str,
              outs: int = 1, **extra):
@@ -277,17 +316,19 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
 
   flat = lambda w: (w.words.reshape(-1), w.scales.reshape(-1))
   (gw, gs), (uw, us) = flat(gate_proj), flat(up_proj)
-  gate_up = [ids, bf16_pairs(x), gw, uw, gs, us, gate_proj.global_scale, up_proj.global_scale]
+  x_in = list(activations_kernel(x, pl.cdiv(d, CHUNK), interpret)) if operands == "float16" else [bf16_pairs(x)]
+  gate_up = [ids, *x_in, gw, uw, gs, us, gate_proj.global_scale, up_proj.global_scale]
   if config.fused_swiglu:  # h straight from the gate/up launch
     h = launch(_swiglu_gate_up_kernel, gate_up, jax.ShapeDtypeStruct((e * t * i,), x.dtype), gate_up_config,
                gate_proj.tiles, pl.cdiv(gate_proj.tiles, gate_up_config.tiles // 2), "moe_fragments_gate_up_swiglu")
-    h = bf16_pairs(h[0])
+    h = [bf16_pairs(h[0])]
   else:
     g, u = launch(_gate_up_kernel, gate_up, jax.ShapeDtypeStruct((e * gate_up_config.split_k * t * i,), jnp.float32),
                   gate_up_config, gate_proj.tiles, 2 * pl.cdiv(gate_proj.tiles, gate_up_config.tiles),
                   "moe_fragments_gate_up", outs=2)
-    h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, interpret=interpret)
-  partials = launch(_down_kernel, [ids, weights, h, *flat(down_proj), down_proj.global_scale],
+    h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, operands=operands,
+               interpret=interpret)
+  partials = launch(_down_kernel, [ids, weights, *h, *flat(down_proj), down_proj.global_scale],
                     jax.ShapeDtypeStruct((down_config.split_k * groups * t * d,), jnp.float32), down_config,
                     down_proj.tiles, pl.cdiv(down_proj.tiles, down_config.tiles), "moe_fragments_down", top_k=top_k)
   partials = partials[0].reshape(down_config.split_k * groups, t, d)

@@ -258,21 +258,28 @@ def fragment_activations(x16: jax.Array, chunks: int) -> jax.Array:
   return pairs.reshape(TOKENS, chunks, 4, 2, 2, 4).transpose(1, 2, 0, 5, 3, 4).reshape(-1)
 
 
-def _activations_kernel(x_ref, words_ref, amax_ref, *, m: int, k: int):
-  # x_ref bf16 [M * K] (flat, whole); words_ref u32 [Kc * 4 * 128] and amax_ref f32 [8], whole.
-  # Program g: token g's row (zeros past M), its column pairs p in order, each stored where
-  # fragment_activations puts it.
-  g = pl.program_id(0)
-  p = jnp.arange(pl.next_power_of_2(words_ref.shape[0] // TOKENS))
-  ok = (p < k // 2) & (g < m)
-  lo, hi = (pltriton.load(x_ref.at[g * k + 2 * p + half], mask=ok, other=jnp.bfloat16(0)).astype(jnp.float32)
-            for half in range(2))
+def store_row_words(words_ref, amax_ref, lo, hi, g, p, *, pairs: int, words_base=0, amax_base=0) -> None:
+  """Token g's row as fp16 B fragment words (fragment_activations' order, from words_base): lo
+  and hi the fp32 halves of its column pairs p (zero past the row), scaled into fp16 by the row's
+  largest (f16_rows' scale), which goes to amax_base + g; pairs: the padded row's pair count."""
   amax = jnp.maximum(jnp.max(jnp.abs(lo)), jnp.max(jnp.abs(hi)))
   bits = lambda v: lax.bitcast_convert_type((v * row_scale(amax)).astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
   i = p % 64 // 8  # pair p = 64 c + 8 i + 4 b + t, i = 2 a + ip -> [c, a, g, t, ip, b]
   index = p // 64 * 512 + i // 2 * 128 + g * 16 + p % 4 * 4 + i % 2 * 2 + p % 8 // 4
-  pltriton.store(words_ref.at[index], bits(lo) | (bits(hi) << 16), mask=p < words_ref.shape[0] // TOKENS)
-  pltriton.store(amax_ref.at[pl.ds(g, 1)], jnp.full((1,), amax), mask=jnp.full((1,), True))
+  pltriton.store(words_ref.at[words_base + index], bits(lo) | (bits(hi) << 16), mask=p < pairs)
+  pltriton.store(amax_ref.at[pl.ds(amax_base + g, 1)], jnp.full((1,), amax), mask=jnp.full((1,), True))
+
+
+def _activations_kernel(x_ref, words_ref, amax_ref, *, m: int, k: int):
+  # x_ref bf16 [M * K] (flat, whole); words_ref u32 [Kc * 4 * 128] and amax_ref f32 [8], whole.
+  # Program g: token g's row (zeros past M).
+  g = pl.program_id(0)
+  pairs = words_ref.shape[0] // TOKENS
+  p = jnp.arange(pl.next_power_of_2(pairs))
+  ok = (p < k // 2) & (g < m)
+  lo, hi = (pltriton.load(x_ref.at[g * k + 2 * p + half], mask=ok, other=jnp.bfloat16(0)).astype(jnp.float32)
+            for half in range(2))
+  store_row_words(words_ref, amax_ref, lo, hi, g, p, pairs=pairs)
 
 
 def activations_kernel(x: jax.Array, chunks: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
@@ -422,15 +429,15 @@ def group_starts(block, config: "FragmentConfig") -> list:
 
 
 def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m: int, k: int, tiles: int,
-                  chunks: int, config: FragmentConfig, operands: str, interpret: bool, expert=0, x_row=0
+                  chunks: int, config: FragmentConfig, operands: str, interpret: bool, expert=0, x_base=0
                   ) -> tuple[tuple[jax.Array, ...], list, list]:
   """Row block `block` and K split `split` of one weight of `tiles` row tiles: the fp32 sums
   (one [group * 128] array a tile group, mma's C fragments), the groups' first tiles and their
   row masks (None: all in range). The program's tiles in config.tile_groups contiguous groups,
   whose MMAs share one load of the activation words. Given tuples of refs instead, one weight a
   group (each of `tiles` tiles): block `block` of group-sized blocks, the same rows of each.
-  words_ref and scales_ref may stack several such weights: `expert` picks one. x's rows start
-  at `x_row` (bfloat16 operands; fp16 ones read the prepared words of one x)."""
+  words_ref and scales_ref may stack several such weights: `expert` picks one. x_ref's elements
+  from `x_base` are x (bfloat16 operands: its rows; float16: its prepared activation words)."""
   group, paired = config.tiles // config.tile_groups, isinstance(words_ref, tuple)
   if paired:
     refs, starts = list(zip(words_ref, scales_ref)), [block * group] * len(words_ref)
@@ -449,9 +456,9 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
     """Activation array a (steps 2a, 2a + 1) of chunk c: prepared words, or (bfloat16) lane 4g +
     t's pairs 8t + 4(a % 2) .. + 3 of token g's half-chunk a // 2 in x's row (zero past M, K)."""
     if operands == "float16":
-      return pltriton.load(x_ref.at[(4 * c + a) * WORDS + word])
+      return pltriton.load(x_ref.at[x_base + (4 * c + a) * WORDS + word])
     column = c * (CHUNK // 2) + 32 * (a // 2) + 8 * t + 4 * (a % 2) + r
-    return pltriton.load(x_ref.at[(x_row + g) * (k // 2) + column], mask=(g < m) & (2 * column < k),
+    return pltriton.load(x_ref.at[x_base + g * (k // 2) + column], mask=(g < m) & (2 * column < k),
                          other=jnp.uint32(0))
 
   def chunk(c) -> tuple:
@@ -488,6 +495,16 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
   return accs, starts, oks
 
 
+def operand_scale(amax_ref, lanes: Lanes, *, m: int, operands: str, base=0):
+  """Per lane, what undoes the operands' scaling of its sums: bfloat16, the decode's 2^-8
+  (BF16_SCALE); float16, the decode's 2^-14 and f16_rows' row scale of the lane's token, whose
+  row maximum is at amax_ref[base + token]."""
+  if operands == "bfloat16":
+    return BF16_SCALE
+  amax = pltriton.load(amax_ref.at[base + jnp.minimum(lanes.token, m - 1)])
+  return DECODE_SCALE * row_inverse_scale(amax)
+
+
 def store_rows(o_ref, accs, starts, lanes: Lanes, factor, *, m: int, n: int, base=0) -> None:
   """Each group's sums times `factor` (a scalar or per lane) at [token, row] of the [M, N] slab
   that starts at `base` of o_ref (in o_ref's dtype), tokens < m and rows < n only."""
@@ -514,11 +531,7 @@ def _program(x_ref, words_ref, scales_ref, global_ref, amax_ref, o_ref, block, s
   # token, row] of the padded rows; else slab t of this split at 32 T + 4g + r. Padding tokens'
   # sums (token >= m; whole slabs: 2t >= m) are not written.
   if scaled:
-    if operands == "float16":  # f16_rows' scale of the lane's token, undone
-      amax = pltriton.load(amax_ref.at[jnp.minimum(lanes.token, m - 1)])
-      factor = global_ref[0] * (DECODE_SCALE * row_inverse_scale(amax))
-    else:
-      factor = global_ref[0] * BF16_SCALE
+    factor = global_ref[0] * operand_scale(amax_ref, lanes, m=m, operands=operands)
     store_rows(o_ref, accs, starts, lanes, factor, m=m, n=n, base=split * m * n)
     return
   if config.rows_out:

@@ -376,21 +376,25 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
                                 np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("gate_up,down,groups,fused", [
-    (None, None, 8, False),  # the defaults: gate/up's second K split idle here (80 inputs are one chunk)
+@pytest.mark.parametrize("gate_up,down,groups,fused,operands", [
+    (None, None, 8, False, "bfloat16"),  # the defaults: gate/up's second K split idle here (80 inputs are one chunk)
     (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3,
-     False),
-    (None, None, 2, True),  # h from the gate/up launch: one gate and one up tile a program
-    (FragmentConfig(tiles=4, num_warps=2, tile_groups=2), None, 1, True)])  # two of each: 48 rows, one ragged
-def test_moe_fragments(gate_up, down, groups, fused):
+     False, "bfloat16"),
+    (None, None, 2, True, "bfloat16"),  # h from the gate/up launch: one gate and one up tile a program
+    (FragmentConfig(tiles=4, num_warps=2, tile_groups=2), None, 1, True, "bfloat16"),  # two of each: 48 rows
+    (None, None, 8, False, "float16"),  # x's and h's rows scaled into fp16 by their maxima
+    (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3,
+     False, "float16")])
+def test_moe_fragments(gate_up, down, groups, fused, operands):
   """The chosen experts each read once for all tokens on the fragment GEMV (its PTX's twin
   here), found in-kernel: expert 2 meets four tokens, ids 7, 9 and -1 are other ranks', token 4
   has no local expert; ragged tiles (48 rows in two-tile blocks) and padded chunks (K = 80,
   48); a weight's row blocks shared by the gate's and up's launch; the chosen experts dealt over
-  8 program groups (the default), 3, 2 or 1 (groups); h built in the gate/up launch (fused_swiglu)."""
+  8 program groups (the default), 3, 2 or 1 (groups); h built in the gate/up launch (fused_swiglu);
+  experts on either operand dtype (float16: x and h in fp16 activation words, a launch for x's)."""
   from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
   x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
-  fragments = [to_fragments(w, "bfloat16") for w in experts]
+  fragments = [to_fragments(w, operands) for w in experts]
   config = ExpertsConfig(gate_up, down, groups, fused)
   out = moe_fragments(x, ids, weights, *fragments, config=config)
   assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
@@ -423,10 +427,12 @@ def test_moe_fragments_split_k_and_bad_inputs():
   halves = moe_fragments(x, ids, weights, *fragments, config=ExpertsConfig(split, split))
   assert rel_err(halves, whole) <= 1e-2 * TOL + 2 ** -8
   assert rel_err(whole, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
-  with pytest.raises(ValueError, match="up_proj must be stacked experts in fragment order on bfloat16"):
+  with pytest.raises(ValueError, match="up_proj must be stacked experts in fragment order on gate_proj's operands"):
     moe_fragments(x, ids, weights, fragments[0], experts[1], fragments[2])
-  with pytest.raises(ValueError, match="down_proj must be stacked experts .* on bfloat16 operands"):
+  with pytest.raises(ValueError, match=r"down_proj must be stacked experts .*got FragmentWeight\[3, 256, 256\]float16"):
     moe_fragments(x, ids, weights, *fragments[:2], to_fragments(experts[2]))
+  with pytest.raises(ValueError, match="fused_swiglu .* needs experts on bfloat16 operands"):
+    moe_fragments(x, ids, weights, *(to_fragments(w) for w in experts), config=ExpertsConfig(fused_swiglu=True))
   with pytest.raises(ValueError, match="at most 8 tokens"):
     moe_fragments(jnp.zeros((9, d), jnp.bfloat16), jnp.zeros((9, 2), jnp.int32), jnp.ones((9, 2)), *fragments)
   with pytest.raises(ValueError, match="ExpertsConfig.groups must be >= 1, got 0"):
@@ -632,13 +638,17 @@ def test_hfma2_k_loop_pipelining_reaches_the_triton_loop(monkeypatch):
 
 def test_moe_fragments_lowers_for_h200():
   """Every launch of the fragment MoE (its slot loops under pl.when, the in-kernel choice, the
-  swiglu program, the fused gate/up) lowers to Triton for an H200 on this machine."""
+  swiglu program, the fused gate/up; on fp16 operands x's activations launch too) lowers to
+  Triton for an H200 on this machine."""
   from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
-  stacked = lambda shape: jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), "bfloat16"),
-                                         jax.ShapeDtypeStruct(shape, jnp.float32))
+  stacked = lambda shape, operands: jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), operands),
+                                                   jax.ShapeDtypeStruct(shape, jnp.float32))
   e, d, i = 6, 272, 96
-  args = (jax.ShapeDtypeStruct((5, d), jnp.bfloat16), jax.ShapeDtypeStruct((5, 8), jnp.int32),
-          jax.ShapeDtypeStruct((5, 8), jnp.float32), stacked((e, i, d)), stacked((e, i, d)), stacked((e, d, i)))
-  for config in (ExpertsConfig(), ExpertsConfig(groups=3, fused_swiglu=True)):
+  head = (jax.ShapeDtypeStruct((5, d), jnp.bfloat16), jax.ShapeDtypeStruct((5, 8), jnp.int32),
+          jax.ShapeDtypeStruct((5, 8), jnp.float32))
+  cases = ((ExpertsConfig(), "bfloat16", 3), (ExpertsConfig(groups=3, fused_swiglu=True), "bfloat16", 2),
+           (ExpertsConfig(), "float16", 4))
+  for config, operands, launches in cases:
+    args = (*head, *(stacked(shape, operands) for shape in ((e, i, d), (e, i, d), (e, d, i))))
     text = h200_text(functools.partial(moe_fragments, config=config, interpret=False), *args)
-    assert text.count(TRITON_CALL) == (2 if config.fused_swiglu else 3)
+    assert text.count(TRITON_CALL) == launches

@@ -243,7 +243,9 @@ def test_fragment_experts_in_the_model(params_bf16):
   fragment order too, and each MoE layer runs the fragment MoE's three launches (gate/up, the
   chosen slots' swiglu, down) where the pairs run theirs; the logits equal the pairs' within bf16
   rounding. Past 8 rows (the MMA's N) the experts take the reference on the weights moved back,
-  its logits the XLA path's. The engine arranges the experts once; moved back, the same bits."""
+  its logits the XLA path's. The engine arranges the experts once; moved back, the same bits.
+  expert_operands="float16": the experts in fp16 fragment order, one activations launch more a
+  layer (x's), the same logits within bf16 rounding."""
   q = quantized(params_bf16, "nvfp4_experts")
   runtime = Runtime(matmul="pallas_fragments", moe_routing="fragments")
   names = lambda runtime, ids: collections.Counter(eqn.params["name"] for eqn in pallas_eqns(jax.make_jaxpr(
@@ -259,6 +261,11 @@ def test_fragment_experts_in_the_model(params_bf16):
                                                               if name.startswith("moe_hfma2")) + 3 * moe
   want = glmjax.forward(CONFIG, q, ids, runtime=pairs)
   assert rel_err(glmjax.forward(CONFIG, q, ids, runtime=runtime), want) <= 2e-3
+  fp16 = dataclasses.replace(runtime, expert_operands="float16")
+  extra = names(fp16, ids) - launched
+  assert extra == collections.Counter({"nvfp4_fragment_activations": moe}) and not launched - names(fp16, ids)
+  assert rel_err(glmjax.forward(CONFIG, q, ids, runtime=fp16), want) <= 2e-3
+  assert all(w.operands == "float16" for w in fp16.arrange(q)["layers_1"]["mlp"]["experts"].values())
   many = tokens(8, 1, 10)
   assert rel_err(glmjax.forward(CONFIG, q, many, runtime=runtime),
                  glmjax.forward(CONFIG, q, many, runtime=Runtime())) <= 2e-3

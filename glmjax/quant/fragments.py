@@ -152,22 +152,25 @@ def _split(leaf: QuantizedWeight) -> bool:
   return any(concrete(a) and not a.sharding.is_fully_replicated for a in jax.tree.leaves(leaf))
 
 
-def arrange_params(params: Any, fragments: bool, operands: str = "auto", experts: bool = False) -> Any:
+def arrange_params(params: Any, fragments: bool, operands: str = "auto", experts: bool = False,
+                   expert_operands: str = "bfloat16") -> Any:
   """Params with every 2-D NVFP4 weight that the model multiplies through `linear` in fragment
   order for an MMA on `operands` (OPERAND_CHOICES; "auto": each weight's by `operands_for`)
   (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False); with
   experts too, the stacked routed experts (3-D NVFP4, under "experts") in fragment order on
-  bfloat16 operands (what pallas_kernels/moe_fragments.py reads). Other leaves, the RAW weights
+  `expert_operands` (OPERANDS; what pallas_kernels/moe_fragments.py reads). Other leaves, the RAW weights
   and weights split over devices stay as they are. Each moved weight is one jitted call on its
   device; params with nothing to move come back as they are (the same object)."""
   operands_for((), operands)  # a clear error for a bad choice
+  if expert_operands not in OPERANDS:
+    raise ValueError(f"expert operands must be one of {OPERANDS}, got {expert_operands!r}")
   experts = fragments and experts
 
   def arranged(leaf) -> bool:  # whether a weight of its kind goes to fragment order
     return experts if leaf.ndim == 3 else fragments
 
   def wanted(leaf) -> str:  # the operands a weight to move takes
-    return "bfloat16" if leaf.ndim == 3 else operands_for(leaf.shape, operands)
+    return expert_operands if leaf.ndim == 3 else operands_for(leaf.shape, operands)
 
   def moves(path, leaf) -> bool:
     if isinstance(leaf, FragmentWeight):
