@@ -161,8 +161,9 @@ def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up
                            h_ref, *, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
                            config: FragmentConfig, operands: str, interpret: bool):
   # As _gate_up_kernel's refs (bfloat16 operands only), with h_ref bf16 [E * T * I] ([slot,
-  # token, row]) for the partials: program (row block j, 0, group g) takes rows j of gate (tile group 0) and of up (group 1)
-  # over the whole K, so its sums are final and it stores h = silu(g) * u itself.
+  # token, row]) for the partials: program (row block j, 0, group g) takes rows j of gate (tile
+  # group 0) and of up (group 1) over the whole K, so its sums are final and it stores h =
+  # silu(g) * u itself.
   block, group = pl.program_id(0), pl.program_id(2)
   count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
   lanes = Lanes.of(config)
