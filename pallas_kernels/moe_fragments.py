@@ -28,8 +28,8 @@ expert nobody chose.
 
 Weights: `to_fragments` of the stacked NVFP4 experts, on either operand dtype (the three alike):
 - bfloat16: x's and h's rows read as they are (no launch before gate/up);
-- float16: fewer instructions a weight (nvfp4_fragments: 96 SASS a call's four k-steps against
-  113), but x and h must be scaled into fp16 by their rows' maxima and laid out as the MMA's B
+- float16: fewer instructions a weight's decode (nvfp4_fragments: 9 a word of 8 codes against
+  11), but x and h must be scaled into fp16 by their rows' maxima and laid out as the MMA's B
   fragments: x by activations_kernel, a launch before gate/up; h by the swiglu launch, which
   holds whole rows (so fused_swiglu, whose programs hold a few of a row's columns, cannot).
 Numerics are nvfp4_fragments': exact products, fp32 sums; h is rounded to bf16 as the model's

@@ -48,8 +48,10 @@ x's row, and all its codes of the half fall in one NVFP4 block: one scale word a
 bytes (s[g, t], s[g+8, t], s[g, 4+t], s[g+8, 4+t]). The decode builds bf16 halves (2^-126 times
 the code, 0.5 a bf16 subnormal), times the scale in bf16 carrying 2^118: the product is 2^-8
 times the weight, exact (at most 6 significant bits, at least 2^-18), undone in the epilogue.
-One launch fewer a call; 113 SASS instructions a call's four k-steps against fp16's 96 (ptxas
-12.4, sm_90). Not yet timed.
+One launch fewer a call. The codes' bits are moved too (glmjax.quant.fragments.bf16_word_bits),
+so that the decode takes 11 instructions a word where fp16's order would take 16 (fp16's own: 9);
+in fp16's bit order a call's four k-steps took 113 SASS instructions against fp16's 96 (ptxas
+12.4, sm_90, session 21).
 
 Program: a grid of (tile groups, K splits); each program keeps `tiles` tiles (a multiple of
 num_warps, so a warp owns whole tiles) as 1-D [tiles * 128] arrays, whose Triton layout gives
@@ -98,7 +100,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.quant.fragments import CHUNK, LANES, OPERANDS, TILE, WORDS, FragmentWeight
+from glmjax.quant.fragments import CHUNK, LANES, OPERANDS, TILE, WORDS, FragmentWeight, plain_word_bits
 from pallas_kernels import loop_stages
 from pallas_kernels.checks import check_at_least, check_launch, is_pow2, resolve_interpret
 from pallas_kernels.nvfp4_hfma2 import decode_ptx, decode_word, f16_pairs
@@ -124,15 +126,17 @@ def _to_bf16_ptx(r: str) -> str:
 
 
 def _bf16_decode_ptx(word: str, regs: list[str]) -> list[str]:
-  """PTX decoding code word `word` into four bf16x2 registers, decode_word's order, 2^-126 times
-  the codes: a code s e1 e0 m's half is s<<15 | e1 e0 m<<6 (exponent e1 e0, mantissa m; e = 0 a
-  subnormal), built as a high byte s<<7 | e1 (u) and a low byte e0<<7 | m<<6 (v) for four codes
-  at once, then paired by prmt: the low nibbles (bits 3..0: s e1 e0 m), then the high ones."""
-  nibbles = [(f"shl.b32 t, {word}, 4; and.b32 t, t, 0x80808080; shr.b32 u, {word}, 2;", f"shl.b32 v, {word}, 6;"),
-             (f"and.b32 t, {word}, 0x80808080; shr.b32 u, {word}, 6;", f"shl.b32 v, {word}, 2;")]
-  return [line for (high, low), (d_lo, d_hi) in zip(nibbles, (regs[:2], regs[2:])) for line in (
-      f"{high} and.b32 u, u, 0x01010101; or.b32 u, u, t;", f"{low} and.b32 v, v, 0xC0C0C0C0;",
-      f"prmt.b32 {d_lo}, v, u, 0x5140; prmt.b32 {d_hi}, v, u, 0x7362;")]
+  """PTX decoding code word `word` (bfloat16's bit order, glmjax.quant.fragments.bf16_word_bits)
+  into four bf16x2 registers, decode_word's order, 2^-126 times the codes: a code s e1 e0 m's half
+  is s<<15 | e1 e0 m<<6 (exponent e1 e0, mantissa m; e = 0 a subnormal), a high byte s<<7 | e1
+  and a low byte e0<<7 | m<<6. Codes 0-3's high bytes are the word's bits 0x81818181 (t), their
+  low bytes its bits rotated left by 1 (u); codes 4-7's the word rotated right by 4, and left by 5;
+  prmt pairs them: 11 instructions for 8 codes where the plain bit order took 16."""
+  rotated = lambda reg, direction, n: f"shf.{direction}.wrap.b32 {reg}, {word}, {word}, {n};"
+  high = [f"and.b32 t, {word}, 0x81818181;", f"{rotated('t', 'r', 4)} and.b32 t, t, 0x81818181;"]
+  low = [rotated("u", "l", 1), rotated("u", "l", 5)]
+  return [line for h, l, (d_lo, d_hi) in zip(high, low, (regs[:2], regs[2:])) for line in (
+      h, f"{l} and.b32 u, u, 0xC0C0C0C0;", f"prmt.b32 {d_lo}, t, u, 0x1504; prmt.b32 {d_hi}, t, u, 0x3726;")]
 
 
 def _scale_ptx(q: int, operands: str) -> list[str]:
@@ -224,6 +228,7 @@ def fragment_mma_twin(acc, words, scales, xa, xb, *, half: int, operands: str = 
   lanes = lambda x: jnp.swapaxes(x.reshape(-1, LANES, 4), -1, -2)  # [..., step j, lane]
   acc, words, scales, xa, xb = map(lanes, (acc, words, scales, xa, xb))
   dtype, factor = (jnp.float16, 1.0) if operands == "float16" else (jnp.bfloat16, 2.0 ** 6)  # 2^-14 -> 2^-8
+  words = words if operands == "float16" else plain_word_bits(words)
   # Step j's scale pair: float16, byte pair j % 2 of word 2 half + j // 2; bfloat16, pair `half` of word 0.
   word, pair = ((jnp.repeat(scales[..., 2 * half:2 * half + 2, :], 2, axis=-2),
                  lax.broadcasted_iota(jnp.uint32, (4, 1), 0) % 2) if operands == "float16"

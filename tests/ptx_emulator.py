@@ -53,6 +53,8 @@ def _e4m3x2_to_f16x2(a: np.ndarray) -> np.ndarray:
 OPS = {
     "shl.b32": lambda a, b: a << b,
     "shr.b32": lambda a, b: a >> b,
+    "shf.l.wrap.b32": lambda a, b, n: (b << (n & 31)) | (a >> (32 - (n & 31))),  # {b, a} << n, its high word
+    "shf.r.wrap.b32": lambda a, b, n: (a >> (n & 31)) | (b << (32 - (n & 31))),  # {b, a} >> n, its low word
     "and.b32": lambda a, b: a & b,
     "or.b32": lambda a, b: a | b,
     "mul.rn.f16x2": lambda a, b: _halves(lambda x, y: x * y, a, b),

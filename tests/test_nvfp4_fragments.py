@@ -77,15 +77,19 @@ def test_to_fragments_layout():
   for c, tile, g, j, q, rh in np.ndindex(3, 3, 8, 4, 2, 2):
     assert scale_words[c, 4 * (32 * tile + 4 * g + j) + 2 * q + rh] == scales[16 * tile + g + 8 * rh, 8 * c + 2 * j + q]
   # bfloat16: K permuted inside each half-chunk. Lane 4g + t's word j of half h holds columns
-  # 128 c + 64 h + 16 t + 4 j + cb (low nibble) and + 2 (high), all of block 8 c + 4 h + t,
-  # whose scales (rows g, g + 8) are bytes 2h, 2h + 1 of the lane's own word 32 T + 4 g + t.
+  # 128 c + 64 h + 16 t + 4 j + cb and + 2, all of block 8 c + 4 h + t, whose scales (rows g,
+  # g + 8) are bytes 2h, 2h + 1 of the lane's own word 32 T + 4 g + t; the codes' bits moved:
+  # with b = 2 rh + cb, column col's s e1 e0 m at bits 8b + (7, 0, 6, 5), col + 2's at 8b +
+  # (11 mod 32, 4, 2, 1).
   f = to_fragments(w, "bfloat16")
-  words, scale_words = np.asarray(f.words).view(np.uint8), np.asarray(f.scales).view(np.uint8)
+  words, scale_words = np.asarray(f.words), np.asarray(f.scales).view(np.uint8)
+  code = lambda word, bits: sum(((int(word) >> p) & 1) << q for q, p in zip((3, 2, 1, 0), bits))
   for c, h, tile, lane, j, rh, cb in np.ndindex(3, 2, 3, 32, 4, 2, 2):
-    g, t = lane // 4, lane % 4
+    g, t, b = lane // 4, lane % 4, 2 * rh + cb
     row, col = 16 * tile + g + 8 * rh, 128 * c + 64 * h + 16 * t + 4 * j + cb
-    byte = words[c, h, 4 * (128 * tile + 4 * lane + j) + 2 * rh + cb]
-    assert (byte & 0xF, byte >> 4) == (codes[row, col], codes[row, col + 2])
+    word = words[c, h, 128 * tile + 4 * lane + j]
+    assert code(word, [8 * b + p for p in (7, 0, 6, 5)]) == codes[row, col]
+    assert code(word, [(8 * b + p) % 32 for p in (11, 4, 2, 1)]) == codes[row, col + 2]
   for c, tile, g, t, h, rh in np.ndindex(3, 3, 8, 4, 2, 2):
     assert scale_words[c, 4 * (32 * tile + 4 * g + t) + 2 * h + rh] == scales[16 * tile + g + 8 * rh, 8 * c + 4 * h + t]
 

@@ -47,6 +47,13 @@ OPERAND_CHOICES = (*OPERANDS, "auto")
 AUTO_BF16_MAX_WEIGHTS = 1 << 25  # "auto": bf16 operands up to this many weights (N * K), fp16 above
 _ORDERS = {"float16": ((2, 4, 2, 4, 2), 6, (3, 4, 0, 2, 6, 5, 1, 7), (4, 2), (3, 0, 2, 4, 5, 1)),
            "bfloat16": ((2, 4, 4, 2, 2), 7, (3, 4, 0, 2, 5, 6, 1, 7), (2, 4), (3, 0, 2, 5, 4, 1))}
+# bfloat16 words also move their bits: a word in float16's bit order holds code k (< 4) in the low
+# nibble of byte k and code 4 + k in its high nibble (bits s e1 e0 m); a bf16 half of the decode
+# needs s and e1 at bits 7 and 0 of its high byte, e0 and m at 7 and 6 of its low byte. Moved, code
+# k's s, e1, e0, m sit at bits 8k + (7, 0, 6, 5) and code 4 + k's at 8k + (11 mod 32, 4, 2, 1),
+# so the PTX takes the four codes' high bytes and their low bytes each with one rotation and one
+# mask (nvfp4_fragments' bf16 decode). (bits of the plain word, their left rotation):
+_BF16_MOVES = ((0x03030303, 5), (0x44444444, 30), (0x88888888, 4), (0x30303030, 29))
 # Weights kept in ModelOpt's order: MLA's kv_b, which the model reads whole (absorbed into the
 # decode query and the values, glmjax/attention.py: in fragment order each step would first move
 # it back), and the shared expert, which the expert-parallel shard_map slices array by array
@@ -96,6 +103,21 @@ def operands_for(shape: tuple[int, ...], choice: str) -> str:
   return "bfloat16" if math.prod(shape) <= AUTO_BF16_MAX_WEIGHTS else "float16"
 
 
+def _rotl(w: jax.Array, r: int) -> jax.Array:
+  return (w << r) | (w >> (32 - r))
+
+
+def bf16_word_bits(words: jax.Array) -> jax.Array:
+  """u32 code words in float16's bit order -> bfloat16's (_BF16_MOVES)."""
+  return functools.reduce(jnp.bitwise_or, (_rotl(words & jnp.uint32(m), r) for m, r in _BF16_MOVES))
+
+
+def plain_word_bits(words: jax.Array) -> jax.Array:
+  """Inverse of `bf16_word_bits`."""
+  moved = lambda m, r: ((m << r) | (m >> (32 - r))) & 0xFFFFFFFF  # the mask's bits where they went
+  return functools.reduce(jnp.bitwise_or, (_rotl(words & jnp.uint32(moved(m, r)), 32 - r) for m, r in _BF16_MOVES))
+
+
 def _words(b: jax.Array) -> jax.Array:
   """uint8 [..., 2, 2] -> u32 [...], little-endian (byte 2 i + j from [..., i, j])."""
   return lax.bitcast_convert_type(b.reshape(*b.shape[:-2], 4), jnp.uint32)
@@ -122,6 +144,8 @@ def to_fragments(w: NVFP4Weight, operands: str = "float16") -> FragmentWeight:
   codes = codes.reshape(nt, 2, 8, kc, *code_dims)
   packed = jnp.take(codes, 0, nibble) | (jnp.take(codes, 1, nibble) << 4)
   words = _words(packed.transpose(word_axes)).reshape(kc, 2, nt * WORDS)
+  if operands == "bfloat16":
+    words = bf16_word_bits(words)
   bits = lax.bitcast_convert_type(w.block_scale, jnp.uint8)
   bits = jnp.pad(bits, ((0, nt * TILE - n), (0, kc * STEPS - k // BLOCK)))
   scales = _words(bits.reshape(nt, 2, 8, kc, *scale_dims).transpose(scale_axes)).reshape(kc, nt * LANES)
@@ -134,7 +158,8 @@ def from_fragments(f: FragmentWeight) -> NVFP4Weight:
     return jax.vmap(from_fragments)(dataclasses.replace(f, shape=f.shape[1:]))
   (n, k), kc, nt = f.shape, f.scales.shape[0], f.tiles
   _, nibble, word_axes, _, scale_axes = _ORDERS[f.operands]
-  packed = _bytes(f.words.reshape(kc, 2, nt, 8, 4, 4)).transpose(_inverse(word_axes))
+  words = plain_word_bits(f.words) if f.operands == "bfloat16" else f.words
+  packed = _bytes(words.reshape(kc, 2, nt, 8, 4, 4)).transpose(_inverse(word_axes))
   codes = jnp.stack([packed & 0xF, packed >> 4], axis=nibble).reshape(nt * TILE, kc * CHUNK)
   bits = _bytes(f.scales.reshape(kc, nt, 8, 4)).transpose(_inverse(scale_axes)).reshape(nt * TILE, kc * STEPS)
   block_scale = lax.bitcast_convert_type(bits[:n, :k // BLOCK], jnp.float8_e4m3fn)
