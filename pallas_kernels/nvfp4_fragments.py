@@ -49,9 +49,10 @@ bytes (s[g, t], s[g+8, t], s[g, 4+t], s[g+8, 4+t]). The decode builds bf16 halve
 the code, 0.5 a bf16 subnormal), times the scale in bf16 carrying 2^118: the product is 2^-8
 times the weight, exact (at most 6 significant bits, at least 2^-18), undone in the epilogue.
 One launch fewer a call. The codes' bits are moved too (glmjax.quant.fragments.bf16_word_bits),
-so that the decode takes 11 instructions a word where fp16's order would take 16 (fp16's own: 9);
-in fp16's bit order a call's four k-steps took 113 SASS instructions against fp16's 96 (ptxas
-12.4, sm_90, session 21).
+so that the decode takes 11 PTX instructions a word where fp16's order would take 16 (fp16's own:
+9): a call's four k-steps assemble to 88 SASS instructions where fp16's bit order gave 104, and
+fp16 operands 80 (ptxas 13.0, sm_90; the cubin's text size in a loads-and-stores kernel, less the
+kernel without the call, in steps of 8).
 
 Program: a grid of (tile groups, K splits); each program keeps `tiles` tiles (a multiple of
 num_warps, so a warp owns whole tiles) as 1-D [tiles * 128] arrays, whose Triton layout gives
