@@ -104,6 +104,7 @@ def operands_for(shape: tuple[int, ...], choice: str) -> str:
 
 
 def _rotl(w: jax.Array, r: int) -> jax.Array:
+  """u32 w rotated left by r in [1, 31]."""
   return (w << r) | (w >> (32 - r))
 
 
@@ -114,8 +115,8 @@ def bf16_word_bits(words: jax.Array) -> jax.Array:
 
 def plain_word_bits(words: jax.Array) -> jax.Array:
   """Inverse of `bf16_word_bits`."""
-  moved = lambda m, r: ((m << r) | (m >> (32 - r))) & 0xFFFFFFFF  # the mask's bits where they went
-  return functools.reduce(jnp.bitwise_or, (_rotl(words & jnp.uint32(moved(m, r)), 32 - r) for m, r in _BF16_MOVES))
+  # each mask's bits where they went, rotated back
+  return functools.reduce(jnp.bitwise_or, (_rotl(words & _rotl(jnp.uint32(m), r), 32 - r) for m, r in _BF16_MOVES))
 
 
 def _words(b: jax.Array) -> jax.Array:
@@ -183,8 +184,8 @@ def arrange_params(params: Any, fragments: bool, operands: str = "auto", experts
   order for an MMA on `operands` (OPERAND_CHOICES; "auto": each weight's by `operands_for`)
   (fragments=True: what the fragment kernel reads), or all in ModelOpt's order (False); with
   experts too, the stacked routed experts (3-D NVFP4, under "experts") in fragment order on
-  `expert_operands` (OPERANDS; what pallas_kernels/moe_fragments.py reads). Other leaves, the RAW weights
-  and weights split over devices stay as they are. Each moved weight is one jitted call on its
+  `expert_operands` (OPERANDS; what pallas_kernels/moe_fragments.py reads). Other leaves, the RAW
+  weights and weights split over devices stay as they are. Each moved weight is one jitted call on its
   device; params with nothing to move come back as they are (the same object)."""
   operands_for((), operands)  # a clear error for a bad choice
   if expert_operands not in OPERANDS:
