@@ -49,12 +49,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.quant.fragments import CHUNK, OPERANDS, WORDS, FragmentWeight
+from glmjax.quant.fragments import CHUNK, OPERANDS, FragmentWeight
 from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.moe_hfma2 import strided_loop
-from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, activations_kernel,
-                                            fragment_sums, group_starts, operand_scale, store_row_words, store_rows)
+from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, activation_words,
+                                            activations_kernel, fragment_sums, group_starts, operand_scale,
+                                            store_row_words, store_rows)
 
 
 # The launches' defaults, the fastest of BENCHMARKS.md runs 44 (H100) and 45 (H200) at 5 tokens,
@@ -194,7 +195,7 @@ def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, ex
 
   def slot(s, totals):
     e = expert_of(s)
-    h_base = s * (chunks * 4 * WORDS if operands == "float16" else m * (i // 2))
+    h_base = s * (activation_words(chunks) if operands == "float16" else m * (i // 2))
     accs, starts, _ = fragment_sums(h_ref, words_ref, scales_ref, block, split, lanes, m=m, k=i, tiles=tiles,
                                     chunks=chunks, config=config, operands=operands, interpret=interpret, expert=e,
                                     x_base=h_base)
@@ -227,7 +228,7 @@ def _swiglu_kernel(ids_ref, g_ref, u_ref, *h_refs, slots: int, experts: int, m: 
     if operands == "float16":
       words_ref, amax_ref = h_refs
       store_row_words(words_ref, amax_ref, *(v.astype(jnp.float32) for v in h), token, pairs,
-                      pairs=chunks * CHUNK // 2, words_base=slot * chunks * 4 * WORDS, amax_base=slot * TOKENS)
+                      pairs=chunks * CHUNK // 2, words_base=slot * activation_words(chunks), amax_base=slot * TOKENS)
       return
     bits = [lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32) for v in h]
     pltriton.store(h_refs[0].at[(slot * m + token) * (i // 2) + pairs], bits[0] | (bits[1] << 16), mask=ok)
@@ -241,7 +242,7 @@ def swiglu(ids: jax.Array, g: jax.Array, u: jax.Array, *, slots: int, experts: i
   [E * 8]). Rows of unchosen slots are left unwritten."""
   whole = lambda n: pl.BlockSpec((n,), lambda s, t: (0,))
   if operands == "float16":
-    outs = [jax.ShapeDtypeStruct((experts * pl.cdiv(i, CHUNK) * 4 * WORDS,), jnp.uint32),
+    outs = [jax.ShapeDtypeStruct((experts * activation_words(pl.cdiv(i, CHUNK)),), jnp.uint32),
             jax.ShapeDtypeStruct((experts * TOKENS,), jnp.float32)]
   else:
     outs = [jax.ShapeDtypeStruct((experts * m * i // 2,), jnp.uint32)]

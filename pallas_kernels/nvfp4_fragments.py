@@ -264,6 +264,11 @@ def fragment_activations(x16: jax.Array, chunks: int) -> jax.Array:
   return pairs.reshape(TOKENS, chunks, 4, 2, 2, 4).transpose(1, 2, 0, 5, 3, 4).reshape(-1)
 
 
+def activation_words(chunks: int) -> int:
+  """u32 words of one x's fp16 B fragments over `chunks` chunks (fragment_activations' [Kc, 4, 128])."""
+  return chunks * 4 * WORDS
+
+
 def store_row_words(words_ref, amax_ref, lo, hi, g, p, *, pairs: int, words_base=0, amax_base=0) -> None:
   """Token g's row as fp16 B fragment words (fragment_activations' order, from words_base): lo
   and hi the fp32 halves of its column pairs p (zero past the row), scaled into fp16 by the row's
@@ -292,7 +297,7 @@ def activations_kernel(x: jax.Array, chunks: int, interpret: bool) -> tuple[jax.
   """fragment_activations(f16_rows(x)[0], chunks) and the row maxima (f32 [8], zero past M) in
   one launch, a program per token row, instead of XLA's reduce, convert and transpose."""
   m, k = x.shape
-  size = chunks * 4 * WORDS
+  size = activation_words(chunks)
   return pl.pallas_call(
       functools.partial(_activations_kernel, m=m, k=k),
       grid=(TOKENS,),
