@@ -337,7 +337,11 @@ class FragmentConfig:
   the bf16 [M, N] result itself, so the call is one launch with no epilogue after it (bfloat16
   operands, which need no row scale, and split_k = 1 only: a split's sum is not final). Slower
   on the H200 (run 32: one split keeps too few programs in flight; 56.7 against 53.1 us at the
-  GEMV, 14.5 against 5.1 at an expert's gate/up), so a switch for ablations, not a default."""
+  GEMV, 14.5 against 5.1 at an expert's gate/up), so a switch for ablations, not a default.
+  prefetch: the K loop carries the next step's loads, issued before this step's MMAs, so a warp
+  keeps its weights in flight while it decodes (without it a step's loads wait for the previous
+  step's MMAs); twice the load registers, and the last step loads its split's last chunk again
+  (from L2)."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
@@ -347,6 +351,7 @@ class FragmentConfig:
   tile_groups: int = 1
   rows_out: bool = False
   final_out: bool = False
+  prefetch: bool = False
 
   def __post_init__(self):
     check_at_least("FragmentConfig", "split_k", self.split_k)
@@ -490,18 +495,30 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
                                operands=operands)
     return tuple(accs)
 
-  def step(s, accs):  # config.unroll chunks' loads, then their MMAs
-    loads = [chunk(begin + s * config.unroll + u) for u in range(config.unroll)]
-    for chunk_loads in loads:
+  def step_loads(s) -> list:  # step s's config.unroll chunks (past the split: its last chunk again)
+    return [chunk(jnp.minimum(begin + s * config.unroll + u, end - 1)) for u in range(config.unroll)]
+
+  def step(s, accs):  # the step's loads, then their MMAs
+    for chunk_loads in step_loads(s):
       accs = multiply(accs, chunk_loads)
     return accs
+
+  def prefetched_step(s, carry):  # the next step's loads, then this step's MMAs
+    accs, loads = carry
+    ahead = step_loads(s + 1)
+    for chunk_loads in loads:
+      accs = multiply(accs, chunk_loads)
+    return accs, ahead
 
   per_split = pl.cdiv(chunks, config.split_k)
   begin = split * per_split
   end = jnp.minimum(begin + per_split, chunks)
   steps = jnp.maximum(end - begin, 0) // config.unroll
   accs = (jnp.zeros((size,), jnp.float32),) * config.tile_groups
-  accs = lax.fori_loop(0, steps, step, accs)
+  if config.prefetch:
+    accs, _ = lax.fori_loop(0, steps, prefetched_step, (accs, step_loads(0)))
+  else:
+    accs = lax.fori_loop(0, steps, step, accs)
   accs = lax.fori_loop(begin + steps * config.unroll, end, lambda c, accs: multiply(accs, chunk(c)), accs)
   return accs, starts, oks
 

@@ -226,6 +226,25 @@ def test_fragment_matmul_matches_reference(m, n, k, config, operands):
   assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("m, n, k, config, operands", [
+    (8, 136, 640, FragmentConfig(tiles=2, split_k=2, num_warps=1, unroll=2), "float16"),  # a left-over chunk
+    (5, 48, 256, FragmentConfig(tiles=2, split_k=3, num_warps=2), "bfloat16"),  # a split with no chunk
+    (3, 200, 1152, FragmentConfig(tiles=4, num_warps=2, unroll=2, tile_groups=2, rows_out=True), "bfloat16"),
+])
+def test_prefetch_changes_no_bit(m, n, k, config, operands):
+  """prefetch (the next step's loads carried over the MMAs) multiplies the same chunks in the same
+  order: the result bit for bit without it, and the reference's within bf16 rounding."""
+  rng = np.random.default_rng(m * 1000 + k)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32))
+  f = to_fragments(w, operands)
+  got = fragment_matmul(x, f, config=dataclasses.replace(config, prefetch=True))
+  plain = fragment_matmul(x, f, config=config)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
+  want = np.asarray(nvfp4_matmul_reference(x, w), np.float64)
+  assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
+
+
 @pytest.mark.parametrize("m, n, k, config", [
     (3, 200, 272, FragmentConfig(tiles=4, num_warps=2, tile_groups=2, final_out=True)),  # a group past N
     # rows past N in a tile, an unrolled pair
@@ -341,8 +360,10 @@ def test_fragment_matmul_lowers_for_h200():
   w_bf16 = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), "bfloat16"),
                           jax.ShapeDtypeStruct((200, 272), jnp.float32))
   final = FragmentConfig(tiles=4, num_warps=2, unroll=2, tile_groups=2, final_out=True)
+  prefetched = dataclasses.replace(grouped, prefetch=True)
   x = jax.ShapeDtypeStruct((3, 272), jnp.bfloat16)
-  for config, weight in ((None, w), (staged, w), (grouped, w), (grouped, w_bf16), (final, w_bf16)):
+  for config, weight in ((None, w), (staged, w), (grouped, w), (grouped, w_bf16), (final, w_bf16),
+                         (prefetched, w), (prefetched, w_bf16)):
     assert TRITON_CALL in h200_text(functools.partial(fragment_matmul, config=config, interpret=False), x, weight)
   for weight in (w, w_bf16, (w_bf16, w_bf16)):  # the programs that scale their partials, one weight or two
     assert TRITON_CALL in h200_text(functools.partial(fragment_matmul_partials, split_k=2, interpret=False), x, weight)

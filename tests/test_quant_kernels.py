@@ -427,6 +427,9 @@ def test_moe_fragments_split_k_and_bad_inputs():
   halves = moe_fragments(x, ids, weights, *fragments, config=ExpertsConfig(split, split))
   assert rel_err(halves, whole) <= 1e-2 * TOL + 2 ** -8
   assert rel_err(whole, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
+  ahead = dataclasses.replace(split, prefetch=True)  # the same chunks in the same order: the same bits
+  prefetched = moe_fragments(x, ids, weights, *fragments, config=ExpertsConfig(ahead, ahead))
+  np.testing.assert_array_equal(np.asarray(prefetched, np.float32), np.asarray(halves, np.float32))
   with pytest.raises(ValueError, match="up_proj must be stacked experts in fragment order on gate_proj's operands"):
     moe_fragments(x, ids, weights, fragments[0], experts[1], fragments[2])
   with pytest.raises(ValueError, match=r"down_proj must be stacked experts .*got FragmentWeight\[3, 256, 256\]float16"):
@@ -640,14 +643,16 @@ def test_moe_fragments_lowers_for_h200():
   """Every launch of the fragment MoE (its slot loops under pl.when, the in-kernel choice, the
   swiglu program, the fused gate/up; on fp16 operands x's activations launch too) lowers to
   Triton for an H200 on this machine."""
-  from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
+  from pallas_kernels.moe_fragments import DOWN, GATE_UP, ExpertsConfig, moe_fragments
   stacked = lambda shape, operands: jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), operands),
                                                    jax.ShapeDtypeStruct(shape, jnp.float32))
   e, d, i = 6, 272, 96
   head = (jax.ShapeDtypeStruct((5, d), jnp.bfloat16), jax.ShapeDtypeStruct((5, 8), jnp.int32),
           jax.ShapeDtypeStruct((5, 8), jnp.float32))
   cases = ((ExpertsConfig(), "bfloat16", 3), (ExpertsConfig(groups=3, fused_swiglu=True), "bfloat16", 2),
-           (ExpertsConfig(), "float16", 4))
+           (ExpertsConfig(), "float16", 4),
+           (ExpertsConfig(dataclasses.replace(GATE_UP, prefetch=True), dataclasses.replace(DOWN, prefetch=True)),
+            "bfloat16", 3))
   for config, operands, launches in cases:
     args = (*head, *(stacked(shape, operands) for shape in ((e, i, d), (e, i, d), (e, d, i))))
     text = h200_text(functools.partial(moe_fragments, config=config, interpret=False), *args)
