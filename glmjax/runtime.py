@@ -181,7 +181,8 @@ class Runtime:
   GEMV (52.9 against 45.8 us); run 33 put the crossover between 25M and 75M weights.
   expert_operands: under moe_routing="fragments", the routed experts' operand dtype: "bfloat16"
   (x and h read as they are) or "float16" (x scaled into fp16 in a launch before gate/up, h by
-  the swiglu launch; fewer instructions a weight; pallas_kernels/moe_fragments.py).
+  the swiglu launch; fewer instructions a weight; pallas_kernels/moe_fragments.py). On an H100
+  fp16 is 6-12% slower at both MoE cases (BENCHMARKS.md run 46).
   """
   attention: Attention = "dense"
   indexer_pattern: tuple[bool, ...] | None = None

@@ -32,6 +32,8 @@ Weights: `to_fragments` of the stacked NVFP4 experts, on either operand dtype (t
   11), but x and h must be scaled into fp16 by their rows' maxima and laid out as the MMA's B
   fragments: x by activations_kernel, a launch before gate/up; h by the swiglu launch, which
   holds whole rows (so fused_swiglu, whose programs hold a few of a row's columns, cannot).
+  On an H100 that costs more than it saves (BENCHMARKS.md run 46: 249.4 against 224.7 us at the
+  issue's case, 84.8 against 75.5 at a rank's view).
 Numerics are nvfp4_fragments': exact products, fp32 sums; h is rounded to bf16 as the model's
 expert MLP rounds it (and then scaled into fp16 exactly, but for entries under 2^-31 of its row's
 largest, f16_rows). The reference is moe_grouped_matmul_reference (the model's expert MLP in fp32).
