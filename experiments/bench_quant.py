@@ -17,13 +17,14 @@ allow: N a multiple of 8, K of 256; not at the quick shapes), the fragment-order
 (`pallas_fragments`, pallas_kernels/nvfp4_fragments.py, M <= 8, default tiles; its weight
 rearranged once, outside the timing, bytes counted as it stores them; `pallas_fragments_bf16`:
 that on bf16 operands, reading x itself; `pallas_fragments_bf16_final`: that at one K split,
-storing the finished result, one launch a call), and for the MoE
-`pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing), and
+storing the finished result, one launch a call; `*_prefetch`: with FragmentConfig.prefetch), and
+for the MoE `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids (MoEConfig.routing), and
 `pallas_hfma2_pairs`, each (token, local expert) pair a one-row product on the CUDA cores
 (pallas_kernels/moe_hfma2.py, `--moe_routing=pairs` in the model), and `pallas_hfma2_pairs_fused`,
 that with the activations' fp16 planes built in one launch each (`--moe_routing=pairs_fused`), and
 `pallas_fragments`, each chosen expert read once for all tokens on the fragment GEMV (bf16
-operands; pallas_kernels/moe_fragments.py), and `pallas_fragments_f16`, that on fp16 operands. The
+operands; pallas_kernels/moe_fragments.py), `pallas_fragments_f16`, that on fp16 operands, and
+`pallas_fragments_prefetch`, its default tiles with FragmentConfig.prefetch. The
 `*_f16` rows run fp16 tensor-core operands (MatmulConfig / MoEConfig operands="float16"): NVFP4
 with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
@@ -152,7 +153,9 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
         timed.append(_kernel_entry(fmt, nvfp4_matmul_mgpu, xla_dequant, (x, q), nbytes, timer, impl="pallas_mgpu"))
       for operands in FRAGMENT_OPERANDS if m <= FRAGMENT_TOKENS else ():
         fragments = to_fragments(q, operands)
-        configs = {FRAGMENT_IMPLS[operands]: None}
+        configs = {FRAGMENT_IMPLS[operands]: None,  # and with the next step's loads carried over the MMAs
+                   FRAGMENT_IMPLS[operands] + "_prefetch": dataclasses.replace(default_fragment_config(n, k),
+                                                                               prefetch=True)}
         if operands == "bfloat16":  # also at one K split storing the finished result: one launch a call
           configs[FRAGMENT_IMPLS[operands] + "_final"] = dataclasses.replace(default_fragment_config(n, k), split_k=1,
                                                                              final_out=True)
@@ -285,9 +288,12 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
       timed.append(_kernel_entry(fmt, fused, xla, (x, *routing, *q), nbytes, timer, impl="pallas_hfma2_pairs_fused"))
       # each chosen expert once for all tokens on the fragment GEMV (either operands), against XLA on q
       reference = lambda x, ids, weights, *_: xla(x, ids, weights, *q)
-      for operands, impl in (("bfloat16", "pallas_fragments"), ("float16", "pallas_fragments_f16")):
+      prefetched = ExpertsConfig(*(dataclasses.replace(c, prefetch=True) for c in ExpertsConfig().resolved()))
+      for operands, impl, config in (("bfloat16", "pallas_fragments", None), ("float16", "pallas_fragments_f16", None),
+                                     ("bfloat16", "pallas_fragments_prefetch", prefetched)):
         fragments = tuple(to_fragments(w, operands) for w in q)
-        timed.append(_kernel_entry(fmt, moe_fragments, reference, (x, *routing, *fragments), nbytes, timer, impl=impl))
+        kernel = jax.jit(functools.partial(moe_fragments, config=config))
+        timed.append(_kernel_entry(fmt, kernel, reference, (x, *routing, *fragments), nbytes, timer, impl=impl))
   return _rows(dict(name="moe_experts", m=tokens, n=d, k=i, experts=experts, routed=routed or experts, top_k=top_k,
                     chosen_experts=chosen_experts), timed)
 

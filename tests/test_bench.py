@@ -172,7 +172,7 @@ def test_gemv_rows_time_every_impl_against_xla_bf16():
   assert impls[:2] == [("bf16", "xla"), ("bf16", "pallas")]
   assert {("nvfp4", "pallas_ptx"), ("nvfp4", "pallas_ptx_f16"), ("fp8", "pallas_f16")} <= set(impls)
   checked = [r for r in rows if r["impl"].startswith("pallas")]
-  assert len(checked) == 9 and all(r["max_rel_err"] <= 1e-2 for r in checked)
+  assert len(checked) == 11 and all(r["max_rel_err"] <= 1e-2 for r in checked)
   by = {(r["format"], r["impl"]): r for r in rows}
   acts = (3 * 160 + 3 * 96) * 2
   assert by["bf16", "pallas"]["bytes"] == 96 * 160 * 2 + acts
@@ -182,7 +182,8 @@ def test_gemv_rows_time_every_impl_against_xla_bf16():
   assert by["nvfp4", "pallas_fragments"]["bytes"] == 2 * 2 * 6 * 128 * 4 + 2 * 6 * 32 * 4 + 8 + acts
   assert by["nvfp4", "pallas_fragments"]["speedup_vs_bf16"] == pytest.approx(4.0)
   assert by["nvfp4", "pallas_fragments_bf16"]["bytes"] == by["nvfp4", "pallas_fragments"]["bytes"]
-  assert by["nvfp4", "pallas_fragments_bf16_final"]["bytes"] == by["nvfp4", "pallas_fragments"]["bytes"]
+  for impl in ("pallas_fragments_bf16_final", "pallas_fragments_prefetch", "pallas_fragments_bf16_prefetch"):
+    assert by["nvfp4", impl]["bytes"] == by["nvfp4", "pallas_fragments"]["bytes"]
   # One row: the CUDA-core NVFP4 GEMV joins (dot="hfma2"), checked the same way.
   one = {(r["format"], r["impl"]): r for r in gemv_rows(1, 96, 160, name="t", timer=timer)}
   assert ("nvfp4", "pallas_hfma2") not in by and one["nvfp4", "pallas_hfma2"]["max_rel_err"] <= 1e-2
