@@ -194,7 +194,8 @@ def test_group_rows_check_the_grouped_launch_against_the_lone_ones():
   rows = group_rows(3, 64, (48, 16), name="q_a+kv_a", timer=lambda fn, *args: 1e-6)
   assert [r["impl"] for r in rows] == ["xla", "pallas", "pallas_grouped", "pallas_fragments_bf16_partials",
                                        "pallas_fragments_bf16_grouped"]
-  assert all(r["max_rel_err"] <= 1e-2 for r in rows[1:]) and rows[0]["bytes"] == (48 + 16) * 64 * 2 + (3 * 64 + 3 * 64) * 2
+  assert all(r["max_rel_err"] <= 1e-2 for r in rows[1:])
+  assert rows[0]["bytes"] == (48 + 16) * 64 * 2 + (3 * 64 + 3 * 64) * 2
   assert rows[3]["bytes"] == rows[4]["bytes"] < rows[0]["bytes"]
 
 
@@ -256,7 +257,8 @@ def test_layer_kernels_from_two_programs():
   assert rows == {"sparse_mla_decode": [2.0, 10.0, 2.0], "loop_add_fusion": [1.0, 2.0, 7.0],
                   "embed_fusion": [0.0, 0.0, 0.0], "moe_down": [1.0, 4.0, 0.5]}
   # Ordered by own plus idle time: the fusions' launch gaps put them first.
-  assert [r[0] for r in layer_difference(three, five, layers=2)][:3] == ["sparse_mla_decode", "loop_add_fusion", "moe_down"]
+  assert [r[0] for r in layer_difference(three, five, layers=2)][:3] == ["sparse_mla_decode", "loop_add_fusion",
+                                                                           "moe_down"]
 
 
 def test_rank_step_fits_a_line_through_the_layer_counts(monkeypatch):
@@ -297,7 +299,8 @@ def test_rank_step_fits_each_indexer_kind_its_own_line(monkeypatch):
     seen.extend(c.indexer_types for c in configs)
     full = [c.indexer_types.count("full") for c in configs]
     layers = [c.num_hidden_layers for c in configs]
-    return [(1e-3 + 3e-4 * f + 1e-4 * (n - f), {"indexer_scores": (float(f), 10.0 * f, 0.0), "moe": (float(n), 5.0 * n, 0.0)})
+    return [(1e-3 + 3e-4 * f + 1e-4 * (n - f),
+             {"indexer_scores": (float(f), 10.0 * f, 0.0), "moe": (float(n), 5.0 * n, 0.0)})
             for n, f in zip(layers, full)]
 
   monkeypatch.setattr(step_timing, "_timed_counts", timed)

@@ -185,7 +185,8 @@ def test_bf16_matmul_fp32_result():
     bf16_matmul(x, w, out_dtype=jnp.float16)
 
 
-@pytest.mark.parametrize("m,k,ns,out_dtype", [(5, 272, (200, 4, 130), jnp.bfloat16), (1, 2048, (576, 2048), jnp.float32)])
+@pytest.mark.parametrize("m,k,ns,out_dtype", [(5, 272, (200, 4, 130), jnp.bfloat16),
+                                               (1, 2048, (576, 2048), jnp.float32)])
 def test_bf16_matmul_group_equals_each_weight_alone(m, k, ns, out_dtype):
   """Weights sharing x in one launch, with ragged row blocks (200, 4 and 130 rows of 64-row
   tiles; K split 8 ways at 2048): each output is the lone kernel's under the same tiles, and
@@ -614,7 +615,8 @@ def test_hfma2_k_loop_pipelining_reaches_the_triton_loop(monkeypatch):
   from jax._src.pallas.triton import lowering
   from pallas_kernels import loop_stages
   assert loop_stages.loop_stages(loop_stages.staged_name("moe_hfma2_down", 3)) == 3
-  assert loop_stages.staged_name("nvfp4_hfma2", None) == "nvfp4_hfma2" and loop_stages.loop_stages("nvfp4_hfma2") is None
+  assert loop_stages.staged_name("nvfp4_hfma2", None) == "nvfp4_hfma2"
+  assert loop_stages.loop_stages("nvfp4_hfma2") is None
   modules = []
   lower = lowering.lower_jaxpr_to_triton_module
 
