@@ -152,13 +152,11 @@ def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float],
       if n % TMA_ROW_TILE == 0 and k % K_MULTIPLE == 0:  # the Mosaic GPU kernel's TMA shapes
         timed.append(_kernel_entry(fmt, nvfp4_matmul_mgpu, xla_dequant, (x, q), nbytes, timer, impl="pallas_mgpu"))
       for operands in FRAGMENT_OPERANDS if m <= FRAGMENT_TOKENS else ():
-        fragments = to_fragments(q, operands)
+        fragments, default = to_fragments(q, operands), default_fragment_config(n, k)
         configs = {FRAGMENT_IMPLS[operands]: None,  # and with the next step's loads carried over the MMAs
-                   FRAGMENT_IMPLS[operands] + "_prefetch": dataclasses.replace(default_fragment_config(n, k),
-                                                                               prefetch=True)}
+                   FRAGMENT_IMPLS[operands] + "_prefetch": dataclasses.replace(default, prefetch=True)}
         if operands == "bfloat16":  # also at one K split storing the finished result: one launch a call
-          configs[FRAGMENT_IMPLS[operands] + "_final"] = dataclasses.replace(default_fragment_config(n, k), split_k=1,
-                                                                             final_out=True)
+          configs[FRAGMENT_IMPLS[operands] + "_final"] = dataclasses.replace(default, split_k=1, final_out=True)
         for impl, config in configs.items():
           timed.append(_kernel_entry(fmt, jax.jit(functools.partial(fragment_matmul, config=config)),
                                      lambda x, _: xla_dequant(x, q), (x, fragments), _nbytes(fragments) + act_bytes,

@@ -340,8 +340,9 @@ class FragmentConfig:
   GEMV, 14.5 against 5.1 at an expert's gate/up), so a switch for ablations, not a default.
   prefetch: the K loop carries the next step's loads, issued before this step's MMAs, so a warp
   keeps its weights in flight while it decodes (without it a step's loads wait for the previous
-  step's MMAs); twice the load registers, and the last step loads its split's last chunk again
-  (from L2). Not yet timed on a GPU, so off by default."""
+  step's MMAs); twice the load registers, and the last step's prefetch is discarded: it reads
+  chunks of the split that are read anyway (left-over ones, else the last again, clamped), so
+  L2 serves one of the two reads. Not yet timed on a GPU, so off by default."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
