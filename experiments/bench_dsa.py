@@ -89,7 +89,8 @@ def _cache_write_row(s: dict, context: int, t: int, fp8: bool, key: jax.Array, t
   seconds = time_device_carry(paged_write, layer, *args, **timing)
   xla_seconds = time_device_carry(jax.jit(paged.write_layer), layer, *args, **timing)
   same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-             for a, b in zip(jax.tree.leaves(paged_write(layer, *args)), jax.tree.leaves(paged.write_layer(layer, *args))))
+             for a, b in zip(jax.tree.leaves(paged_write(layer, *args)),
+                             jax.tree.leaves(paged.write_layer(layer, *args))))
   scales = t * (s["rank"] // fp8_block_size(s["rank"]) + 1) * 4 if fp8 else 0
   row_bytes = (sum(r.size * 2 for r in rows) + t * (s["rank"] + s["index_dim"]) * (1 if fp8 else 2) + scales
                + t * s["rope"] * 2)  # the new rows in, their pages' rows out
@@ -157,10 +158,11 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
   timing loop's launch gaps and bookkeeping: glmjax.bench.own_kernel_us) and `kernels`,
   glmjax.bench.kernel_breakdown of the kernel path. contexts / query_tokens: override the shape
   set's (empty: keep). topk_methods: the top-k algorithms timed (indexer_topk and topk_indices
-  rows, one per method; a method other than radix is named in the kernel column). query_dtypes: the dtypes of the queries fed
-  to the indexer and attention kernels (float32: three bf16 MMA terms; bfloat16: one), likewise
-  named. mla_combines: how sparse MLA merges its splits (SparseMLAConfig.combine), likewise, or
-  "values": the merge with kv_b's value product in one launch against the two steps (`_values_row`)."""
+  rows, one per method; a method other than radix is named in the kernel column). query_dtypes:
+  the dtypes of the queries fed to the indexer and attention kernels (float32: three bf16 MMA
+  terms; bfloat16: one), likewise named. mla_combines: how sparse MLA merges its splits
+  (SparseMLAConfig.combine), likewise, or "values": the merge with kv_b's value product in one
+  launch against the two steps (`_values_row`)."""
   s = dict(QUICK if quick else FULL)
   s["contexts"] = tuple(contexts) or s["contexts"]
   s["query_tokens"] = tuple(query_tokens) or s["query_tokens"]

@@ -7,9 +7,10 @@
 Random weights in the `--weights` layout (default NVFP4 routed experts), sharded over the mesh as
 they are made (each device creates only its shards); a random cache of `--context` tokens; the
 speculative decode step (k = `--draft_steps` MTP drafts, k+1 verified) timed as
-experiments.tep_project times one rank (experiments/step_timing.py), by the difference of two loop lengths. `--layers`: the
-first N decoder layers (0: all), for machines the whole model does not fit (GLM-5 in NVFP4
-experts is ~420 GB: 8 H200s; fewer GPUs take fewer layers, and the JSON says how many).
+experiments.tep_project times one rank (experiments/step_timing.py), by the difference of two
+loop lengths. `--layers`: the first N decoder layers (0: all), for machines the whole model does
+not fit (GLM-5 in NVFP4 experts is ~420 GB: 8 H200s; fewer GPUs take fewer layers, and the JSON
+says how many).
 A profile of one call of the longer loop gives the device time spent in collectives per step,
 compared with glmjax.parallel.comm_model's prediction for the same step; tokens/s is at the
 stated `--accept_length`. A collective's kernel in that profile also waits for the slower GPU;
@@ -77,17 +78,18 @@ def main(argv: list[str]) -> None:
   report: dict[str, Any] = dict(
       config=_CONFIG.value, layers=config.num_hidden_layers, of_layers=full.num_hidden_layers, tep=tep,
       devices=[d.device_kind for d in mesh.devices.flat], context=_CONTEXT.value, draft_steps=_DRAFT.value,
-      accept_length=_ACCEPT.value, weights=_WEIGHTS.value, matmul=_MATMUL.value, kv_dtype=_KV.value, **_KERNEL_SWITCHES(),
-      step_s=step_s, tokens_per_s=_ACCEPT.value / step_s,
+      accept_length=_ACCEPT.value, weights=_WEIGHTS.value, matmul=_MATMUL.value, kv_dtype=_KV.value,
+      **_KERNEL_SWITCHES(), step_s=step_s, tokens_per_s=_ACCEPT.value / step_s,
       # The trace holds one call of the longer loop.
       collective_s_per_step=collective_us(times) * 1e-6 / timed.long_loop_steps if times else None,
       predicted_comm_s_per_step=predicted["comm_ms"] * 1e-3, predicted_collectives=predicted["collectives"],
       kernel_times_us={name: us for name, (_, us, _) in sorted(times.items(), key=lambda kv: -kv[1][1])[:40]})
+  collectives = ("not in the trace" if report["collective_s_per_step"] is None
+                 else f"{report['collective_s_per_step'] * 1e3:.3f} ms")
   print(f"{config.num_hidden_layers}/{full.num_hidden_layers} layers of {_CONFIG.value}, TEP={tep} "
         f"({report['devices'][0]}), {_CONTEXT.value} context, k={_DRAFT.value}: step {step_s * 1e3:.3f} ms, "
-        f"{report['tokens_per_s']:.1f} tok/s at acceptance {_ACCEPT.value}; collectives "
-        f"{'not in the trace' if report['collective_s_per_step'] is None else f'{report['collective_s_per_step'] * 1e3:.3f} ms'}"
-        f" per step (model: {report['predicted_comm_s_per_step'] * 1e3:.3f} ms, {predicted['collectives']} collectives)")
+        f"{report['tokens_per_s']:.1f} tok/s at acceptance {_ACCEPT.value}; collectives {collectives} per step "
+        f"(model: {report['predicted_comm_s_per_step'] * 1e3:.3f} ms, {predicted['collectives']} collectives)")
   write_json(_OUTPUT.value, report)
 
 

@@ -124,7 +124,8 @@ def run(argv=None) -> dict:
                  ttft_later_median_s=float(np.median([x["ttft_s"] for x in later])) if later else None,
                  prefix_stats=dataclasses.asdict(engine.prefix.stats),
                  verify_steps=verify,
-                 acceptance_length=sum(x["acceptance_length"] * x["verify_steps"] for x in rounds) / verify if verify else 0.0,
+                 acceptance_length=sum(x["acceptance_length"] * x["verify_steps"]
+                                       for x in rounds) / verify if verify else 0.0,
                  acceptance_rate_per_position=[float(a / d) if d else 0.0 for a, d in zip(accepted, drafted)],
                  step_s_median=float(np.median([x["step_s"] for x in rounds])),
                  dispatch_s_median=float(np.median([x["dispatch_s"] for x in rounds])))
@@ -135,14 +136,15 @@ def run(argv=None) -> dict:
                                                     "mtp_index_share", "acceptance_floor", "probe_interval",
                                                     "weights", "matmul", "tep", "text")},
                 workload=dataclasses.asdict(work), rounds=rounds, summary=summary)
-  print(f"\n{'round':>5} {'conv':>4} {'prompt':>8} {'cached':>8} {'prefill':>8} {'ttft ms':>9} {'decode':>7} {'tok/s':>9}"
-        f" {'step ms':>8} {'accept':>7}")
+  print(f"\n{'round':>5} {'conv':>4} {'prompt':>8} {'cached':>8} {'prefill':>8} {'ttft ms':>9} {'decode':>7}"
+        f" {'tok/s':>9} {'step ms':>8} {'accept':>7}")
   for x in rounds:
     print(f"{x['round']:>5} {x['conversation']:>4} {x['prompt_tokens']:>8} {x['cached_tokens']:>8} "
-          f"{x['prefilled_tokens']:>8} {x['ttft_s'] * 1e3:>9.1f} {x['decode_tokens']:>7} {x['decode_tokens_per_s']:>9.1f}"
-          f" {x['step_s'] * 1e3:>8.2f} {x['acceptance_length']:>7.2f}")
+          f"{x['prefilled_tokens']:>8} {x['ttft_s'] * 1e3:>9.1f} {x['decode_tokens']:>7}"
+          f" {x['decode_tokens_per_s']:>9.1f} {x['step_s'] * 1e3:>8.2f} {x['acceptance_length']:>7.2f}")
   print(f"\nprefix hit rate {summary['hit_rate']:.2%} (theoretical max {summary['theoretical_max_hit_rate']:.2%}); "
-        f"median decode {summary['decode_tokens_per_s']:.1f} tok/s; TTFT round 1 {summary['ttft_round1_s'] * 1e3:.0f} ms, "
+        f"median decode {summary['decode_tokens_per_s']:.1f} tok/s; "
+        f"TTFT round 1 {summary['ttft_round1_s'] * 1e3:.0f} ms, "
         f"later rounds median {(summary['ttft_later_median_s'] or 0) * 1e3:.0f} ms")
   if spec:
     print(f"MTP: acceptance length {summary['acceptance_length']:.2f} tokens per verify step over "

@@ -277,12 +277,13 @@ def measure(model: Model, s: Switches, w: Workload, *, bandwidth: float = footpr
   warmup: run everything once on another engine first, so that the first round's TTFT (a cold
   prefill) is compile-free (`cold_ttft_s`; None without). profile_dir: a jax.profiler trace of
   the measured round, taken from a second run of the workload on a fresh engine after the timed
-  one (timings under the profiler are inflated: docs/BENCHMARKS.md, run 8). profile_kernels: also count the device kernels in that trace (a perfetto
-  trace; under profile_dir or a temporary directory) per decode step and layer (None when the
-  trace has no device events: on the CPU). ttft_s: mean over the conversations (prefilled one
-  after another). decode_program_bytes: the compiled decode program's arguments, outputs and
-  temporaries; peak_bytes_in_use: the device's peak since the process started (there is no reset:
-  a running peak over the rows measured so far; None on the CPU).
+  one (timings under the profiler are inflated: docs/BENCHMARKS.md, run 8). profile_kernels: also
+  count the device kernels in that trace (a perfetto trace; under profile_dir or a temporary
+  directory) per decode step and layer (None when the trace has no device events: on the CPU).
+  ttft_s: mean over the conversations (prefilled one after another). decode_program_bytes: the
+  compiled decode program's arguments, outputs and temporaries; peak_bytes_in_use: the device's
+  peak since the process started (there is no reset: a running peak over the rows measured so
+  far; None on the CPU).
   """
   inputs = round_inputs(model.config, w)
   if warmup:

@@ -30,7 +30,8 @@ SWEEPS = ("context", "draft", "concurrency", "topk", "index_share")
 FLAGS = flags.FLAGS
 study.define_flags("sweep_out")
 flags.DEFINE_list("sweep", ["draft"], f"sweeps to run, of {', '.join(SWEEPS)}")
-flags.DEFINE_string("base", study.ROW_NAMES[-1], f"the chain row whose switches are swept, of {', '.join(study.ROW_NAMES)}")
+flags.DEFINE_string("base", study.ROW_NAMES[-1],
+                    f"the chain row whose switches are swept, of {', '.join(study.ROW_NAMES)}")
 flags.DEFINE_list("contexts", ["8192", "32768", "65536", "126976"], "values of the context sweep")
 flags.DEFINE_list("drafts", [str(k) for k in range(1, 8)], "draft lengths k of the draft sweep")
 flags.DEFINE_list("branches", ["1", "2"], "branchings b of the draft sweep")
@@ -63,7 +64,8 @@ def plot(path: pathlib.Path, sweep: str, measured: list[tuple[str, float, dict]]
   """Tokens/s, step time and acceptance length against the swept value, one line per series."""
   plt = study.pyplot()
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-  panels = (("decode tokens/s", lambda m: m["decode_tokens_per_s"]), ("ms per decode step", lambda m: 1e3 * m["step_s"]),
+  panels = (("decode tokens/s", lambda m: m["decode_tokens_per_s"]),
+            ("ms per decode step", lambda m: 1e3 * m["step_s"]),
             ("acceptance length", lambda m: m["acceptance_length"]))
   for series in dict.fromkeys(s for s, _, _ in measured):
     mine = sorted((x, m) for s, x, m in measured if s == series)
@@ -95,8 +97,8 @@ def main(argv):
     for sweep, pts in todo:
       results = study.Results(out / f"sweep_{sweep}.json", dict(model=model.name, base=FLAGS.base, sweep=sweep),
                               resume=FLAGS.resume)
-      failed |= study.measure_all(results, model, [(name, s, w, dict(sweep=sweep, value=x)) for name, _, x, s, w in pts],
-                                  bar)
+      failed |= study.measure_all(results, model,
+                                  [(name, s, w, dict(sweep=sweep, value=x)) for name, _, x, s, w in pts], bar)
       measured = [(name, series, x, results.points[name]) for name, series, x, _, _ in pts if name in results.points]
       if measured:
         bar.write(f"\n{sweep} sweep, base {FLAGS.base}\n" + study.markdown_table([(n, m) for n, _, _, m in measured]))

@@ -140,8 +140,8 @@ def main(argv: list[str]) -> None:
                                  kernel_switches=_KERNEL_SWITCHES(), kernels=_LAYER_KERNELS.value)
     schedule = f" with {_INDEXERS_OF.value}'s IndexShare schedule" if _INDEXERS_OF.value else ""
     measured |= dict(source=f"timed on {jax.devices()[0].device_kind}: {_CONFIG.value}{schedule}, context "
-                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_WEIGHTS.value} weights, {_MATMUL.value} matmuls, "
-                            f"{_KV.value} KV, {_DTYPE.value}, {_DRAFT.value} draft step(s), "
+                            f"{_CONTEXT.value}, {_ATTENTION.value} attention, {_WEIGHTS.value} weights, "
+                            f"{_MATMUL.value} matmuls, {_KV.value} KV, {_DTYPE.value}, {_DRAFT.value} draft step(s), "
                             + ", ".join(f"{k}={v}" for k, v in _KERNEL_SWITCHES().items()))
   layout = layout_comparison(rank, full, tep, _DTYPE.value)
   rows = [comm_model.project(full, rank_step_s=measured["rank_step_s"], tep=tep, accept_length=_ACCEPT.value,

@@ -214,7 +214,8 @@ def run_facts(config: ModelConfig, result: training.FitResult, tc: training.Trai
   return dict(
       command=command, config_name=config_name, train_config=dataclasses.asdict(tc), steps_done=final_eval["step"],
       stopped_early=result.stopped_early, resumed_from=result.resumed_from, wall_time_s=final_train["elapsed_s"],
-      run_wall_s=run_wall_s, device=device_name(), software=f"jax {jax.__version__}, Python {platform.python_version()}",
+      run_wall_s=run_wall_s, device=device_name(),
+      software=f"jax {jax.__version__}, Python {platform.python_version()}",
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
       params=footprint.param_counts(config), final_train=final_train, final_eval=final_eval,
       log_every=log_every, corpus=corpus.describe(), val_fraction=val_fraction, tokenizer=tokenizer.special_tokens,
@@ -256,7 +257,8 @@ def main(argv: list[str]) -> None:
         f"accept length {final_eval['accept_length']:.2f}, indexer coverage {final_eval['indexer_coverage']:.1%}")
   if not FLAGS.output_dir:
     return
-  facts = run_facts(config, result, tc, corpus, tokenizer, command="python -m experiments.train_mini " + " ".join(sys.argv[1:]),
+  facts = run_facts(config, result, tc, corpus, tokenizer,
+                    command="python -m experiments.train_mini " + " ".join(sys.argv[1:]),
                     config_name=FLAGS.config, run_wall_s=time.monotonic() - start, log_every=FLAGS.log_every,
                     val_fraction=FLAGS.val_fraction)
   write_outputs(FLAGS.output_dir, config, tokenizer, result, facts)

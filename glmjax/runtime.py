@@ -26,8 +26,8 @@ FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_
                  "next_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
-            "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES, "tensor_parallel": TENSOR_PARALLEL,
-            "fragment_operands": FRAGMENT_OPERAND_CHOICES,
+            "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES,
+            "tensor_parallel": TENSOR_PARALLEL, "fragment_operands": FRAGMENT_OPERAND_CHOICES,
             "expert_operands": FRAGMENT_OPERANDS}
 
 

@@ -68,7 +68,8 @@ def test_unexpected_tensor_is_named(tmp_path, fixture_dir):
 def test_misshaped_tensor_names_both_shapes(tmp_path, fixture_dir):
   def bad(t):
     t["model.layers.3.mlp.experts.5.down_proj.weight"] = np.zeros((128, 63), np.float32)
-  with pytest.raises(CheckpointError, match=r"experts\.5\.down_proj\.weight has shape \(128, 63\), expected \(128, 64\)"):
+  with pytest.raises(CheckpointError,
+                     match=r"experts\.5\.down_proj\.weight has shape \(128, 63\), expected \(128, 64\)"):
     glmjax.load_pretrained(_edit(tmp_path, fixture_dir, bad))
 
 

@@ -76,7 +76,8 @@ def test_routing_matches_brute_force(n_group, topk_group):
   ref_ids, ref_w = numpy_route(logits, bias, c)
   order = np.argsort(np.asarray(ids), axis=1)
   ref_order = np.argsort(ref_ids, axis=1)
-  np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, 1), np.take_along_axis(ref_ids, ref_order, 1))
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, 1),
+                                np.take_along_axis(ref_ids, ref_order, 1))
   np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1),
                              np.take_along_axis(ref_w, ref_order, 1), rtol=1e-5)
   # The bias steers the choice but never enters the weights: they sum to the scaling factor.

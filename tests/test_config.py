@@ -301,7 +301,8 @@ def test_runtime_fold_splits_is_a_rule_or_a_cap(bad):
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match=r"fold_splits must be one of \('fill', 'rule'\) or a split count >= 1, got"):
     Runtime(fold_splits=bad)
-  assert [Runtime(**kw).fold_splits for kw in ({}, dict(fold_splits="rule"), dict(fold_splits=3))] == ["fill", "rule", 3]
+  assert [Runtime(**kw).fold_splits
+          for kw in ({}, dict(fold_splits="rule"), dict(fold_splits=3))] == ["fill", "rule", 3]
 
 
 def test_runtime_expert_routings_need_their_matmuls():
@@ -335,7 +336,8 @@ def test_runtime_shared_swiglu_needs_the_routers_planes_launch():
     Runtime(shared_swiglu="pallas", router_group="pallas", **folds)
   with pytest.raises(ValueError, match="shared_swiglu='pallas'.*router_group='pallas', swiglu='pallas'"):
     Runtime(shared_swiglu="pallas", route_planes="pallas", router_group="pallas", swiglu="pallas", **folds)
-  assert Runtime(shared_swiglu="pallas", route_planes="pallas", router_group="pallas", **folds).shared_swiglu == "pallas"
+  assert Runtime(shared_swiglu="pallas", route_planes="pallas", router_group="pallas",
+                 **folds).shared_swiglu == "pallas"
 
 
 def test_runtime_closes_a_layer_in_one_fold_only():

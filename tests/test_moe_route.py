@@ -61,7 +61,8 @@ def test_equal_scores_choose_the_lower_index_as_top_k_does(name):
 
 
 @pytest.mark.parametrize("name, splits, tokens, width, chunk_lines, shared_width",
-                         [("glm5", 8, 5, 6144, 128, 256), ("glm5", 1, 1, 6144, None, 64), ("awkward", 3, 7, 176, 4, 200)])
+                         [("glm5", 8, 5, 6144, 128, 256), ("glm5", 1, 1, 6144, None, 64),
+                          ("awkward", 3, 7, 176, 4, 200)])
 def test_route_beside_the_planes_and_the_shared_hidden(name, splits, tokens, width, chunk_lines, shared_width):
   """route_select_planes: the choice as route_select's, x's planes and maxima as rows_planes', bit
   for bit (a rank's case: 5 tokens, 3 planes programs a row; one token, whole rows; 7 tokens of

@@ -139,7 +139,8 @@ def test_handmade_checkpoint_loads_bit_exact(tmp_path, plain, layout):
     assert_same(experts.input_scale[5], written["model.layers.2.mlp.experts.5.down_proj.input_scale"])
   if layout != "nvfp4":
     assert isinstance(kv_b, FP8BlockWeight)
-    codes, scale_inv = ref.quantize_fp8_block(np.asarray(params["layers_3"]["self_attn"]["kv_b_proj"]["weight"], np.float32))
+    codes, scale_inv = ref.quantize_fp8_block(np.asarray(params["layers_3"]["self_attn"]["kv_b_proj"]["weight"],
+                                                         np.float32))
     assert_same(kv_b.weight, codes)
     assert_same(kv_b.scale_inv, scale_inv)
 
@@ -205,11 +206,13 @@ BROKEN = {
                       r"\(for a fp8_block weight of shape \(64, 128\)\)"),
   "packed shape": ("nvfp4", _break(EXPERT + "weight", np.zeros((64, 128), np.uint8)),
                    r"experts\.2\.up_proj\.weight has shape \(64, 128\), expected \(64, 64\)"),
-  "scale_2 missing": ("nvfp4", _break(EXPERT + "weight_scale_2"), r"missing tensor .*experts\.2\.up_proj\.weight_scale_2"),
+  "scale_2 missing": ("nvfp4", _break(EXPERT + "weight_scale_2"),
+                      r"missing tensor .*experts\.2\.up_proj\.weight_scale_2"),
   "scale dtype": ("nvfp4", _break(EXPERT + "weight_scale", np.ones((64, 8), np.float32)),
                   r"experts\.2\.up_proj\.weight_scale has dtype F32, expected F8_E4M3"),
   "experts mixed": ("nvfp4", lambda t: _unquantize(t, EXPERT),
-                    r"experts\.0\.up_proj\.weight \(nvfp4\) and .*experts\.2\.up_proj\.weight \(plain\) .*different formats"),
+                    r"experts\.0\.up_proj\.weight \(nvfp4\) and "
+                    r".*experts\.2\.up_proj\.weight \(plain\) .*different formats"),
   "quantized lm_head": ("fp8", lambda t: t.update({"lm_head.weight": np.zeros((512, 128), E4M3),
                                                    "lm_head.weight_scale_inv": np.ones((4, 1), np.float32)}),
                         r"tensor lm_head\.weight is stored as fp8_block, but glmjax runs this weight unquantized"),
@@ -235,7 +238,8 @@ def expected_paths(policy: str) -> set[str]:
           for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
   indexer = {f"{layer}/self_attn/indexer/{p}/weight" for layer in INDEXER_LAYERS for p in ("wq_b", "wk")}
   mlps = {f"layers_0/mlp/{p}/weight" for p in ("gate_proj", "up_proj", "down_proj")}
-  mlps |= {f"{layer}/mlp/shared_experts/{p}/weight" for layer in MOE_LAYERS for p in ("gate_proj", "up_proj", "down_proj")}
+  mlps |= {f"{layer}/mlp/shared_experts/{p}/weight" for layer in MOE_LAYERS
+           for p in ("gate_proj", "up_proj", "down_proj")}
   return experts | attn | indexer | mlps | {"mtp/eh_proj/weight"}
 
 

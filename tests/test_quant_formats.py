@@ -227,7 +227,8 @@ def test_policy_picks_expected_leaves():
   attn = {f"layers/{i}/self_attn/{n}/weight" for i in range(4)
           for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer/wq_b", "indexer/wk")}
   dense = {f"layers/0/mlp/{n}/weight" for n in ("gate_proj", "up_proj", "down_proj")}
-  shared = {f"layers/{i}/mlp/shared_experts/{n}/weight" for i in (1, 2, 3) for n in ("gate_proj", "up_proj", "down_proj")}
+  shared = {f"layers/{i}/mlp/shared_experts/{n}/weight" for i in (1, 2, 3)
+            for n in ("gate_proj", "up_proj", "down_proj")}
   assert quantized_paths(quantize_params(params, "none")) == set()
   assert quantized_paths(quantize_params(params, "nvfp4_experts")) == experts
   assert quantized_paths(quantize_params(params, "nvfp4")) == experts | attn | dense | shared

@@ -71,7 +71,8 @@ def random_params(seed: int, dtype) -> dict:
   """Fresh params drawn in numpy from the params' shapes (model.init would compile the model):
   vectors (norm scales, biases) around 1, matrices N(0, 0.05)."""
   rng = np.random.default_rng(seed)
-  draw = lambda s: (1 + 0.1 * rng.standard_normal(s.shape)) if len(s.shape) == 1 else 0.05 * rng.standard_normal(s.shape)
+  draw = lambda s: ((1 + 0.1 * rng.standard_normal(s.shape)) if len(s.shape) == 1
+                    else 0.05 * rng.standard_normal(s.shape))
   return jax.tree.map(lambda s: jnp.asarray(draw(s), s.dtype), nn.unbox(abstract_params(CONFIG, param_dtype=dtype)))
 
 
@@ -318,8 +319,9 @@ def test_pallas_router_matches_xla(params_bf16):
 def test_next_norm_closes_each_layer_with_the_next_norm(params_bf16):
   """next_norm="pallas" (bf16, 5 rows): each layer ends in one residual_norm launch, the MoE
   layers' with the routed experts' partials as its term (one operand more), and XLA runs the
-  other input norms and the final norm no more (those launches do); the logits within bf16 rounding of the unfolded ones (tokens: the
-  bf16-stream engine test, where XLA rounds as the model is written)."""
+  other input norms and the final norm no more (those launches do); the logits within bf16
+  rounding of the unfolded ones (tokens: the bf16-stream engine test, where XLA rounds as the
+  model is written)."""
   ids = tokens(11, 1, 5)
   run = lambda p, fold: glmjax.forward(CONFIG, p, ids, runtime=Runtime(dense_matmul="pallas_grouped", next_norm=fold))
   eqns = {fold: list(equations(jax.make_jaxpr(lambda p, fold=fold: run(p, fold))(params_bf16).jaxpr))
@@ -338,5 +340,6 @@ def test_linear_checks_a_quantized_weights_logical_shape(quantize):
   w = quantize(jnp.asarray(np.random.default_rng(1).standard_normal((8, 32)), jnp.float32))
   out = Linear(8).apply({"params": {"weight": w}}, x)
   np.testing.assert_allclose(np.asarray(out), np.asarray(x @ w.dequantize(jnp.float32).T), rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match=r"quantized param .*weight has logical shape \(8, 32\), the module expects \(16, 32\)"):
+  with pytest.raises(ValueError,
+                     match=r"quantized param .*weight has logical shape \(8, 32\), the module expects \(16, 32\)"):
     Linear(16).apply({"params": {"weight": w}}, x)

@@ -91,5 +91,6 @@ def test_residual_norm_lowers_to_triton_for_h200():
   for (splits, tokens, width), partials in [*((shape, jnp.float32) for shape in SHAPES), ((1, 5, 6144), jnp.bfloat16)]:
     args = (s((tokens, width), jnp.float32), s((splits, tokens, width), partials), s((width,), jnp.bfloat16))
     assert TRITON_CALL in h200_text(lambda *a: residual_norm(*a, eps=1e-5, interpret=False), *args)
-  args = (s((5, 6144), jnp.float32), s((1, 5, 6144), jnp.float32), s((6144,), jnp.bfloat16), s((4, 5, 6144), jnp.float32))
+  args = (s((5, 6144), jnp.float32), s((1, 5, 6144), jnp.float32), s((6144,), jnp.bfloat16),
+          s((4, 5, 6144), jnp.float32))
   assert TRITON_CALL in h200_text(lambda r, p, w, t: residual_norm(r, p, w, eps=1e-5, term=t, interpret=False), *args)

@@ -153,7 +153,8 @@ def prefill_reference(model, tokens):
   for start in range(0, len(toks), CHUNK):
     chunk, positions, following = (np.full((1, CHUNK), v, np.int32) for v in (0, -1, -1))
     piece, nxt = toks[start:start + CHUNK], toks[start + 1:start + CHUNK + 1]
-    chunk[0, :len(piece)], positions[0, :len(piece)], following[0, :len(nxt)] = piece, np.arange(start, start + len(piece)), nxt
+    (chunk[0, :len(piece)], positions[0, :len(piece)],
+     following[0, :len(nxt)]) = piece, np.arange(start, start + len(piece)), nxt
     _, _, cache, mtp = speculative.prefill_chunk_mtp(params, cache, mtp, jnp.asarray(chunk), jnp.asarray(positions),
                                                      jnp.asarray(following), spec=spec)
   return cache, mtp
@@ -175,7 +176,8 @@ def test_rollback_leaves_caches_as_if_drafts_were_never_written(draftable):
   assert int(engine.cache.lengths[0]) == length
   ref_cache, ref_mtp = prefill_reference(draftable, session.history)
   pairs = [(a, b) for ours, ref in zip(engine.cache.layers, ref_cache.layers) for a, b in
-           zip(layer_contents(ours, engine.cache.page_table[:1], length), layer_contents(ref, ref_cache.page_table, length))]
+           zip(layer_contents(ours, engine.cache.page_table[:1], length),
+               layer_contents(ref, ref_cache.page_table, length))]
   pairs += zip(layer_contents(engine.mtp, engine.cache.page_table[:1], length),
                layer_contents(ref_mtp, ref_cache.page_table, length))
   for ours, ref in pairs:
@@ -237,7 +239,8 @@ def test_acceptance_keeps_the_target_distribution(branch, depth, num_draft, samp
                         for j in range(num_draft)], axis=1)
     proposed = jax.random.bernoulli(keys[2], 0.8, (n, paths, num_draft))[:, subtree, np.arange(num_draft)]
   accept = jax.jit(speculative.accept, static_argnames=("sampling", "branch", "depth"))
-  path, accepted, nxt = accept(drafts.astype(jnp.int32), proposed, jnp.broadcast_to(target, (n, paths, num_draft + 1, vocab)),
+  path, accepted, nxt = accept(drafts.astype(jnp.int32), proposed,
+                               jnp.broadcast_to(target, (n, paths, num_draft + 1, vocab)),
                                q, keys[3], sampling, branch=branch, depth=depth)
   path, accepted, nxt = map(np.asarray, (path, accepted, nxt))
   chosen = np.asarray(drafts)[np.arange(n), path]                                     # [n, k]

@@ -63,7 +63,8 @@ def test_chain_switches_accumulate():
       assert changed == set(changes), name
     previous = s
   # A row's value overrides apply from that row on; other overrides everywhere.
-  assert study.chain_switches("prefix_cache", num_draft=2, index_topk=5) == study.Switches(prefix_cache=True, index_topk=5)
+  assert (study.chain_switches("prefix_cache", num_draft=2, index_topk=5)
+          == study.Switches(prefix_cache=True, index_topk=5))
   assert study.chain_switches("mtp", num_draft=2).num_draft == 2
   with pytest.raises(ValueError, match="unknown chain row"):
     study.chain_switches("turbo")
