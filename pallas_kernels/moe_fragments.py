@@ -51,13 +51,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.quant.fragments import CHUNK, OPERANDS, FragmentWeight
+from glmjax.quant.fragments import CHUNK, OPERANDS, WORDS, FragmentWeight
 from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
-from pallas_kernels.moe_hfma2 import strided_loop
-from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, Lanes, activation_words,
-                                            activations_kernel, fragment_sums, group_starts, operand_scale,
-                                            store_row_words, store_rows)
+from pallas_kernels.moe_hfma2 import strided_loop, strided_trips
+from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, FragmentOps, Lanes, activation_words,
+                                            activations_kernel, fragment_ops, fragment_sums, group_starts,
+                                            mask_and, operand_scale, split_chunks, store_row_words, store_rows)
 
 
 # The launches' defaults, the fastest of BENCHMARKS.md runs 44 (H100) and 45 (H200) at 5 tokens,
@@ -77,6 +77,10 @@ class ExpertsConfig:
   fused_swiglu: the gate/up launch runs the whole K in each program, gate's rows in its first
   tile group and up's same rows in its second, and stores h = silu(g) * u itself: no swiglu
   launch, no fp32 partials (gate_up: split_k 1 and 2 tile groups).
+  stream: a program's experts as one K loop (stream_sums) instead of a loop per expert, so its
+  loads (and under FragmentConfig.prefetch the next step's) run on from one expert into the next
+  where each expert's loop would start empty and end with its last MMAs. Not yet timed on a GPU,
+  so off by default; not with fused_swiglu.
 
   Defaults measured (BENCHMARKS.md runs 44-45, own us), 5 tokens, top-8: all 32 experts local,
   24 chosen (510 MB), on an H200 211.7, the best of 10 configs there, against the pairs' 347.8
@@ -88,9 +92,13 @@ class ExpertsConfig:
   down: FragmentConfig | None = None
   groups: int = 8
   fused_swiglu: bool = False
+  stream: bool = False
 
   def __post_init__(self):
     check_at_least("ExpertsConfig", "groups", self.groups)
+    if self.stream and self.fused_swiglu:
+      raise ValueError("ExpertsConfig.stream runs the gate/up and down launches' experts as one K loop each; "
+                       "fused_swiglu's launch has no such loop: set one of them")
     if self.fused_swiglu and self.gate_up is not None and (self.gate_up.split_k, self.gate_up.tile_groups) != (1, 2):
       raise ValueError(f"ExpertsConfig.fused_swiglu takes gate's and up's rows as a program's two tile groups over "
                        f"the whole K: gate_up needs split_k=1 and tile_groups=2, got {self.gate_up}")
@@ -123,6 +131,56 @@ def _routing_weight(ids_ref, weights_ref, expert, token, *, m: int, top_k: int):
   return total
 
 
+def stream_sums(ops: FragmentOps, split, *, trips, expert_at, x_base_at, finish, state, chunks: int,
+                config: FragmentConfig):
+  """A program's `trips` experts (expert_at(j); x from x_base_at(j)) over K split `split` as one
+  loop of `steps` steps an expert, so the loads run on from one expert into the next (and, under
+  config.prefetch, each step's loads go out before the previous step's MMAs, across experts too).
+  After expert j's last step finish(j, e, accs, state) -> state, and its accs restart at zero.
+  Every expert takes ceil(split chunks / unroll) steps; chunks past a split's end (a ragged split
+  or unroll) load masked zeros, which add nothing. expert_at runs only where a step starts an
+  expert. Returns the state."""
+  begin, end = split_chunks(split, chunks, config)
+  per_split = pl.cdiv(chunks, config.split_k)
+  steps = pl.cdiv(per_split, config.unroll)
+  ragged = bool(chunks % config.split_k or per_split % config.unroll)
+  total, n = trips * steps, jnp.int32(steps)  # lax.rem / div: q >= 0, and Triton wants one int type
+  zeros = (jnp.zeros((config.tiles // config.tile_groups * WORDS,), jnp.float32),) * config.tile_groups
+
+  def expert_of_step(q, e):  # the expert of step q, given step q - 1's
+    return lax.cond(lax.rem(q, n) == 0, lambda: expert_at(lax.div(q, n)), lambda: e)
+
+  def step_loads(q, e, valid=None) -> list:
+    c0 = begin + lax.rem(q, n) * config.unroll
+    masks = [mask_and(valid, (c0 + u < end) if ragged else None) for u in range(config.unroll)]
+    return [ops.chunk(jnp.minimum(c0 + u, end - 1), e, x_base_at(lax.div(q, n)), mask)
+            for u, mask in enumerate(masks)]
+
+  def multiply(q, e, accs, state, loads):
+    for chunk_loads in loads:
+      accs = ops.multiply(accs, chunk_loads)
+    close = lambda accs, state: (zeros, finish(lax.div(q, n), e, accs, state))
+    return lax.cond(lax.rem(q, n) == steps - 1, close, lambda accs, state: (accs, state), accs, state)
+
+  def prefetched(q, carry):  # carry: step q's loads and expert
+    accs, state, loads, e = carry
+    ahead_e = expert_of_step(jnp.minimum(q + 1, total - 1), e)
+    ahead = step_loads(jnp.minimum(q + 1, total - 1), ahead_e)
+    accs, state = multiply(q, e, accs, state, loads)
+    return accs, state, ahead, ahead_e
+
+  def plain(q, carry):  # carry: step q - 1's expert
+    accs, state, e = carry
+    e = expert_of_step(q, e)
+    accs, state = multiply(q, e, accs, state, step_loads(q, e))
+    return accs, state, e
+
+  if config.prefetch:
+    first = expert_at(0)
+    return lax.fori_loop(0, total, prefetched, (zeros, state, step_loads(0, first, total > 0), first))[1]
+  return lax.fori_loop(0, total, plain, (zeros, state, jnp.int32(0)))[1]
+
+
 def _x_refs(refs: tuple, operands: str) -> tuple:
   """(x_ref, amax_ref, the other refs) of a kernel's refs after its ids: float16 operands take
   the activation words and their rows' maxima, bfloat16 ones x's rows alone (amax_ref None)."""
@@ -130,7 +188,7 @@ def _x_refs(refs: tuple, operands: str) -> tuple:
 
 
 def _gate_up_kernel(ids_ref, *refs, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
-                    config: FragmentConfig, operands: str, interpret: bool):
+                    config: FragmentConfig, operands: str, interpret: bool, stream: bool):
   # ids_ref i32 [Sp] of the [T*k] ids; x_ref u32: bfloat16, [T * D / 2] (x's bf16 pairs); float16,
   # [Kc * 4 * 128] activation words (activations_kernel) and amax_ref f32 [8]; gate / up words
   # u32 [E * Kc * 2 * Nt * 128], scales u32 [E * Kc * Nt * 32], global f32 [E]; g_ref, u_ref f32
@@ -148,16 +206,30 @@ def _gate_up_kernel(ids_ref, *refs, m: int, slots: int, experts: int, d: int, i:
                                                           (up_words, up_scales, up_global, u_ref))):
     own = block - w * blocks
 
-    def slot(s, carry, words=words, scales=scales, global_ref=global_ref, o_ref=o_ref, own=own):
-      e = expert_of(s)
-      accs, starts, _ = fragment_sums(x_ref, words, scales, own, split, lanes, expert=e, **sizes)
+    def store(s, e, accs, starts, o_ref=o_ref, global_ref=global_ref):  # slot s's sums (expert e)
       store_rows(o_ref, accs, starts, lanes, global_ref[e] * scale, m=m, n=i,
                  base=(s * config.split_k + split) * m * i)
+
+    def slot(s, carry, words=words, scales=scales, own=own, store=store):
+      e = expert_of(s)
+      accs, starts, _ = fragment_sums(x_ref, words, scales, own, split, lanes, expert=e, **sizes)
+      store(s, e, accs, starts)
       return carry
 
     @pl.when((own >= 0) & (own < blocks))
-    def _(slot=slot):
-      strided_loop(count, slot, 0, group=group, groups=groups)
+    def _(slot=slot, words=words, scales=scales, own=own, store=store):
+      if not stream:
+        strided_loop(count, slot, 0, group=group, groups=groups)
+        return
+      ops = fragment_ops(x_ref, words, scales, own, lanes, **sizes)
+
+      def finish(j, e, accs, state):
+        store(group + j * groups, e, accs, ops.starts)
+        return state
+
+      stream_sums(ops, split, trips=strided_trips(count, group, groups),
+                  expert_at=lambda j: expert_of(group + j * groups), x_base_at=lambda j: 0, finish=finish,
+                  state=jnp.int32(0), chunks=sizes["chunks"], config=config)
 
 
 def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global, up_global,
@@ -184,7 +256,7 @@ def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up
 
 
 def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, experts: int, d: int, i: int,
-                 tiles: int, groups: int, config: FragmentConfig, operands: str, interpret: bool):
+                 tiles: int, groups: int, config: FragmentConfig, operands: str, interpret: bool, stream: bool):
   # ids_ref, weights_ref: i32 / f32 [Sp] of the [T*k] choice; h_ref u32 (`swiglu`'s): bfloat16,
   # [E * T * I / 2] (h's bf16 pairs, [slot, token, I]); float16, [E * Ic * 4 * 128] (slot s's
   # activation words from s * Ic * 512) and amax_ref f32 [E * 8]; down words, scales, global as
@@ -195,18 +267,29 @@ def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, ex
   lanes = Lanes.of(config)
   chunks = pl.cdiv(i, CHUNK)
 
-  def slot(s, totals):
-    e = expert_of(s)
-    h_base = s * (activation_words(chunks) if operands == "float16" else m * (i // 2))
-    accs, starts, _ = fragment_sums(h_ref, words_ref, scales_ref, block, split, lanes, m=m, k=i, tiles=tiles,
-                                    chunks=chunks, config=config, operands=operands, interpret=interpret, expert=e,
-                                    x_base=h_base)
+  sizes = dict(m=m, k=i, tiles=tiles, chunks=chunks, config=config, operands=operands, interpret=interpret)
+  h_base = lambda s: s * (activation_words(chunks) if operands == "float16" else m * (i // 2))
+
+  def add(s, e, accs, totals):  # slot s's sums (expert e), weighted
     scale = operand_scale(amax_ref, lanes, m=m, operands=operands, base=s * TOKENS)
     factor = global_ref[e] * scale * _routing_weight(ids_ref, weights_ref, e, lanes.token, m=m, top_k=top_k)
     return tuple(total + acc * factor for total, acc in zip(totals, accs))
 
-  totals = strided_loop(count, slot, (jnp.zeros(lanes.tile.shape, jnp.float32),) * config.tile_groups, group=group,
-                        groups=groups)
+  def slot(s, totals):
+    e = expert_of(s)
+    accs, _, _ = fragment_sums(h_ref, words_ref, scales_ref, block, split, lanes, expert=e, x_base=h_base(s), **sizes)
+    return add(s, e, accs, totals)
+
+  totals = (jnp.zeros(lanes.tile.shape, jnp.float32),) * config.tile_groups
+  if stream:
+    slot_of = lambda j: group + j * groups
+    totals = stream_sums(fragment_ops(h_ref, words_ref, scales_ref, block, lanes, **sizes), split,
+                         trips=strided_trips(count, group, groups), expert_at=lambda j: expert_of(slot_of(j)),
+                         x_base_at=lambda j: h_base(slot_of(j)),
+                         finish=lambda j, e, accs, totals: add(slot_of(j), e, accs, totals), state=totals,
+                         chunks=chunks, config=config)
+  else:
+    totals = strided_loop(count, slot, totals, group=group, groups=groups)
   store_rows(o_ref, totals, group_starts(block, config), lanes, 1.0, m=m, n=d, base=(split * groups + group) * m * d)
 
 
@@ -329,11 +412,12 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
   else:
     g, u = launch(_gate_up_kernel, gate_up, jax.ShapeDtypeStruct((e * gate_up_config.split_k * t * i,), jnp.float32),
                   gate_up_config, gate_proj.tiles, 2 * pl.cdiv(gate_proj.tiles, gate_up_config.tiles),
-                  "moe_fragments_gate_up", outs=2)
+                  "moe_fragments_gate_up", outs=2, stream=config.stream)
     h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, operands=operands,
                interpret=interpret)
   partials = launch(_down_kernel, [ids, weights, *h, *flat(down_proj), down_proj.global_scale],
                     jax.ShapeDtypeStruct((down_config.split_k * groups * t * d,), jnp.float32), down_config,
-                    down_proj.tiles, pl.cdiv(down_proj.tiles, down_config.tiles), "moe_fragments_down", top_k=top_k)
+                    down_proj.tiles, pl.cdiv(down_proj.tiles, down_config.tiles), "moe_fragments_down", top_k=top_k,
+                    stream=config.stream)
   partials = partials[0].reshape(down_config.split_k * groups, t, d)
   return partials if keep_partials else partials.sum(0).astype(x.dtype)

@@ -93,7 +93,7 @@ same registers.
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -445,16 +445,25 @@ def group_starts(block, config: "FragmentConfig") -> list:
   return [block * config.tiles + i * group for i in range(config.tile_groups)]
 
 
-def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m: int, k: int, tiles: int,
-                  chunks: int, config: FragmentConfig, operands: str, interpret: bool, expert=0, x_base=0
-                  ) -> tuple[tuple[jax.Array, ...], list, list]:
-  """Row block `block` and K split `split` of one weight of `tiles` row tiles: the fp32 sums
-  (one [group * 128] array a tile group, mma's C fragments), the groups' first tiles and their
-  row masks (None: all in range). The program's tiles in config.tile_groups contiguous groups,
-  whose MMAs share one load of the activation words. Given tuples of refs instead, one weight a
-  group (each of `tiles` tiles): block `block` of group-sized blocks, the same rows of each.
-  words_ref and scales_ref may stack several such weights: `expert` picks one. x_ref's elements
-  from `x_base` are x (bfloat16 operands: its rows; float16: its prepared activation words)."""
+class FragmentOps(NamedTuple):
+  """One program's loads and MMAs over a weight's chunks (fragment_ops): chunk(c, expert, x_base,
+  valid) -> chunk c's loads of weight `expert` against x from x_base (valid: a scalar mask, None for
+  none: a masked chunk loads zeros, which add nothing); multiply(accs, loads) -> the accs after
+  its MMAs; the tile groups' first tiles and row masks (None: all in range)."""
+  chunk: Callable
+  multiply: Callable
+  starts: list
+  oks: list
+
+
+def mask_and(a, b):
+  """The conjunction of two masks, either None (no mask)."""
+  return a if b is None else b if a is None else a & b
+
+
+def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k: int, tiles: int, chunks: int,
+                 config: FragmentConfig, operands: str, interpret: bool) -> FragmentOps:
+  """Row block `block`'s loads and MMAs (fragment_sums' refs and tiles; FragmentOps)."""
   group, paired = config.tiles // config.tile_groups, isinstance(words_ref, tuple)
   if paired:
     refs, starts = list(zip(words_ref, scales_ref)), [block * group] * len(words_ref)
@@ -464,28 +473,30 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
   tile, word, lane, g, t, r = lanes
   whole = tiles % (group if paired else config.tiles) == 0
   oks = [None if whole else start + tile < tiles for start in starts]
-  words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
   # float16: lane 4g + t reads words 4g .. 4g + 3; bfloat16: its own word, four times.
   scale_index = tile * LANES + (g * 4 + r if operands == "float16" else lane)
-  load = lambda ref, index, ok: pltriton.load(ref.at[index], mask=ok, other=None if ok is None else jnp.uint32(0))
 
-  def activations(c, a):
+  def load(ref, index, ok, valid):
+    mask = mask_and(ok, None if valid is None else jnp.broadcast_to(valid, tile.shape))
+    return pltriton.load(ref.at[index], mask=mask, other=None if mask is None else jnp.uint32(0))
+
+  def activations(c, a, x_base, valid):
     """Activation array a (steps 2a, 2a + 1) of chunk c: prepared words, or (bfloat16) lane 4g +
     t's pairs 8t + 4(a % 2) .. + 3 of token g's half-chunk a // 2 in x's row (zero past M, K)."""
     if operands == "float16":
-      return pltriton.load(x_ref.at[x_base + (4 * c + a) * WORDS + word])
+      return load(x_ref, x_base + (4 * c + a) * WORDS + word, None, valid)
     column = c * (CHUNK // 2) + 32 * (a // 2) + 8 * t + 4 * (a % 2) + r
-    return pltriton.load(x_ref.at[x_base + g * (k // 2) + column], mask=(g < m) & (2 * column < k),
-                         other=jnp.uint32(0))
+    return load(x_ref, x_base + g * (k // 2) + column, (g < m) & (2 * column < k), valid)
 
-  def chunk(c) -> tuple:
+  def chunk(c, expert=0, x_base=0, valid=None) -> tuple:
     """Chunk c's loads: per group the two halves' words and the scale words; the four
     activation arrays, once."""
-    words = [[load(words, pl.ds(words_base + (2 * c + h) * tiles * WORDS + start * WORDS, size), ok)
+    words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
+    words = [[load(words, pl.ds(words_base + (2 * c + h) * tiles * WORDS + start * WORDS, size), ok, valid)
               for h in range(2)] for (words, _), start, ok in zip(refs, starts, oks)]
-    scales = [load(scales, scales_base + c * tiles * LANES + start * LANES + scale_index, ok)
+    scales = [load(scales, scales_base + c * tiles * LANES + start * LANES + scale_index, ok, valid)
               for (_, scales), start, ok in zip(refs, starts, oks)]
-    return words, scales, [activations(c, a) for a in range(4)]
+    return words, scales, [activations(c, a, x_base, valid) for a in range(4)]
 
   def multiply(accs, loads) -> tuple:
     words, scales, xs = loads
@@ -496,32 +507,55 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
                                operands=operands)
     return tuple(accs)
 
+  return FragmentOps(chunk, multiply, starts, oks)
+
+
+def split_chunks(split, chunks: int, config: FragmentConfig) -> tuple:
+  """(begin, end): K split `split`'s chunks (ceil(chunks / split_k) a split; later ones may hold
+  fewer, or none)."""
+  per_split = pl.cdiv(chunks, config.split_k)
+  begin = split * per_split
+  return begin, jnp.minimum(begin + per_split, chunks)
+
+
+def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m: int, k: int, tiles: int,
+                  chunks: int, config: FragmentConfig, operands: str, interpret: bool, expert=0, x_base=0
+                  ) -> tuple[tuple[jax.Array, ...], list, list]:
+  """Row block `block` and K split `split` of one weight of `tiles` row tiles: the fp32 sums
+  (one [group * 128] array a tile group, mma's C fragments), the groups' first tiles and their
+  row masks (None: all in range). The program's tiles in config.tile_groups contiguous groups,
+  whose MMAs share one load of the activation words. Given tuples of refs instead, one weight a
+  group (each of `tiles` tiles): block `block` of group-sized blocks, the same rows of each.
+  words_ref and scales_ref may stack several such weights: `expert` picks one. x_ref's elements
+  from `x_base` are x (bfloat16 operands: its rows; float16: its prepared activation words)."""
+  ops = fragment_ops(x_ref, words_ref, scales_ref, block, lanes, m=m, k=k, tiles=tiles, chunks=chunks, config=config,
+                     operands=operands, interpret=interpret)
+  chunk = functools.partial(ops.chunk, expert=expert, x_base=x_base)
+
   def step_loads(s) -> list:  # step s's config.unroll chunks (past the split: its last chunk again)
     return [chunk(jnp.minimum(begin + s * config.unroll + u, end - 1)) for u in range(config.unroll)]
 
   def step(s, accs):  # the step's loads, then their MMAs
     for chunk_loads in step_loads(s):
-      accs = multiply(accs, chunk_loads)
+      accs = ops.multiply(accs, chunk_loads)
     return accs
 
   def prefetched_step(s, carry):  # the next step's loads, then this step's MMAs
     accs, loads = carry
     ahead = step_loads(s + 1)
     for chunk_loads in loads:
-      accs = multiply(accs, chunk_loads)
+      accs = ops.multiply(accs, chunk_loads)
     return accs, ahead
 
-  per_split = pl.cdiv(chunks, config.split_k)
-  begin = split * per_split
-  end = jnp.minimum(begin + per_split, chunks)
+  begin, end = split_chunks(split, chunks, config)
   steps = jnp.maximum(end - begin, 0) // config.unroll
-  accs = (jnp.zeros((size,), jnp.float32),) * config.tile_groups
+  accs = (jnp.zeros((config.tiles // config.tile_groups * WORDS,), jnp.float32),) * config.tile_groups
   if config.prefetch:
     accs, _ = lax.fori_loop(0, steps, prefetched_step, (accs, step_loads(0)))
   else:
     accs = lax.fori_loop(0, steps, step, accs)
-  accs = lax.fori_loop(begin + steps * config.unroll, end, lambda c, accs: multiply(accs, chunk(c)), accs)
-  return accs, starts, oks
+  accs = lax.fori_loop(begin + steps * config.unroll, end, lambda c, accs: ops.multiply(accs, chunk(c)), accs)
+  return accs, ops.starts, ops.oks
 
 
 def operand_scale(amax_ref, lanes: Lanes, *, m: int, operands: str, base=0):

@@ -410,6 +410,33 @@ def test_moe_fragments(gate_up, down, groups, fused, operands):
   np.testing.assert_array_equal(np.asarray(none, np.float32), 0.0)
 
 
+@pytest.mark.parametrize("gate_up,down,groups,operands", [
+    (FragmentConfig(tiles=2, num_warps=1, tile_groups=2, split_k=2, unroll=2, prefetch=True),
+     FragmentConfig(tiles=2, num_warps=1, tile_groups=2, split_k=2), 2, "bfloat16"),  # down: a split of 1 chunk of 2
+    (FragmentConfig(tiles=2, num_warps=1, tile_groups=2, split_k=3),  # splits of 2, 2 and no chunks
+     FragmentConfig(tiles=2, num_warps=1, tile_groups=2, unroll=2, prefetch=True), 1, "float16")])  # 3 chunks, 2 a step
+def test_moe_fragments_stream_changes_no_bit(gate_up, down, groups, operands):
+  """ExpertsConfig.stream (a program's experts as one K loop) multiplies the same chunks in the
+  same order as a loop per expert, the masked chunks past a ragged split adding zeros: the same
+  bits, with and without prefetch; 3 or 4 experts a program (groups 1, 2)."""
+  from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
+  rng = np.random.default_rng(5)
+  e, d, i = 5, 400, 272
+  x = jnp.asarray(rng.standard_normal((3, d)), jnp.bfloat16)
+  experts = [quantize_nvfp4(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32))
+             for shape in ((e, i, d), (e, i, d), (e, d, i))]
+  ids = jnp.array([[2, 0], [1, 2], [4, 7]], jnp.int32)  # 2 meets two tokens, 7 is not local
+  weights = jnp.asarray(rng.uniform(0.1, 1, (3, 2)), jnp.float32)
+  fragments = [to_fragments(w, operands) for w in experts]
+  config = ExpertsConfig(gate_up, down, groups)
+  looped = moe_fragments(x, ids, weights, *fragments, config=config)
+  streamed = moe_fragments(x, ids, weights, *fragments, config=dataclasses.replace(config, stream=True))
+  np.testing.assert_array_equal(np.asarray(streamed, np.float32), np.asarray(looped, np.float32))
+  assert rel_err(streamed, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
+  with pytest.raises(ValueError, match="stream .* fused_swiglu"):
+    ExpertsConfig(stream=True, fused_swiglu=True)
+
+
 def test_moe_fragments_split_k_and_bad_inputs():
   """K split in both launches (two chunks of 128 each): the split sums equal one split's within
   fp32 rounding; weights not in bf16 fragment order, or more tokens than the MMA's 8, are clear
@@ -654,7 +681,9 @@ def test_moe_fragments_lowers_for_h200():
   cases = ((ExpertsConfig(), "bfloat16", 3), (ExpertsConfig(groups=3, fused_swiglu=True), "bfloat16", 2),
            (ExpertsConfig(), "float16", 4),
            (ExpertsConfig(dataclasses.replace(GATE_UP, prefetch=True), dataclasses.replace(DOWN, prefetch=True)),
-            "bfloat16", 3))
+            "bfloat16", 3),
+           (ExpertsConfig(dataclasses.replace(GATE_UP, prefetch=True), DOWN, stream=True), "bfloat16", 3),
+           (ExpertsConfig(stream=True), "float16", 4))
   for config, operands, launches in cases:
     args = (*head, *(stacked(shape, operands) for shape in ((e, i, d), (e, i, d), (e, d, i))))
     text = h200_text(functools.partial(moe_fragments, config=config, interpret=False), *args)
