@@ -24,7 +24,8 @@ for the MoE `pallas_ptx_scan`, the PTX decode with the kernels scanning the ids 
 that with the activations' fp16 planes built in one launch each (`--moe_routing=pairs_fused`), and
 `pallas_fragments`, each chosen expert read once for all tokens on the fragment GEMV (bf16
 operands; pallas_kernels/moe_fragments.py), `pallas_fragments_f16`, that on fp16 operands, and
-`pallas_fragments_prefetch`, its default tiles with FragmentConfig.prefetch. The
+`pallas_fragments_prefetch`, its default tiles with FragmentConfig.prefetch, and
+`pallas_fragments_stream`, that with each program's experts in one K loop (ExpertsConfig.stream). The
 `*_f16` rows run fp16 tensor-core operands (MatmulConfig / MoEConfig operands="float16"): NVFP4
 with the PTX decode, FP8 with its default tiles.
 The bf16 weight itself also runs the split-K Pallas GEMV (`bf16` / `pallas` rows:
@@ -287,8 +288,10 @@ def moe_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, timer: Ca
       # each chosen expert once for all tokens on the fragment GEMV (either operands), against XLA on q
       reference = lambda x, ids, weights, *_: xla(x, ids, weights, *q)
       prefetched = ExpertsConfig(*(dataclasses.replace(c, prefetch=True) for c in ExpertsConfig().resolved()))
+      streamed = dataclasses.replace(prefetched, stream=True)
       for operands, impl, config in (("bfloat16", "pallas_fragments", None), ("float16", "pallas_fragments_f16", None),
-                                     ("bfloat16", "pallas_fragments_prefetch", prefetched)):
+                                     ("bfloat16", "pallas_fragments_prefetch", prefetched),
+                                     ("bfloat16", "pallas_fragments_stream", streamed)):
         fragments = tuple(to_fragments(w, operands) for w in q)
         kernel = jax.jit(functools.partial(moe_fragments, config=config))
         timed.append(_kernel_entry(fmt, kernel, reference, (x, *routing, *fragments), nbytes, timer, impl=impl))
