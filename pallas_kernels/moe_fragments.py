@@ -79,8 +79,9 @@ class ExpertsConfig:
   launch, no fp32 partials (gate_up: split_k 1 and 2 tile groups).
   stream: a program's experts as one K loop (stream_sums) instead of a loop per expert, so its
   loads (and under FragmentConfig.prefetch the next step's) run on from one expert into the next
-  where each expert's loop would start empty and end with its last MMAs. Not yet timed on a GPU,
-  so off by default; not with fused_swiglu.
+  where each expert's loop would start empty and end with its last MMAs. On an H100 213.0 us
+  against the defaults' 214.7-216.0 at the issue's case (BENCHMARKS.md run 47), within the noise:
+  off by default; not with fused_swiglu.
 
   Defaults measured (BENCHMARKS.md runs 44-45, own us), 5 tokens, top-8: all 32 experts local,
   24 chosen (510 MB), on an H200 211.7, the best of 10 configs there, against the pairs' 347.8

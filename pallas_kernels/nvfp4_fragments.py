@@ -342,7 +342,9 @@ class FragmentConfig:
   keeps its weights in flight while it decodes (without it a step's loads wait for the previous
   step's MMAs); twice the load registers, and the last step's prefetch is discarded: it reads
   chunks of the split that are read anyway (left-over ones, else the last again, clamped), so
-  L2 serves one of the two reads. Not yet timed on a GPU, so off by default."""
+  L2 serves one of the two reads. Slower on an H100 (BENCHMARKS.md run 47: 54.4 -> 56.2 us at the
+  [1, 8192] x [8192, 28672] GEMV, 215 -> 242 at the MoE): the launches there are bound by the warps
+  in flight, and its registers lower the programs an SM holds. A switch for ablations, off."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
