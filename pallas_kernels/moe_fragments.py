@@ -74,6 +74,8 @@ class ExpertsConfig:
   GATE_UP / DOWN (FUSED_GATE_UP under fused_swiglu). groups: programs sharing a row block and K
   split, each taking every groups-th chosen expert: a program walks its experts one after
   another, so more groups put more of them in flight (down's partials then [S * groups, T, D]).
+  down_groups: the down launch's groups (None: groups). The launches differ in programs a group
+  (run 47: a launch runs fastest when its programs fill one wave of the SMs and no more).
   fused_swiglu: the gate/up launch runs the whole K in each program, gate's rows in its first
   tile group and up's same rows in its second, and stores h = silu(g) * u itself: no swiglu
   launch, no fp32 partials (gate_up: split_k 1 and 2 tile groups).
@@ -92,11 +94,14 @@ class ExpertsConfig:
   gate_up: FragmentConfig | None = None
   down: FragmentConfig | None = None
   groups: int = 8
+  down_groups: int | None = None
   fused_swiglu: bool = False
   stream: bool = False
 
   def __post_init__(self):
     check_at_least("ExpertsConfig", "groups", self.groups)
+    if self.down_groups is not None:
+      check_at_least("ExpertsConfig", "down_groups", self.down_groups)
     if self.stream and self.fused_swiglu:
       raise ValueError("ExpertsConfig.stream runs the gate/up and down launches' experts as one K loop each; "
                        "fused_swiglu's launch has no such loop: set one of them")
@@ -370,7 +375,7 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
       NVFP4Weights, one operand dtype: bfloat16 reads x and h as they are; float16 scales x into fp16
       in a launch before gate/up, and the swiglu launch stores h so (fused_swiglu cannot).
     config: the launches' tiles; default ExpertsConfig().
-    keep_partials: return the down launch's fp32 partials [S * groups, T, D] unsummed.
+    keep_partials: return the down launch's fp32 partials [S * down groups, T, D] unsummed.
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
     bf16 [T, D], or the partials.
@@ -382,6 +387,7 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
     raise ValueError(f"moe_fragments: at most {TOKENS} tokens (the MMA's N), got {t}")
   config = config or ExpertsConfig()
   (gate_up_config, down_config), groups = config.resolved(), config.groups
+  down_groups = config.down_groups or groups
   operands = gate_proj.operands
   if config.fused_swiglu and operands == "float16":
     raise ValueError("moe_fragments: fused_swiglu stores h from the gate/up programs, which cannot scale its rows "
@@ -389,13 +395,13 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
   interpret = resolve_interpret(interpret)
   slots = t * top_k
   ids, weights = topk_ids.reshape(slots), topk_weights.astype(jnp.float32).reshape(slots)
-  sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, groups=groups, operands=operands, interpret=interpret)
+  sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, operands=operands, interpret=interpret)
 
   def launch(kernel, inputs, out: jax.ShapeDtypeStruct, cfg: FragmentConfig, tiles: int, blocks: int, name: str,
-             outs: int = 1, **extra):
+             outs: int = 1, groups: int = groups, **extra):
     whole = lambda n: pl.BlockSpec((n,), lambda j, s, g: (0,))
     return pl.pallas_call(
-        functools.partial(kernel, **sizes, config=cfg, tiles=tiles, **extra),
+        functools.partial(kernel, **sizes, config=cfg, tiles=tiles, groups=groups, **extra),
         grid=(blocks, cfg.split_k, groups),
         in_specs=[whole(pl.next_power_of_2(slots)), *(whole(a.size) for a in inputs[1:])],
         out_specs=[whole(out.size)] * outs, out_shape=[out] * outs,
@@ -417,8 +423,8 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
     h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, operands=operands,
                interpret=interpret)
   partials = launch(_down_kernel, [ids, weights, *h, *flat(down_proj), down_proj.global_scale],
-                    jax.ShapeDtypeStruct((down_config.split_k * groups * t * d,), jnp.float32), down_config,
+                    jax.ShapeDtypeStruct((down_config.split_k * down_groups * t * d,), jnp.float32), down_config,
                     down_proj.tiles, pl.cdiv(down_proj.tiles, down_config.tiles), "moe_fragments_down", top_k=top_k,
-                    stream=config.stream)
-  partials = partials[0].reshape(down_config.split_k * groups, t, d)
+                    groups=down_groups, stream=config.stream)
+  partials = partials[0].reshape(down_config.split_k * down_groups, t, d)
   return partials if keep_partials else partials.sum(0).astype(x.dtype)

@@ -377,32 +377,33 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
                                 np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("gate_up,down,groups,fused,operands", [
-    (None, None, 8, False, "bfloat16"),  # the defaults: gate/up's second K split idle here (80 inputs are one chunk)
+@pytest.mark.parametrize("gate_up,down,groups,down_groups,fused,operands", [
+    (None, None, 8, None, False, "bfloat16"),  # the defaults: gate/up's second K split idle (80 inputs: one chunk)
     (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3,
-     False, "bfloat16"),
-    (None, None, 2, True, "bfloat16"),  # h from the gate/up launch: one gate and one up tile a program
-    (FragmentConfig(tiles=4, num_warps=2, tile_groups=2), None, 1, True, "bfloat16"),  # two of each: 48 rows
-    (None, None, 8, False, "float16"),  # x's and h's rows scaled into fp16 by their maxima
+     2, False, "bfloat16"),  # down in groups of its own
+    (None, None, 2, None, True, "bfloat16"),  # h from the gate/up launch: one gate and one up tile a program
+    (FragmentConfig(tiles=4, num_warps=2, tile_groups=2), None, 1, None, True, "bfloat16"),  # two of each: 48 rows
+    (None, None, 8, None, False, "float16"),  # x's and h's rows scaled into fp16 by their maxima
     (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3,
-     False, "float16")])
-def test_moe_fragments(gate_up, down, groups, fused, operands):
+     5, False, "float16")])
+def test_moe_fragments(gate_up, down, groups, down_groups, fused, operands):
   """The chosen experts each read once for all tokens on the fragment GEMV (its PTX's twin
   here), found in-kernel: expert 2 meets four tokens, ids 7, 9 and -1 are other ranks', token 4
   has no local expert; ragged tiles (48 rows in two-tile blocks) and padded chunks (K = 80,
   48); a weight's row blocks shared by the gate's and up's launch; the chosen experts dealt over
-  8 program groups (the default), 3, 2 or 1 (groups); h built in the gate/up launch (fused_swiglu);
+  8 program groups (the default), 3, 2 or 1 (groups; the down launch's 2 or 5 where down_groups
+  says); h built in the gate/up launch (fused_swiglu);
   experts on either operand dtype (float16: x and h in fp16 activation words, a launch for x's)."""
   from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
   x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
   fragments = [to_fragments(w, operands) for w in experts]
-  config = ExpertsConfig(gate_up, down, groups, fused)
+  config = ExpertsConfig(gate_up, down, groups, down_groups, fused)
   out = moe_fragments(x, ids, weights, *fragments, config=config)
   assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
   assert rel_err(out, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
   np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
   partials = moe_fragments(x, ids, weights, *fragments, config=config, keep_partials=True)
-  assert partials.dtype == jnp.float32 and partials.shape == (groups, 5, 80)
+  assert partials.dtype == jnp.float32 and partials.shape == (down_groups or groups, 5, 80)
   np.testing.assert_array_equal(np.asarray(partials.sum(0).astype(jnp.bfloat16), np.float32),
                                 np.asarray(out, np.float32))
   # no local expert at all: zeros, with every slot's partials unwritten
@@ -470,6 +471,8 @@ def test_moe_fragments_split_k_and_bad_inputs():
     moe_fragments(jnp.zeros((9, d), jnp.bfloat16), jnp.zeros((9, 2), jnp.int32), jnp.ones((9, 2)), *fragments)
   with pytest.raises(ValueError, match="ExpertsConfig.groups must be >= 1, got 0"):
     ExpertsConfig(groups=0)
+  with pytest.raises(ValueError, match="ExpertsConfig.down_groups must be >= 1, got 0"):
+    ExpertsConfig(down_groups=0)
   with pytest.raises(ValueError, match="fused_swiglu .* gate_up needs split_k=1 and tile_groups=2"):
     ExpertsConfig(gate_up=split, fused_swiglu=True)
   fused = moe_fragments(x, ids, weights, *fragments, config=ExpertsConfig(down=split, fused_swiglu=True))
