@@ -51,13 +51,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from glmjax.quant.fragments import CHUNK, OPERANDS, WORDS, FragmentWeight
+from glmjax.quant.fragments import CHUNK, OPERANDS, FragmentWeight
 from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.moe_hfma2 import strided_loop, strided_trips
 from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, FragmentOps, Lanes, activation_words,
                                             activations_kernel, fragment_ops, fragment_sums, group_starts,
-                                            mask_and, operand_scale, split_chunks, store_row_words, store_rows)
+                                            mask_and, operand_scale, split_chunks, split_size, store_row_words,
+                                            store_rows, zero_sums)
 
 
 # The launches' defaults, the fastest of BENCHMARKS.md runs 44 (H100) and 45 (H200) at 5 tokens,
@@ -147,11 +148,11 @@ def stream_sums(ops: FragmentOps, split, *, trips, expert_at, x_base_at, finish,
   or unroll) load masked zeros, which add nothing. expert_at runs only where a step starts an
   expert. Returns the state."""
   begin, end = split_chunks(split, chunks, config)
-  per_split = pl.cdiv(chunks, config.split_k)
+  per_split = split_size(chunks, config)
   steps = pl.cdiv(per_split, config.unroll)
   ragged = bool(chunks % config.split_k or per_split % config.unroll)
   total, n = trips * steps, jnp.int32(steps)  # lax.rem / div: q >= 0, and Triton wants one int type
-  zeros = (jnp.zeros((config.tiles // config.tile_groups * WORDS,), jnp.float32),) * config.tile_groups
+  zeros = zero_sums(config)
 
   def expert_of_step(q, e):  # the expert of step q, given step q - 1's
     return lax.cond(lax.rem(q, n) == 0, lambda: expert_at(lax.div(q, n)), lambda: e)
@@ -286,7 +287,7 @@ def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, ex
     accs, _, _ = fragment_sums(h_ref, words_ref, scales_ref, block, split, lanes, expert=e, x_base=h_base(s), **sizes)
     return add(s, e, accs, totals)
 
-  totals = (jnp.zeros(lanes.tile.shape, jnp.float32),) * config.tile_groups
+  totals = zero_sums(config)
   if stream:
     slot_of = lambda j: group + j * groups
     totals = stream_sums(fragment_ops(h_ref, words_ref, scales_ref, block, lanes, **sizes), split,

@@ -512,12 +512,20 @@ def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k
   return FragmentOps(chunk, multiply, starts, oks)
 
 
+def split_size(chunks: int, config: FragmentConfig) -> int:
+  """Chunks a K split holds (the last ones may hold fewer, or none: split_chunks)."""
+  return pl.cdiv(chunks, config.split_k)
+
+
 def split_chunks(split, chunks: int, config: FragmentConfig) -> tuple:
-  """(begin, end): K split `split`'s chunks (ceil(chunks / split_k) a split; later ones may hold
-  fewer, or none)."""
-  per_split = pl.cdiv(chunks, config.split_k)
-  begin = split * per_split
-  return begin, jnp.minimum(begin + per_split, chunks)
+  """(begin, end): K split `split`'s chunks."""
+  begin = split * split_size(chunks, config)
+  return begin, jnp.minimum(begin + split_size(chunks, config), chunks)
+
+
+def zero_sums(config: FragmentConfig) -> tuple:
+  """A program's fp32 sums before any chunk: one [group * 128] array a tile group."""
+  return (jnp.zeros((config.tiles // config.tile_groups * WORDS,), jnp.float32),) * config.tile_groups
 
 
 def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m: int, k: int, tiles: int,
@@ -551,7 +559,7 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
 
   begin, end = split_chunks(split, chunks, config)
   steps = jnp.maximum(end - begin, 0) // config.unroll
-  accs = (jnp.zeros((config.tiles // config.tile_groups * WORDS,), jnp.float32),) * config.tile_groups
+  accs = zero_sums(config)
   if config.prefetch:
     accs, _ = lax.fori_loop(0, steps, prefetched_step, (accs, step_loads(0)))
   else:
