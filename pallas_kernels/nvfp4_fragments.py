@@ -375,15 +375,20 @@ def default_fragment_config(n: int, k: int) -> FragmentConfig:
   """The tiles measured best on the H200 (BENCHMARKS.md runs 28, 31): 4 tiles a program over 2
   warps for large N (>= 1024 tiles), else 2 over 1, each warp's 2 tiles sharing one load of the
   activations (tile_groups=2); K split in two until there are >= 1024 programs or a split would
-  keep < 2 chunks; 2 chunks a loop step where each split keeps >= 4; sums stored by row."""
+  keep < 2 chunks; 2 chunks a loop step where each split keeps >= 4, 4 where 4-tile programs keep
+  >= 16 (BENCHMARKS.md run 48, H100: [1, 8192] -> 28672 53.1 -> 50.5 us, at M = 8 67.5 -> 59.7;
+  [1, 6144] -> 154880 210.1 -> 192.1; slower at 12 chunks a split, mixed for 2-tile programs);
+  sums stored by row."""
   tiles = pl.cdiv(n, TILE)
   per_program = 4 if tiles >= 1024 else 2
   groups, chunks = pl.cdiv(tiles, per_program), pl.cdiv(k, CHUNK)
   split = 1
   while groups * split < 1024 and chunks // (2 * split) >= 2:
     split *= 2
-  return FragmentConfig(tiles=per_program, split_k=split, num_warps=per_program // 2,
-                        unroll=2 if chunks // split >= 4 else 1, tile_groups=2, rows_out=True)
+  per_split = chunks // split
+  unroll = 4 if per_program == 4 and per_split >= 16 else 2 if per_split >= 4 else 1
+  return FragmentConfig(tiles=per_program, split_k=split, num_warps=per_program // 2, unroll=unroll, tile_groups=2,
+                        rows_out=True)
 
 
 def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], config: FragmentConfig, scaled: bool, **static):

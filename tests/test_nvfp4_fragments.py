@@ -213,6 +213,9 @@ def test_fragment_ptx_equals_its_twin(half, operands):
     (8, 136, 640, FragmentConfig(tiles=2, split_k=3, num_warps=1, unroll=2, rows_out=True), "float16"),
     (5, 48, 256, FragmentConfig(tiles=4, split_k=3, num_warps=1, tile_groups=2, rows_out=True), "float16"),
     (1, 64, 128, None, "bfloat16"),
+    # 4 chunks a step (the large GEMVs' default): 9 chunks in splits of 5 and 4, 11 in one split
+    (8, 200, 1152, FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=4, tile_groups=2, rows_out=True), "bfloat16"),
+    (4, 136, 1408, FragmentConfig(tiles=2, num_warps=1, unroll=4, tile_groups=2), "float16"),
 ])
 def test_fragment_matmul_matches_reference(m, n, k, config, operands):
   """Fresh random x and weights against nvfp4_matmul_reference: within bf16 output rounding."""
@@ -346,9 +349,13 @@ def test_fragment_matmul_rejects_bad_inputs():
 
 
 def test_default_fragment_config():
-  """The measured tiles (BENCHMARKS.md runs 28, 31) at the issue's shapes."""
+  """The measured tiles (BENCHMARKS.md runs 28, 31, 48) at the issue's shapes and two more: 4
+  chunks a loop step only where 4-tile programs keep >= 16 chunks a split."""
   shared = dict(tile_groups=2, rows_out=True)
-  assert default_fragment_config(28672, 8192) == FragmentConfig(tiles=4, split_k=4, num_warps=2, unroll=2, **shared)
+  assert default_fragment_config(28672, 8192) == FragmentConfig(tiles=4, split_k=4, num_warps=2, unroll=4, **shared)
+  assert default_fragment_config(154880, 6144) == FragmentConfig(tiles=4, split_k=1, num_warps=2, unroll=4, **shared)
+  assert default_fragment_config(19360, 6144) == FragmentConfig(tiles=4, split_k=4, num_warps=2, unroll=2, **shared)
+  assert default_fragment_config(6144, 16384) == FragmentConfig(tiles=2, split_k=8, num_warps=1, unroll=2, **shared)
   assert default_fragment_config(2048, 6144) == FragmentConfig(tiles=2, split_k=16, num_warps=1, **shared)
   assert default_fragment_config(6144, 2048) == FragmentConfig(tiles=2, split_k=8, num_warps=1, **shared)
 
