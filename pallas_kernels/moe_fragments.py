@@ -62,8 +62,9 @@ from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, 
 
 
 # The launches' defaults, the fastest of BENCHMARKS.md runs 44 (H100) and 45 (H200) at 5 tokens,
-# top-8, GLM-5's experts: gate/up in 4-tile programs over 2 K splits, down in 2-tile programs
-# over the whole K, the chosen experts dealt over 8 program groups.
+# top-8, GLM-5's experts, and against run 48's 18 others (H100): gate/up in 4-tile programs over
+# 2 K splits, down in 2-tile programs over the whole K, the chosen experts dealt over 8 program
+# groups.
 GATE_UP = FragmentConfig(tiles=4, num_warps=2, split_k=2, unroll=2, tile_groups=2)
 DOWN = FragmentConfig(tiles=2, num_warps=1, split_k=1, unroll=2, tile_groups=2)
 FUSED_GATE_UP = FragmentConfig(tiles=2, num_warps=1, unroll=2, tile_groups=2)
@@ -76,7 +77,10 @@ class ExpertsConfig:
   split, each taking every groups-th chosen expert: a program walks its experts one after
   another, so more groups put more of them in flight (down's partials then [S * groups, T, D]).
   down_groups: the down launch's groups (None: groups). The launches differ in programs a group
-  (run 47: a launch runs fastest when its programs fill one wave of the SMs and no more).
+  and in registers a thread (96 gate/up, 156 down: BENCHMARKS.md runs 47-48). A launch runs
+  fastest when its programs fill one wave of the SMs and no more: the down launch's 8 groups
+  (1,536 one-warp programs, 0.97 waves) take 67 us on an H100 at the issue's case, 6, 10 or 13
+  groups 78.
   fused_swiglu: the gate/up launch runs the whole K in each program, gate's rows in its first
   tile group and up's same rows in its second, and stores h = silu(g) * u itself: no swiglu
   launch, no fp32 partials (gate_up: split_k 1 and 2 tile groups).
