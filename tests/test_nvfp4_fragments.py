@@ -349,7 +349,7 @@ def test_fragment_matmul_rejects_bad_inputs():
 
 
 def test_default_fragment_config():
-  """The measured tiles (BENCHMARKS.md runs 28, 31, 48) at the issue's shapes and two more: 4
+  """The measured tiles (BENCHMARKS.md runs 28, 31, 48) at the issue's shapes and three more: 4
   chunks a loop step only where 4-tile programs keep >= 16 chunks a split."""
   shared = dict(tile_groups=2, rows_out=True)
   assert default_fragment_config(28672, 8192) == FragmentConfig(tiles=4, split_k=4, num_warps=2, unroll=4, **shared)
