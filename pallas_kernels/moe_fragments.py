@@ -54,7 +54,7 @@ from jax.experimental.pallas import triton as pltriton
 from glmjax.quant.fragments import CHUNK, OPERANDS, FragmentWeight
 from pallas_kernels.checks import check_at_least, resolve_interpret
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
-from pallas_kernels.moe_hfma2 import strided_loop, strided_trips
+from pallas_kernels.moe_hfma2 import strided_loop, strided_share
 from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, FragmentOps, Lanes, activation_words,
                                             activations_kernel, fragment_ops, fragment_sums, group_starts,
                                             mask_and, operand_scale, split_chunks, split_size, store_row_words,
@@ -142,35 +142,38 @@ def _routing_weight(ids_ref, weights_ref, expert, token, *, m: int, top_k: int):
   return total
 
 
-def stream_sums(ops: FragmentOps, split, *, trips, expert_at, x_base_at, finish, state, chunks: int,
-                config: FragmentConfig):
-  """A program's `trips` experts (expert_at(j); x from x_base_at(j)) over K split `split` as one
-  loop of `steps` steps an expert, so the loads run on from one expert into the next (and, under
-  config.prefetch, each step's loads go out before the previous step's MMAs, across experts too).
-  After expert j's last step finish(j, e, accs, state) -> state, and its accs restart at zero.
-  Every expert takes ceil(split chunks / unroll) steps; chunks past a split's end (a ragged split
-  or unroll) load masked zeros, which add nothing. expert_at runs only where a step starts an
-  expert. Returns the state."""
+def stream_sums(ops: FragmentOps, split, *, count, group, groups: int, expert_of, x_base_of, finish, state,
+                chunks: int, config: FragmentConfig):
+  """The program's share of the `count` chosen slots (as strided_loop's: s = group, group +
+  groups, ...; expert_of(s), x from x_base_of(s)) over K split `split` as one loop of `steps`
+  steps a slot, so the loads run on from one expert into the next (and, under config.prefetch,
+  each step's loads go out before the previous step's MMAs, across experts too). After slot s's
+  last step finish(s, e, accs, state) -> state, and its accs restart at zero. Every slot takes
+  ceil(split chunks / unroll) steps; chunks past a split's end (a ragged split or unroll) load
+  masked zeros, which add nothing. expert_of runs only where a step starts a slot. Returns the
+  state."""
+  trips, slot_of = strided_share(count, group, groups)
   begin, end = split_chunks(split, chunks, config)
   per_split = split_size(chunks, config)
   steps = pl.cdiv(per_split, config.unroll)
   ragged = bool(chunks % config.split_k or per_split % config.unroll)
   total, n = trips * steps, jnp.int32(steps)  # lax.rem / div: q >= 0, and Triton wants one int type
+  slot_at = lambda q: slot_of(lax.div(q, n))  # step q's slot
   zeros = zero_sums(config)
 
   def expert_of_step(q, e):  # the expert of step q, given step q - 1's
-    return lax.cond(lax.rem(q, n) == 0, lambda: expert_at(lax.div(q, n)), lambda: e)
+    return lax.cond(lax.rem(q, n) == 0, lambda: expert_of(slot_at(q)), lambda: e)
 
   def step_loads(q, e, valid=None) -> list:
     c0 = begin + lax.rem(q, n) * config.unroll
     masks = [mask_and(valid, (c0 + u < end) if ragged else None) for u in range(config.unroll)]
-    return [ops.chunk(jnp.minimum(c0 + u, end - 1), e, x_base_at(lax.div(q, n)), mask)
+    return [ops.chunk(jnp.minimum(c0 + u, end - 1), e, x_base_of(slot_at(q)), mask)
             for u, mask in enumerate(masks)]
 
   def multiply(q, e, accs, state, loads):
     for chunk_loads in loads:
       accs = ops.multiply(accs, chunk_loads)
-    close = lambda accs, state: (zeros, finish(lax.div(q, n), e, accs, state))
+    close = lambda accs, state: (zeros, finish(slot_at(q), e, accs, state))
     return lax.cond(lax.rem(q, n) == steps - 1, close, lambda accs, state: (accs, state), accs, state)
 
   def prefetched(q, carry):  # carry: step q's loads and expert
@@ -187,7 +190,7 @@ def stream_sums(ops: FragmentOps, split, *, trips, expert_at, x_base_at, finish,
     return accs, state, e
 
   if config.prefetch:
-    first = expert_at(0)
+    first = expert_of(slot_of(0))
     return lax.fori_loop(0, total, prefetched, (zeros, state, step_loads(0, first, total > 0), first))[1]
   return lax.fori_loop(0, total, plain, (zeros, state, jnp.int32(0)))[1]
 
@@ -234,13 +237,12 @@ def _gate_up_kernel(ids_ref, *refs, m: int, slots: int, experts: int, d: int, i:
         return
       ops = fragment_ops(x_ref, words, scales, own, lanes, **sizes)
 
-      def finish(j, e, accs, state):
-        store(group + j * groups, e, accs, ops.starts)
+      def finish(s, e, accs, state):
+        store(s, e, accs, ops.starts)
         return state
 
-      stream_sums(ops, split, trips=strided_trips(count, group, groups),
-                  expert_at=lambda j: expert_of(group + j * groups), x_base_at=lambda j: 0, finish=finish,
-                  state=jnp.int32(0), chunks=sizes["chunks"], config=config)
+      stream_sums(ops, split, count=count, group=group, groups=groups, expert_of=expert_of, x_base_of=lambda s: 0,
+                  finish=finish, state=jnp.int32(0), chunks=sizes["chunks"], config=config)
 
 
 def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global, up_global,
@@ -293,11 +295,8 @@ def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, ex
 
   totals = zero_sums(config)
   if stream:
-    slot_of = lambda j: group + j * groups
-    totals = stream_sums(fragment_ops(h_ref, words_ref, scales_ref, block, lanes, **sizes), split,
-                         trips=strided_trips(count, group, groups), expert_at=lambda j: expert_of(slot_of(j)),
-                         x_base_at=lambda j: h_base(slot_of(j)),
-                         finish=lambda j, e, accs, totals: add(slot_of(j), e, accs, totals), state=totals,
+    totals = stream_sums(fragment_ops(h_ref, words_ref, scales_ref, block, lanes, **sizes), split, count=count,
+                         group=group, groups=groups, expert_of=expert_of, x_base_of=h_base, finish=add, state=totals,
                          chunks=chunks, config=config)
   else:
     totals = strided_loop(count, slot, totals, group=group, groups=groups)

@@ -95,16 +95,17 @@ def _local_pairs(ids_ref, weights_ref, *, slots: int, experts: int):
   return jnp.sum(local.astype(jnp.int32)), pick
 
 
-def strided_trips(count, group, groups: int):
-  """How many of group, group + groups, ... are < count: this program's share."""
-  return jnp.maximum(count - group + groups - 1, 0) // groups
+def strided_share(count, group, groups: int):
+  """This program's share of [0, count), the p = group, group + groups, ... < count: (how many,
+  p_of(j) -> the j-th of them)."""
+  return jnp.maximum(count - group + groups - 1, 0) // groups, lambda j: group + j * groups
 
 
 def strided_loop(count, body, init, *, group, groups: int):
   """body(p, carry) folded over this program's share p = group, group + groups, ... < count (of
   pairs here, of chosen experts in moe_fragments)."""
-  return lax.fori_loop(0, strided_trips(count, group, groups), lambda it, carry: body(group + it * groups, carry),
-                       init)
+  trips, p_of = strided_share(count, group, groups)
+  return lax.fori_loop(0, trips, lambda j, carry: body(p_of(j), carry), init)
 
 
 def _pair_sums(planes_ref, weights, e, row, *, split, rows_ok, k: int, config: MatmulConfig,
