@@ -344,7 +344,18 @@ class FragmentConfig:
   chunks of the split that are read anyway (left-over ones, else the last again, clamped), so
   L2 serves one of the two reads. Slower on an H100 (BENCHMARKS.md run 47: 54.4 -> 56.2 us at the
   [1, 8192] x [8192, 28672] GEMV, 215 -> 242 at the MoE): the launches there are bound by the warps
-  in flight, and its registers lower the programs an SM holds. A switch for ablations, off."""
+  in flight, and its registers lower the programs an SM holds. A switch for ablations, off.
+  wide_x: bfloat16 operands load a lane's runs of 4 words of x's row 16 bytes at a time; off, 4
+  bytes at a time. The same values either way, spelt two ways for Triton's alignment analysis,
+  which sees the runs only when Lanes.of takes each index from e by one division, then one
+  remainder, and the row-end mask compares the column with K / 2 rather than twice the column
+  with K. On an H100 (BENCHMARKS.md run 49) wide loads take the GEMV [8, 8192] x [8192, 28672]
+  from 60.1 to 53.3 us and the MoE's gate/up (12 groups) from 150 to 124, but M = 1 (whose one
+  row few lanes load) from 49.0 to 49.8 and [1, 6144] x [6144, 154880] from 191 to 204, and the
+  down launch from 66 to 90. float16 operands load prepared words, not x's rows, yet their
+  program is faster with Lanes.of's wide spelling too (M = 1: 54.2 -> 52.0 us).
+  default_fragment_config turns it on from 2 rows and for float16 operands; moe_fragments.DOWN
+  keeps it off."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
@@ -355,6 +366,7 @@ class FragmentConfig:
   rows_out: bool = False
   final_out: bool = False
   prefetch: bool = False
+  wide_x: bool = True
 
   def __post_init__(self):
     check_at_least("FragmentConfig", "split_k", self.split_k)
@@ -371,14 +383,14 @@ class FragmentConfig:
       raise ValueError(f"FragmentConfig.final_out stores finished sums: it needs split_k=1, got {self.split_k}")
 
 
-def default_fragment_config(n: int, k: int) -> FragmentConfig:
+def default_fragment_config(n: int, k: int, m: int = TOKENS, operands: str = "bfloat16") -> FragmentConfig:
   """The tiles measured best on the H200 (BENCHMARKS.md runs 28, 31): 4 tiles a program over 2
   warps for large N (>= 1024 tiles), else 2 over 1, each warp's 2 tiles sharing one load of the
   activations (tile_groups=2); K split in two until there are >= 1024 programs or a split would
   keep < 2 chunks; 2 chunks a loop step where each split keeps >= 4, 4 where 4-tile programs keep
   >= 16 (BENCHMARKS.md run 48, H100: [1, 8192] -> 28672 53.1 -> 50.5 us, at M = 8 67.5 -> 59.7;
   [1, 6144] -> 154880 210.1 -> 192.1; slower at 12 chunks a split, mixed for 2-tile programs);
-  sums stored by row."""
+  sums stored by row; wide_x for m >= 2 rows of x and for float16 operands (run 49)."""
   tiles = pl.cdiv(n, TILE)
   per_program = 4 if tiles >= 1024 else 2
   groups, chunks = pl.cdiv(tiles, per_program), pl.cdiv(k, CHUNK)
@@ -388,7 +400,7 @@ def default_fragment_config(n: int, k: int) -> FragmentConfig:
   per_split = chunks // split
   unroll = 4 if per_program == 4 and per_split >= 16 else 2 if per_split >= 4 else 1
   return FragmentConfig(tiles=per_program, split_k=split, num_warps=per_program // 2, unroll=unroll, tile_groups=2,
-                        rows_out=True)
+                        rows_out=True, wide_x=m > 1 or operands == "float16")
 
 
 def _kernel(x_ref, *refs, shapes: tuple[tuple[int, int], ...], config: FragmentConfig, scaled: bool, **static):
@@ -435,6 +447,9 @@ class Lanes(NamedTuple):
   def of(cls, config: "FragmentConfig") -> "Lanes":
     e = jnp.arange(config.tiles // config.tile_groups * WORDS)
     tile, word = _div(e, WORDS), _rem(e, WORDS)
+    if config.wide_x:  # each index from e by one division, then one remainder (FragmentConfig.wide_x)
+      quads = _div(e, 4)
+      return cls(tile, word, _rem(quads, LANES), _rem(_div(e, 16), 8), _rem(quads, 4), _rem(e, 4))
     lane = _div(word, 4)
     return cls(tile, word, lane, _div(lane, 4), _rem(lane, 4), _rem(e, 4))
 
@@ -493,7 +508,8 @@ def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k
     if operands == "float16":
       return load(x_ref, x_base + (4 * c + a) * WORDS + word, None, valid)
     column = c * (CHUNK // 2) + 32 * (a // 2) + 8 * t + 4 * (a % 2) + r
-    return load(x_ref, x_base + g * (k // 2) + column, (g < m) & (2 * column < k), valid)
+    inside = (column < k // 2) if config.wide_x else (2 * column < k)  # the same test, two spellings: wide_x
+    return load(x_ref, x_base + g * (k // 2) + column, (g < m) & inside, valid)
 
   def chunk(c, expert=0, x_base=0, valid=None) -> tuple:
     """Chunk c's loads: per group the two halves' words and the scale words; the four
@@ -677,7 +693,7 @@ def fragment_matmul(x: jax.Array, w: FragmentWeight, *, config: FragmentConfig |
   with config.fused_activations off); bfloat16 reads x's rows itself (no launch before it)."""
   _check_x(x, w, "fragment_matmul")
   (n, k), m = w.shape, x.shape[0]
-  config = config or default_fragment_config(n, k)
+  config = config or default_fragment_config(n, k, m, w.operands)
   if config.final_out and w.operands != "bfloat16":
     raise ValueError("FragmentConfig.final_out needs bfloat16 operands (to_fragments(w, 'bfloat16')): fp16 "
                      "operands scale each row by its maximum, which the activations' launch finds")
@@ -709,7 +725,8 @@ def fragment_matmul_partials(x: jax.Array, w: FragmentWeight | tuple[FragmentWei
   if len({weight.operands for weight in ws}) > 1:
     raise ValueError(f"fragment_matmul_partials: one launch takes one operand dtype, got "
                      f"{[weight.operands for weight in ws]}")
-  config = config or default_fragment_config(sum(weight.shape[0] for weight in ws), x.shape[1])
+  config = config or default_fragment_config(sum(weight.shape[0] for weight in ws), x.shape[1], x.shape[0],
+                                             ws[0].operands)
   config = dataclasses.replace(config, split_k=split_k or config.split_k, rows_out=False, final_out=False)
   outs = _launch(x, ws, config, resolve_interpret(interpret), scaled=True)
   outs = tuple(out.reshape(config.split_k, x.shape[0], weight.shape[0]) for out, weight in zip(outs, ws))

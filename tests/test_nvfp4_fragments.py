@@ -19,9 +19,9 @@ import pytest
 from glmjax.quant import FragmentWeight, NVFP4Weight, arrange_params, from_fragments, quantize_fp8_block, to_fragments
 from glmjax.quant.fragments import OPERANDS, operands_for
 from glmjax.quant.nvfp4 import quantize_nvfp4, unpack_e2m1
-from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, activations_kernel, default_fragment_config,
-                                            fragment_activations, fragment_matmul, fragment_matmul_partials,
-                                            fragment_mma_twin, mma_m16n8k16)
+from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, Lanes, activations_kernel,
+                                            default_fragment_config, fragment_activations, fragment_matmul,
+                                            fragment_matmul_partials, fragment_mma_twin, mma_m16n8k16)
 from pallas_kernels.nvfp4_matmul import f16_rows, nvfp4_matmul_reference
 from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.ptx_emulator import f32_value, run_ptx
@@ -229,6 +229,25 @@ def test_fragment_matmul_matches_reference(m, n, k, config, operands):
   assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("m, n, k, config", [
+    (3, 200, 272, FragmentConfig(tiles=4, split_k=2, num_warps=2, tile_groups=2)),  # K padded: the row-end mask
+    (8, 136, 1152, FragmentConfig(tiles=2, num_warps=1, unroll=4, tile_groups=2, rows_out=True)),
+])
+def test_wide_x_changes_no_bit(m, n, k, config):
+  """wide_x spells the lanes' indices and x's row-end mask two ways for Triton's alignment
+  analysis: the same indices, so the same loads and sums, bit for bit."""
+  wide, narrow = (dataclasses.replace(config, wide_x=flag) for flag in (True, False))
+  assert all(np.array_equal(a, b) for a, b in zip(Lanes.of(wide), Lanes.of(narrow)))
+  rng = np.random.default_rng(k)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  f = to_fragments(quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32)), "bfloat16")
+  got = fragment_matmul(x, f, config=wide)
+  same = fragment_matmul(x, f, config=narrow)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(same, np.float32))
+  want = np.asarray(nvfp4_matmul_reference(x, from_fragments(f)), np.float64)
+  assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
+
+
 @pytest.mark.parametrize("m, n, k, config, operands", [
     (8, 136, 640, FragmentConfig(tiles=2, split_k=2, num_warps=1, unroll=2), "float16"),  # a left-over chunk
     (5, 48, 256, FragmentConfig(tiles=2, split_k=3, num_warps=2), "bfloat16"),  # a split with no chunk
@@ -349,8 +368,8 @@ def test_fragment_matmul_rejects_bad_inputs():
 
 
 def test_default_fragment_config():
-  """The measured tiles (BENCHMARKS.md runs 28, 31, 48) at the issue's shapes and three more: 4
-  chunks a loop step only where 4-tile programs keep >= 16 chunks a split."""
+  """The measured tiles (BENCHMARKS.md runs 28, 31, 48, 49) at the issue's shapes and three more:
+  4 chunks a loop step only where 4-tile programs keep >= 16 chunks a split."""
   shared = dict(tile_groups=2, rows_out=True)
   assert default_fragment_config(28672, 8192) == FragmentConfig(tiles=4, split_k=4, num_warps=2, unroll=4, **shared)
   assert default_fragment_config(154880, 6144) == FragmentConfig(tiles=4, split_k=1, num_warps=2, unroll=4, **shared)
@@ -358,6 +377,9 @@ def test_default_fragment_config():
   assert default_fragment_config(6144, 16384) == FragmentConfig(tiles=2, split_k=8, num_warps=1, unroll=2, **shared)
   assert default_fragment_config(2048, 6144) == FragmentConfig(tiles=2, split_k=16, num_warps=1, **shared)
   assert default_fragment_config(6144, 2048) == FragmentConfig(tiles=2, split_k=8, num_warps=1, **shared)
+  # x's rows loaded 16 bytes a lane from 2 rows on, and always on fp16 operands (run 49)
+  assert not default_fragment_config(28672, 8192, 1).wide_x and default_fragment_config(28672, 8192, 2).wide_x
+  assert default_fragment_config(28672, 8192, 1, "float16").wide_x
 
 
 def test_fragment_matmul_lowers_for_h200():
