@@ -409,11 +409,13 @@ def _sweeps(quick: bool, timer: Callable[..., float]) -> Iterator[dict[str, Any]
                            for s in (2, 4)]
   bf16_fragment_configs += [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)
                             for t, w in ((2, 1), (4, 2), (8, 4)) for u in (1, 2, 4)]
-  # The fragment MoE (each chosen expert once): the chosen experts over 8 (the default), 1, 4 and
-  # 24 program groups, with h from its own launch or from gate/up's (fused_swiglu), then either
-  # launch's tiles, K splits and chunks a loop step, the other launch at its default.
+  # The fragment MoE (each chosen expert once): the defaults (12 gate/up groups, 8 down), then the
+  # chosen experts over 8, 1, 4 and 24 program groups in both launches, with h from its own launch
+  # or from gate/up's (fused_swiglu), then either launch's tiles, K splits and chunks a loop step,
+  # the other launch at its default.
   frag = lambda t, s, u: FragmentConfig(tiles=t, num_warps=max(1, t // 2), split_k=s, unroll=u, tile_groups=2)
-  experts_configs = [ExpertsConfig(groups=g, fused_swiglu=f) for f in (False, True) for g in (8, 1, 4, 24)]
+  experts_configs = [ExpertsConfig()] + [ExpertsConfig(groups=g, down_groups=g, fused_swiglu=f)
+                                         for f in (False, True) for g in (8, 1, 4, 24)]
   experts_configs += [ExpertsConfig(gate_up=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8, 16) for u in (1, 2)]
   experts_configs += [ExpertsConfig(down=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8) for u in (1, 2)]
   if quick:

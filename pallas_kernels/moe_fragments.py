@@ -19,8 +19,9 @@ expert nobody chose.
            expert's global scale, at [slot, s, token, row] of fp32 partials (slots >= count
            unwritten).
   swiglu:  h = silu(sum_s g) * sum_s u, bf16 [slot, token, I], a program per chosen slot and
-           token (`swiglu`); or, with ExpertsConfig.fused_swiglu, none: gate_up's programs run
-           the whole K for the same rows of gate and up and store h themselves.
+           token (`swiglu`), and each slot's routing weights [slot, token]; or, with
+           ExpertsConfig.fused_swiglu, none: gate_up's programs run the whole K for the same rows
+           of gate and up and store h (and row block 0's the routing weights) themselves.
   down:    program (row block j, K split s): for each slot, the rows' sums against h[slot],
            times the expert's global scale and each token's routing weight for it (zero where the
            token did not choose it), summed over the slots in registers: fp32 partials [S * groups,
@@ -63,10 +64,10 @@ from pallas_kernels.nvfp4_fragments import (BF16_SCALE, TOKENS, FragmentConfig, 
 
 # The launches' defaults, the fastest of BENCHMARKS.md runs 44 (H100) and 45 (H200) at 5 tokens,
 # top-8, GLM-5's experts, and against run 48's 18 others (H100): gate/up in 4-tile programs over
-# 2 K splits, down in 2-tile programs over the whole K, the chosen experts dealt over 8 program
-# groups.
+# 2 K splits, down in 2-tile programs over the whole K; run 49 (H100): x's rows loaded 16 bytes a
+# lane by gate/up, h's 4 bytes by down (FragmentConfig.wide_x).
 GATE_UP = FragmentConfig(tiles=4, num_warps=2, split_k=2, unroll=2, tile_groups=2)
-DOWN = FragmentConfig(tiles=2, num_warps=1, split_k=1, unroll=2, tile_groups=2)
+DOWN = FragmentConfig(tiles=2, num_warps=1, split_k=1, unroll=2, tile_groups=2, wide_x=False)
 FUSED_GATE_UP = FragmentConfig(tiles=2, num_warps=1, unroll=2, tile_groups=2)
 
 
@@ -77,10 +78,11 @@ class ExpertsConfig:
   split, each taking every groups-th chosen expert: a program walks its experts one after
   another, so more groups put more of them in flight (down's partials then [S * groups, T, D]).
   down_groups: the down launch's groups (None: groups). The launches differ in programs a group
-  and in registers a thread (96 gate/up, 156 down: BENCHMARKS.md runs 47-48). A launch runs
-  fastest when its programs fill one wave of the SMs and no more: the down launch's 8 groups
-  (1,536 one-warp programs, 0.97 waves) take 67 us on an H100 at the issue's case, 6, 10 or 13
-  groups 78.
+  and in registers a thread. The down launch's 8 groups (1,536 one-warp programs) took 67 us on
+  an H100 at the issue's case, 6, 10 or 13 groups 78 (runs 47-48, 156 registers: 0.97 waves); its
+  routing weights now come from the swiglu launch (store_routing_weights), about 60 registers
+  fewer. gate/up's 12 (1,536 two-warp programs) take 124 us against 8's 133 since its x loads
+  are wide (run 49; 80 registers by ptxas on the CPU: 12 programs an SM, 0.97 waves), 16 122.5.
   fused_swiglu: the gate/up launch runs the whole K in each program, gate's rows in its first
   tile group and up's same rows in its second, and stores h = silu(g) * u itself: no swiglu
   launch, no fp32 partials (gate_up: split_k 1 and 2 tile groups).
@@ -90,16 +92,17 @@ class ExpertsConfig:
   against the defaults' 214.7-216.0 at the issue's case (BENCHMARKS.md run 47), within the noise:
   off by default; not with fused_swiglu.
 
-  Defaults measured (BENCHMARKS.md runs 44-45, own us), 5 tokens, top-8: all 32 experts local,
+  Defaults measured (BENCHMARKS.md runs 44-45, own us; run 49 below), 5 tokens, top-8: all 32 experts local,
   24 chosen (510 MB), on an H200 211.7, the best of 10 configs there, against the pairs' 347.8
   (2.41 TB/s: 57% of the H200's 4.22 TB/s copy, 53% of its 4.57 TB/s read stream); on an H100
   228.0 against session 37's defaults' 348.5 and the pairs' 399.4. One TEP=8 rank's view, 6
   chosen (127.5 MB): H200 72.6 against the pairs' 56.3, H100 75.1 against 63.9 (each expert
-  chosen by one token there: nothing to share)."""
+  chosen by one token there: nothing to share). Run 49 (H100): 12 gate/up groups with wide x
+  loads and 8 down groups 199.0 us at the issue's case against the old defaults' 208.9-210.6."""
   gate_up: FragmentConfig | None = None
   down: FragmentConfig | None = None
-  groups: int = 8
-  down_groups: int | None = None
+  groups: int = 12
+  down_groups: int | None = 8
   fused_swiglu: bool = False
   stream: bool = False
 
@@ -132,14 +135,17 @@ def chosen_experts(ids_ref, *, slots: int, experts: int):
   return jnp.sum(present), lambda slot: jnp.sum(jnp.where((present == 1) & (rank == slot), e, 0))
 
 
-def _routing_weight(ids_ref, weights_ref, expert, token, *, m: int, top_k: int):
-  """Per lane: the routing weight that token `token` (< m, else 0) gives `expert` (0 if none)."""
-  total = jnp.zeros(token.shape, jnp.float32)
-  for j in range(top_k):
-    index = jnp.where(token < m, token * top_k + j, 0)
-    chosen = (pltriton.load(ids_ref.at[index]) == expert) & (token < m)
-    total += jnp.where(chosen, pltriton.load(weights_ref.at[index]), 0.0)
-  return total
+def store_routing_weights(ids_ref, weights_ref, rw_ref, slot, expert, *, m: int, top_k: int) -> None:
+  """rw_ref[slot * TOKENS + t]: the routing weight token t gives `expert`, the sum of its top_k
+  weights whose ids name it (0 if none, and for t >= m), for the down launch to read one word a
+  sum: working it out there from the ids took a lane 2 top_k loads a sum and about 60 registers
+  of the 130 its program holds (ptxas, sm_90)."""
+  t, j = jnp.arange(TOKENS)[:, None], jnp.arange(pl.next_power_of_2(top_k))[None, :]
+  ok = (t < m) & (j < top_k)
+  index = jnp.where(ok, t * top_k + j, 0)
+  ids = pltriton.load(ids_ref.at[index], mask=ok, other=-1)
+  weights = pltriton.load(weights_ref.at[index], mask=ok, other=0.0)
+  pltriton.store(rw_ref.at[slot * TOKENS + jnp.arange(TOKENS)], jnp.sum(jnp.where(ids == expert, weights, 0.0), axis=1))
 
 
 def stream_sums(ops: FragmentOps, split, *, count, group, groups: int, expert_of, x_base_of, finish, state,
@@ -245,13 +251,14 @@ def _gate_up_kernel(ids_ref, *refs, m: int, slots: int, experts: int, d: int, i:
                   finish=finish, state=jnp.int32(0), chunks=sizes["chunks"], config=config)
 
 
-def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global, up_global,
-                           h_ref, *, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
-                           config: FragmentConfig, operands: str, interpret: bool):
-  # As _gate_up_kernel's refs (bfloat16 operands only), with h_ref bf16 [E * T * I] ([slot,
-  # token, row]) for the partials: program (row block j, 0, group g) takes rows j of gate (tile
-  # group 0) and of up (group 1) over the whole K, so its sums are final and it stores h =
-  # silu(g) * u itself.
+def _swiglu_gate_up_kernel(ids_ref, weights_ref, x_ref, gate_words, up_words, gate_scales, up_scales, gate_global,
+                           up_global, h_ref, rw_ref, *, m: int, top_k: int, slots: int, experts: int, d: int, i: int,
+                           tiles: int, groups: int, config: FragmentConfig, operands: str, interpret: bool):
+  # As _gate_up_kernel's refs (bfloat16 operands only) with weights_ref f32 [Sp] after the ids,
+  # and h_ref bf16 [E * T * I] ([slot, token, row]) for the partials: program (row block j, 0,
+  # group g) takes rows j of gate (tile group 0) and of up (group 1) over the whole K, so its
+  # sums are final and it stores h = silu(g) * u itself; row block 0's programs store their
+  # slots' routing weights (rw_ref f32 [E * 8], store_routing_weights).
   block, group = pl.program_id(0), pl.program_id(2)
   count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
   lanes = Lanes.of(config)
@@ -263,14 +270,16 @@ def _swiglu_gate_up_kernel(ids_ref, x_ref, gate_words, up_words, gate_scales, up
                                       interpret=interpret, expert=e)
     h = jax.nn.silu(g * (gate_global[e] * BF16_SCALE)) * (u * (up_global[e] * BF16_SCALE))
     store_rows(h_ref, [h], starts[:1], lanes, 1.0, m=m, n=i, base=s * m * i)
+    pl.when(block == 0)(lambda: store_routing_weights(ids_ref, weights_ref, rw_ref, s, e, m=m, top_k=top_k))
     return carry
 
   strided_loop(count, slot, 0, group=group, groups=groups)
 
 
-def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, experts: int, d: int, i: int,
-                 tiles: int, groups: int, config: FragmentConfig, operands: str, interpret: bool, stream: bool):
-  # ids_ref, weights_ref: i32 / f32 [Sp] of the [T*k] choice; h_ref u32 (`swiglu`'s): bfloat16,
+def _down_kernel(ids_ref, rw_ref, *refs, m: int, slots: int, experts: int, d: int, i: int, tiles: int, groups: int,
+                 config: FragmentConfig, operands: str, interpret: bool, stream: bool):
+  # ids_ref i32 [Sp] of the [T*k] choice; rw_ref f32 [E * 8], each chosen slot's routing weights
+  # (store_routing_weights); h_ref u32 (`swiglu`'s): bfloat16,
   # [E * T * I / 2] (h's bf16 pairs, [slot, token, I]); float16, [E * Ic * 4 * 128] (slot s's
   # activation words from s * Ic * 512) and amax_ref f32 [E * 8]; down words, scales, global as
   # gate's; o_ref f32 [S * G * T * D].
@@ -285,7 +294,7 @@ def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, ex
 
   def add(s, e, accs, totals):  # slot s's sums (expert e), weighted
     scale = operand_scale(amax_ref, lanes, m=m, operands=operands, base=s * TOKENS)
-    factor = global_ref[e] * scale * _routing_weight(ids_ref, weights_ref, e, lanes.token, m=m, top_k=top_k)
+    factor = global_ref[e] * scale * pltriton.load(rw_ref.at[s * TOKENS + lanes.token])
     return tuple(total + acc * factor for total, acc in zip(totals, accs))
 
   def slot(s, totals):
@@ -303,16 +312,21 @@ def _down_kernel(ids_ref, weights_ref, *refs, m: int, top_k: int, slots: int, ex
   store_rows(o_ref, totals, group_starts(block, config), lanes, 1.0, m=m, n=d, base=(split * groups + group) * m * d)
 
 
-def _swiglu_kernel(ids_ref, g_ref, u_ref, *h_refs, slots: int, experts: int, m: int, i: int, splits: int,
-                   operands: str):
-  # ids_ref i32 [Sp]; g_ref, u_ref f32 [E * S * T * I]; h_refs as _down_kernel's h_ref (and
-  # amax_ref). Program (slot, token): h's row, rounded to bf16, for chosen slots only (the others'
-  # partials are unwritten); float16: tokens past M too, as zeros (the MMA reads all 8).
+def _swiglu_kernel(ids_ref, weights_ref, g_ref, u_ref, rw_ref, *h_refs, slots: int, experts: int, m: int, i: int,
+                   splits: int, top_k: int, operands: str):
+  # ids_ref, weights_ref i32 / f32 [Sp]; g_ref, u_ref f32 [E * S * T * I]; rw_ref f32 [E * 8];
+  # h_refs as _down_kernel's h_ref (and amax_ref). Program (slot, token): h's row, rounded to
+  # bf16, for chosen slots only (the others' partials are unwritten); float16: tokens past M too,
+  # as zeros (the MMA reads all 8). Token 0's program stores the slot's routing weights.
   slot, token = pl.program_id(0), pl.program_id(1)
-  count, _ = chosen_experts(ids_ref, slots=slots, experts=experts)
+  count, expert_of = chosen_experts(ids_ref, slots=slots, experts=experts)
   chunks = pl.cdiv(i, CHUNK)
   pairs = jnp.arange(pl.next_power_of_2(chunks * CHUNK // 2))
   ok = (pairs < i // 2) & (token < m)
+
+  @pl.when((slot < count) & (token == 0))
+  def _():
+    store_routing_weights(ids_ref, weights_ref, rw_ref, slot, expert_of(slot), m=m, top_k=top_k)
 
   @pl.when(slot < count)
   def _():
@@ -329,25 +343,29 @@ def _swiglu_kernel(ids_ref, g_ref, u_ref, *h_refs, slots: int, experts: int, m: 
     pltriton.store(h_refs[0].at[(slot * m + token) * (i // 2) + pairs], bits[0] | (bits[1] << 16), mask=ok)
 
 
-def swiglu(ids: jax.Array, g: jax.Array, u: jax.Array, *, slots: int, experts: int, m: int, i: int, splits: int,
-           operands: str, interpret: bool) -> list[jax.Array]:
+def swiglu(ids: jax.Array, weights: jax.Array, g: jax.Array, u: jax.Array, *, slots: int, experts: int, m: int,
+           i: int, splits: int, top_k: int, operands: str, interpret: bool) -> tuple[jax.Array, list[jax.Array]]:
   """h = silu(sum_s g) * sum_s u in bf16 for the chosen slots' rows, one launch, as the down
-  program reads it: bfloat16 operands, bf16 pairs u32 [E * T * I / 2]; float16, each slot's
-  activation words (fragment_activations' order, [E * Ic * 4 * 128] u32) and its rows' maxima (f32
-  [E * 8]). Rows of unchosen slots are left unwritten."""
+  program reads it, and the slots' routing weights (f32 [E * 8], store_routing_weights): h as
+  bfloat16 operands' bf16 pairs u32 [E * T * I / 2], or float16's activation words of each slot
+  (fragment_activations' order, [E * Ic * 4 * 128] u32) and its rows' maxima (f32 [E * 8]). Rows
+  of unchosen slots are left unwritten."""
   whole = lambda n: pl.BlockSpec((n,), lambda s, t: (0,))
   if operands == "float16":
     outs = [jax.ShapeDtypeStruct((experts * activation_words(pl.cdiv(i, CHUNK)),), jnp.uint32),
             jax.ShapeDtypeStruct((experts * TOKENS,), jnp.float32)]
   else:
     outs = [jax.ShapeDtypeStruct((experts * m * i // 2,), jnp.uint32)]
-  return pl.pallas_call(
-      functools.partial(_swiglu_kernel, slots=slots, experts=experts, m=m, i=i, splits=splits, operands=operands),
+  outs = [jax.ShapeDtypeStruct((experts * TOKENS,), jnp.float32), *outs]
+  rw, *h = pl.pallas_call(
+      functools.partial(_swiglu_kernel, slots=slots, experts=experts, m=m, i=i, splits=splits, top_k=top_k,
+                        operands=operands),
       grid=(experts, TOKENS if operands == "float16" else m),
-      in_specs=[whole(pl.next_power_of_2(slots)), whole(g.size), whole(u.size)],
+      in_specs=[whole(pl.next_power_of_2(slots))] * 2 + [whole(g.size), whole(u.size)],
       out_specs=[whole(o.size) for o in outs], out_shape=outs,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-      name="moe_fragments_swiglu")(ids, g, u)
+      name="moe_fragments_swiglu")(ids, weights, g, u)
+  return rw, h
 
 
 def bf16_pairs(x: jax.Array) -> jax.Array:
@@ -401,14 +419,15 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
   ids, weights = topk_ids.reshape(slots), topk_weights.astype(jnp.float32).reshape(slots)
   sizes = dict(m=t, slots=slots, experts=e, d=d, i=i, operands=operands, interpret=interpret)
 
-  def launch(kernel, inputs, out: jax.ShapeDtypeStruct, cfg: FragmentConfig, tiles: int, blocks: int, name: str,
-             outs: int = 1, groups: int = groups, **extra):
+  def launch(kernel, inputs, outs: list[jax.ShapeDtypeStruct], cfg: FragmentConfig, tiles: int, blocks: int, name: str,
+             groups: int = groups, choice: int = 1, **extra):
+    # The first `choice` inputs are the step's choice ([T*k] ids, weights), read padded.
     whole = lambda n: pl.BlockSpec((n,), lambda j, s, g: (0,))
     return pl.pallas_call(
         functools.partial(kernel, **sizes, config=cfg, tiles=tiles, groups=groups, **extra),
         grid=(blocks, cfg.split_k, groups),
-        in_specs=[whole(pl.next_power_of_2(slots)), *(whole(a.size) for a in inputs[1:])],
-        out_specs=[whole(out.size)] * outs, out_shape=[out] * outs,
+        in_specs=[whole(pl.next_power_of_2(slots))] * choice + [whole(a.size) for a in inputs[choice:]],
+        out_specs=[whole(o.size) for o in outs], out_shape=outs,
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=interpret, name=name)(*inputs)
 
@@ -416,19 +435,22 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
   (gw, gs), (uw, us) = flat(gate_proj), flat(up_proj)
   x_in = list(activations_kernel(x, pl.cdiv(d, CHUNK), interpret)) if operands == "float16" else [bf16_pairs(x)]
   gate_up = [ids, *x_in, gw, uw, gs, us, gate_proj.global_scale, up_proj.global_scale]
-  if config.fused_swiglu:  # h straight from the gate/up launch
-    h = launch(_swiglu_gate_up_kernel, gate_up, jax.ShapeDtypeStruct((e * t * i,), x.dtype), gate_up_config,
-               gate_proj.tiles, pl.cdiv(gate_proj.tiles, gate_up_config.tiles // 2), "moe_fragments_gate_up_swiglu")
-    h = [bf16_pairs(h[0])]
+  routing = jax.ShapeDtypeStruct((e * TOKENS,), jnp.float32)
+  if config.fused_swiglu:  # h (and the routing weights) straight from the gate/up launch
+    h, rw = launch(_swiglu_gate_up_kernel, [ids, weights, *gate_up[1:]],
+                   [jax.ShapeDtypeStruct((e * t * i,), x.dtype), routing], gate_up_config, gate_proj.tiles,
+                   pl.cdiv(gate_proj.tiles, gate_up_config.tiles // 2), "moe_fragments_gate_up_swiglu", choice=2,
+                   top_k=top_k)
+    h = [bf16_pairs(h)]
   else:
-    g, u = launch(_gate_up_kernel, gate_up, jax.ShapeDtypeStruct((e * gate_up_config.split_k * t * i,), jnp.float32),
-                  gate_up_config, gate_proj.tiles, 2 * pl.cdiv(gate_proj.tiles, gate_up_config.tiles),
-                  "moe_fragments_gate_up", outs=2, stream=config.stream)
-    h = swiglu(ids, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, operands=operands,
-               interpret=interpret)
-  partials = launch(_down_kernel, [ids, weights, *h, *flat(down_proj), down_proj.global_scale],
-                    jax.ShapeDtypeStruct((down_config.split_k * down_groups * t * d,), jnp.float32), down_config,
-                    down_proj.tiles, pl.cdiv(down_proj.tiles, down_config.tiles), "moe_fragments_down", top_k=top_k,
+    sums = jax.ShapeDtypeStruct((e * gate_up_config.split_k * t * i,), jnp.float32)
+    g, u = launch(_gate_up_kernel, gate_up, [sums] * 2, gate_up_config, gate_proj.tiles,
+                  2 * pl.cdiv(gate_proj.tiles, gate_up_config.tiles), "moe_fragments_gate_up", stream=config.stream)
+    rw, h = swiglu(ids, weights, g, u, slots=slots, experts=e, m=t, i=i, splits=gate_up_config.split_k, top_k=top_k,
+                   operands=operands, interpret=interpret)
+  partials = launch(_down_kernel, [ids, rw, *h, *flat(down_proj), down_proj.global_scale],
+                    [jax.ShapeDtypeStruct((down_config.split_k * down_groups * t * d,), jnp.float32)], down_config,
+                    down_proj.tiles, pl.cdiv(down_proj.tiles, down_config.tiles), "moe_fragments_down",
                     groups=down_groups, stream=config.stream)
   partials = partials[0].reshape(down_config.split_k * down_groups, t, d)
   return partials if keep_partials else partials.sum(0).astype(x.dtype)

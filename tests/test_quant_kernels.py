@@ -378,7 +378,7 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
 
 
 @pytest.mark.parametrize("gate_up,down,groups,down_groups,fused,operands", [
-    (None, None, 8, None, False, "bfloat16"),  # the defaults: gate/up's second K split idle (80 inputs: one chunk)
+    (None, None, 12, 8, False, "bfloat16"),  # the defaults: gate/up's second K split idle (80 inputs: one chunk)
     (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3,
      2, False, "bfloat16"),  # down in groups of its own
     (None, None, 2, None, True, "bfloat16"),  # h from the gate/up launch: one gate and one up tile a program
@@ -391,9 +391,10 @@ def test_moe_fragments(gate_up, down, groups, down_groups, fused, operands):
   here), found in-kernel: expert 2 meets four tokens, ids 7, 9 and -1 are other ranks', token 4
   has no local expert; ragged tiles (48 rows in two-tile blocks) and padded chunks (K = 80,
   48); a weight's row blocks shared by the gate's and up's launch; the chosen experts dealt over
-  8 program groups (the default), 3, 2 or 1 (groups; the down launch's 2 or 5 where down_groups
-  says); h built in the gate/up launch (fused_swiglu);
-  experts on either operand dtype (float16: x and h in fp16 activation words, a launch for x's)."""
+  12 program groups (the default, down's 8), 8, 3, 2 or 1 (groups; the down launch's 2 or 5 where
+  down_groups says); h built in the gate/up launch (fused_swiglu); experts on either operand
+  dtype (float16: x and h in fp16 activation words, a launch for x's); each token's routing
+  weights from the swiglu launch (or fused_swiglu's)."""
   from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
   x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
   fragments = [to_fragments(w, operands) for w in experts]
