@@ -138,8 +138,9 @@ def chosen_experts(ids_ref, *, slots: int, experts: int):
 def store_routing_weights(ids_ref, weights_ref, rw_ref, slot, expert, *, m: int, top_k: int) -> None:
   """rw_ref[slot * TOKENS + t]: the routing weight token t gives `expert`, the sum of its top_k
   weights whose ids name it (0 if none, and for t >= m), for the down launch to read one word a
-  sum: working it out there from the ids took a lane 2 top_k loads a sum and about 60 registers
-  of the 130 its program holds (ptxas, sm_90)."""
+  sum: working it out there from the ids took a lane 2 top_k loads a sum and about 60 of its
+  program's registers (ptxas 13.0 on the CPU counts 130 -> 66; Nsight Compute counted 156 before,
+  BENCHMARKS.md run 48)."""
   t, j = jnp.arange(TOKENS)[:, None], jnp.arange(pl.next_power_of_2(top_k))[None, :]
   ok = (t < m) & (j < top_k)
   index = jnp.where(ok, t * top_k + j, 0)
