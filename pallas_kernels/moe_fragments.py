@@ -81,7 +81,7 @@ class ExpertsConfig:
   and in registers a thread. The down launch's 8 groups (1,536 one-warp programs) took 67 us on
   an H100 at the issue's case, 6, 10 or 13 groups 78 (runs 47-48, 156 registers: 0.97 waves); its
   routing weights now come from the swiglu launch (store_routing_weights), about 60 registers
-  fewer. gate/up's 12 (1,536 two-warp programs) take 124 us against 8's 133 since its x loads
+  fewer. gate/up's 12 (1,536 two-warp programs) take 122-124 us against 8's 133 since its x loads
   are wide (run 49; 80 registers by ptxas on the CPU: 12 programs an SM, 0.97 waves), 16 122.5.
   fused_swiglu: the gate/up launch runs the whole K in each program, gate's rows in its first
   tile group and up's same rows in its second, and stores h = silu(g) * u itself: no swiglu
@@ -97,8 +97,9 @@ class ExpertsConfig:
   (2.41 TB/s: 57% of the H200's 4.22 TB/s copy, 53% of its 4.57 TB/s read stream); on an H100
   228.0 against session 37's defaults' 348.5 and the pairs' 399.4. One TEP=8 rank's view, 6
   chosen (127.5 MB): H200 72.6 against the pairs' 56.3, H100 75.1 against 63.9 (each expert
-  chosen by one token there: nothing to share). Run 49 (H100): 12 gate/up groups with wide x
-  loads and 8 down groups 199.0 us at the issue's case against the old defaults' 208.9-210.6."""
+  chosen by one token there: nothing to share). Run 49 (H100), the issue's case: these launches'
+  own times sum to about 196 us (gate/up 122.2, down 65.75, swiglu 6.1, the sum 1.7, each timed
+  in a tree whose kernel is this one), against the old defaults' 208.9-210.6."""
   gate_up: FragmentConfig | None = None
   down: FragmentConfig | None = None
   groups: int = 12

@@ -350,7 +350,7 @@ class FragmentConfig:
   which sees the runs only when Lanes.of takes each index from e by one division, then one
   remainder, and the row-end mask compares the column with K / 2 rather than twice the column
   with K. On an H100 (BENCHMARKS.md run 49) wide loads take the GEMV [8, 8192] x [8192, 28672]
-  from 60.1 to 53.3 us and the MoE's gate/up (12 groups) from 150 to 124, but M = 1 (whose one
+  from 60.1 to 53.3-54.6 us and the MoE's gate/up (12 groups) from 150 to 122-124, but M = 1 (whose one
   row few lanes load) from 49.0 to 49.8 and [1, 6144] x [6144, 154880] from 191 to 204, and the
   down launch from 66 to 90. float16 operands load prepared words, not x's rows, yet their
   program is faster with Lanes.of's wide spelling too (M = 1: 54.2 -> 52.0 us).
@@ -446,10 +446,10 @@ class Lanes(NamedTuple):
   @classmethod
   def of(cls, config: "FragmentConfig") -> "Lanes":
     e = jnp.arange(config.tiles // config.tile_groups * WORDS)
-    tile, word = _div(e, WORDS), _rem(e, WORDS)
     if config.wide_x:  # each index from e by one division, then one remainder (FragmentConfig.wide_x)
       quads = _div(e, 4)
-      return cls(tile, word, _rem(quads, LANES), _rem(_div(e, 16), 8), _rem(quads, 4), _rem(e, 4))
+      return cls(_div(e, WORDS), _rem(e, WORDS), _rem(quads, LANES), _rem(_div(e, 16), 8), _rem(quads, 4), _rem(e, 4))
+    tile, word = _div(e, WORDS), _rem(e, WORDS)
     lane = _div(word, 4)
     return cls(tile, word, lane, _div(lane, 4), _rem(lane, 4), _rem(e, 4))
 
@@ -508,8 +508,9 @@ def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k
     if operands == "float16":
       return load(x_ref, x_base + (4 * c + a) * WORDS + word, None, valid)
     column = c * (CHUNK // 2) + 32 * (a // 2) + 8 * t + 4 * (a % 2) + r
-    inside = (column < k // 2) if config.wide_x else (2 * column < k)  # the same test, two spellings: wide_x
-    return load(x_ref, x_base + g * (k // 2) + column, (g < m) & inside, valid)
+    # The same row-end test spelt two ways (wide_x), each in the operation order that was timed.
+    return load(x_ref, x_base + g * (k // 2) + column,
+                (g < m) & ((column < k // 2) if config.wide_x else (2 * column < k)), valid)
 
   def chunk(c, expert=0, x_base=0, valid=None) -> tuple:
     """Chunk c's loads: per group the two halves' words and the scale words; the four
