@@ -38,4 +38,4 @@ test: $(STAMP)
 	test $$main -eq 0 && test $$multi_rc -eq 0
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .multidevice.log
+	rm -rf $(VENV) .venv-triton .pytest_cache .hypothesis .multidevice.log

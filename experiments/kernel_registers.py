@@ -1,0 +1,55 @@
+"""What ptxas makes of glmjax's Pallas-Triton kernels for an H100 / H200 (sm_90), on a machine
+without a GPU: registers a thread, spills, shared memory, SASS instructions, the global loads by
+width, and the programs an SM holds for its registers.
+
+  python -m experiments.kernel_registers --case=gemv --m=8
+  python -m experiments.kernel_registers --case=moe --output=regs.json
+
+Why: the lent GPU gives 30 minutes a session; a kernel's register count decides how many of its
+programs an SM holds (the MoE launches' wave model, BENCHMARKS.md runs 47-49), and its PTX shows
+how it loads. This found the bf16 fragment program loading x's rows 4 bytes at a time (run 49).
+What it cannot show is speed: two spellings of one mask with equal registers here ran 49.5 and
+59.2 us on an H100 (ptxas schedules differently). Time candidates on the GPU.
+
+How: the case is lowered for an abstract H200 (no device); each Pallas kernel's Triton IR is
+taken from its custom call and written as text, then `experiments.triton_ptx` compiles it in
+`.venv-triton` (pip's Triton, pinned; made on first use), as XLA would (that module's
+docstring has the method and its check against Nsight Compute).
+"""
+
+import json
+import tempfile
+
+from absl import app, flags
+
+from experiments.kernel_ir import case, compile_rows, triton_kernels
+from experiments.triton_ptx import TRITON_VERSION
+
+flags.DEFINE_enum("case", "gemv", ["gemv", "moe"], "gemv: fragment_matmul [m, k] x [n, k]; moe: moe_fragments at "
+                  "issue 6's case (5 tokens, top-8, 32 experts, 6144 -> 2048)")
+flags.DEFINE_integer("m", 1, "gemv: rows of x")
+flags.DEFINE_integer("n", 28672, "gemv: the weight's rows")
+flags.DEFINE_integer("k", 8192, "gemv: the weight's columns")
+flags.DEFINE_enum("operands", "bfloat16", ["bfloat16", "float16"], "the fragment weights' MMA operands")
+flags.DEFINE_string("output", "", "also write the rows here as JSON")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  fn, args = case(FLAGS.case, m=FLAGS.m, n=FLAGS.n, k=FLAGS.k, operands=FLAGS.operands)
+  with tempfile.TemporaryDirectory() as work_dir:
+    rows = compile_rows(triton_kernels(fn, *args), work_dir)
+  print(f"{'kernel':30s} {'grid':>14s} {'warps':>5s} {'regs':>4s} {'an SM':>5s} {'spills':>7s} {'sass':>5s}  loads")
+  for r in rows:
+    grid = f"{r['grid_x']}x{r['grid_y']}x{r['grid_z']}"
+    print(f"{r['name']:30s} {grid:>14s} {r['num_warps']:5d} {r['registers']:4d} {r['programs_per_sm']:5d} "
+          f"{r['spill_stores']:3d}/{r['spill_loads']:<3d} {r['sass']:5d}  {r['loads']}")
+  if FLAGS.output:
+    with open(FLAGS.output, "w") as f:
+      json.dump(dict(case=FLAGS.case, flags={key: FLAGS[key].value for key in ("m", "n", "k", "operands")},
+                     triton=TRITON_VERSION, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,48 @@
+"""experiments.kernel_registers' pieces that run without pip's Triton: a kernel's Triton IR taken
+from its lowering, the PTX load widths, and the programs an SM holds for their registers. (The
+compile itself runs in .venv-triton; BENCHMARKS.md run 49 checks its registers against Nsight.)"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments.kernel_ir import programs_per_sm, triton_kernels
+from experiments.triton_ptx import load_widths
+from glmjax.quant import quantize_nvfp4, to_fragments
+from pallas_kernels.nvfp4_fragments import FragmentConfig, fragment_matmul
+
+
+@pytest.mark.parametrize("registers, warps, programs", [
+    (72, 2, 14), (122, 2, 8), (96, 2, 10), (166, 2, 6), (156, 1, 12),  # Nsight's block limits (runs 47-48)
+    (40, 1, 32), (32, 8, 8)])  # capped at 32 programs, and at 64 warps
+def test_programs_per_sm(registers, warps, programs):
+  assert programs_per_sm(registers, warps) == programs
+
+
+def test_load_widths():
+  ptx = """ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+  @%p3 ld.global.L1::evict_last.v2.b32 { %r5, %r6 }, [ %rd2 + 0 ];
+  @%p4 ld.global.b32 { %r7 }, [ %rd3 + 0 ];
+  ld.global.b32 { %r8 }, [ %rd4 + 0 ];
+  ld.global.b16 { %rs1 }, [ %rd5 + 0 ];
+  st.global.b32 [ %rd6 + 0 ], { %r9 };"""
+  assert load_widths(ptx) == {"16B": 1, "8B": 1, "4B": 2, "2B": 1}
+
+
+def test_triton_kernels_of_a_gemv():
+  """One Pallas launch, its name, warps and grid as configured, its Triton IR as text; the two
+  spellings of FragmentConfig.wide_x give two programs."""
+  w = jax.eval_shape(lambda a: to_fragments(quantize_nvfp4(a), "bfloat16"),
+                     jax.ShapeDtypeStruct((200, 512), jnp.bfloat16))
+  x = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16)
+  config = FragmentConfig(tiles=4, split_k=2, num_warps=2, unroll=2, tile_groups=2, rows_out=True)
+  texts = []
+  for wide in (True, False):
+    fn = lambda x, w, wide=wide: fragment_matmul(x, w, config=dataclasses.replace(config, wide_x=wide), interpret=False)
+    [(meta, text)] = triton_kernels(fn, x, w)
+    assert meta == dict(name="nvfp4_fragments", num_warps=2, num_stages=1, grid_x=4, grid_y=2, grid_z=1)
+    assert "tt.func public @nvfp4_fragments" in text and text.count("tt.load") >= 4
+    texts.append(text)
+  assert texts[0] != texts[1]
