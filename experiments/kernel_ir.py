@@ -63,8 +63,30 @@ def triton_kernels(fn, *args) -> list[tuple[dict, str]]:
   return kernels
 
 
+def _dsa_case():
+  """The DSA path of one TEP=8 rank's layer as `rank_fastest` runs it (bf16 queries, FP8 keys and
+  latents): the indexer's scores and top-k of 2048 over 81,920 keys, then sparse MLA, 5 query
+  tokens (experiments.bench_dsa's cases)."""
+  from experiments.bench_dsa import FULL, SOFTMAX_SCALE, _indexer_cases, _mla_case
+  from pallas_kernels.indexer_topk import indexer_topk
+  from pallas_kernels.sparse_mla import sparse_mla_decode
+  context, tokens = 81920, 5
+  index_args, _ = _indexer_cases(FULL, context, tokens, True, jax.random.key(0))
+  mla_args, _ = _mla_case(FULL, context, tokens, True, jax.random.key(1))
+  bf16 = lambda a: a.astype(jnp.bfloat16)
+  args = (bf16(index_args[0]), *index_args[1:], bf16(mla_args[0]), bf16(mla_args[1]), *mla_args[2:])
+
+  def dsa(q, weights, index_k, index_scale, page_table, positions, *mla):
+    picks = indexer_topk(q, weights, index_k, index_scale, page_table, positions, num_keys=context, k=FULL["k"],
+                         interpret=False)
+    return picks, sparse_mla_decode(*mla, softmax_scale=SOFTMAX_SCALE, interpret=False)
+  return dsa, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
+
+
 def case(name: str, *, m: int, n: int, k: int, operands: str):
   """(fn, ShapeDtypeStructs) of a case (the flags')."""
+  if name == "dsa":
+    return _dsa_case()
   from glmjax.quant import quantize_nvfp4, to_fragments
   frag = lambda shape: jax.eval_shape(lambda w: to_fragments(quantize_nvfp4(w), operands),
                                       jax.ShapeDtypeStruct(shape, jnp.bfloat16))

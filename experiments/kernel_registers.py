@@ -4,6 +4,7 @@ width, and the programs an SM holds for its registers.
 
   python -m experiments.kernel_registers --case=gemv --m=8
   python -m experiments.kernel_registers --case=moe --output=regs.json
+  python -m experiments.kernel_registers --case=dsa
 
 Why: the lent GPU gives 30 minutes a session; a kernel's register count decides how many of its
 programs an SM holds (the MoE launches' wave model, BENCHMARKS.md runs 47-49), and its PTX shows
@@ -25,8 +26,9 @@ from absl import app, flags
 from experiments.kernel_ir import case, compile_rows, triton_kernels
 from experiments.triton_ptx import TRITON_VERSION
 
-flags.DEFINE_enum("case", "gemv", ["gemv", "moe"], "gemv: fragment_matmul [m, k] x [n, k]; moe: moe_fragments at "
-                  "issue 6's case (5 tokens, top-8, 32 experts, 6144 -> 2048)")
+flags.DEFINE_enum("case", "gemv", ["gemv", "moe", "dsa"], "gemv: fragment_matmul [m, k] x [n, k]; moe: moe_fragments "
+                  "at issue 6's case (5 tokens, top-8, 32 experts, 6144 -> 2048); dsa: a rank's indexer top-k and "
+                  "sparse MLA at 80K FP8 keys, 5 query tokens")
 flags.DEFINE_integer("m", 1, "gemv: rows of x")
 flags.DEFINE_integer("n", 28672, "gemv: the weight's rows")
 flags.DEFINE_integer("k", 8192, "gemv: the weight's columns")

@@ -46,3 +46,12 @@ def test_triton_kernels_of_a_gemv():
     assert "tt.func public @nvfp4_fragments" in text and text.count("tt.load") >= 4
     texts.append(text)
   assert texts[0] != texts[1]
+
+
+def test_dsa_case_lowers_the_rank_path():
+  """--case=dsa: the indexer's scores and top-k, then sparse MLA, each a Pallas-Triton launch."""
+  from experiments.kernel_ir import case
+  fn, args = case("dsa", m=1, n=1, k=1, operands="bfloat16")
+  names = [meta["name"] for meta, _ in triton_kernels(fn, *args)]
+  assert names[0] == "indexer_scores" and names[-1] == "sparse_mla_decode" and len(names) >= 3
+  assert all(name.startswith("topk") for name in names[1:-1])
