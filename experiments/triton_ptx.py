@@ -23,20 +23,23 @@ import sys
 
 TRITON_VERSION = "3.7.1"  # pinned: _skip_llvm_optimizer patches its CUDA backend module
 _LOAD = re.compile(r"\bld\.global(\S*)\s")  # its qualifiers: cache hints, .v2 / .v4, the element type
+_COPY = re.compile(r"\bcp\.async\.\w+\.shared\.global\S*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
 _PTXAS = {"registers": r"Used (\d+) registers", "spill_stores": r"(\d+) bytes spill stores",
           "spill_loads": r"(\d+) bytes spill loads", "smem": r"(\d+) bytes smem"}
 
 
+def _load_bytes(qualifiers: str) -> int:
+  """Bytes an ld.global with these qualifiers moves: its vector length times its element size."""
+  vector = re.search(r"\.v(\d)\b", qualifiers)
+  return (int(vector.group(1)) if vector else 1) * int(re.search(r"\.[bufs](\d+)$", qualifiers).group(1)) // 8
+
+
 def load_widths(ptx: str) -> dict[str, int]:
-  """{"16B": n, "8B": n, "4B": n, ...}: the global loads in the PTX text by the bytes each moves
-  (a vector load of 4 32-bit words is 16 bytes)."""
-  counts: dict[str, int] = {}
-  for qualifiers in _LOAD.findall(ptx):
-    vector = re.search(r"\.v(\d)\b", qualifiers)
-    bits = int(re.search(r"\.[bufs](\d+)$", qualifiers).group(1))
-    size = f"{(int(vector.group(1)) if vector else 1) * bits // 8}B"
-    counts[size] = counts.get(size, 0) + 1
-  return counts
+  """{"16B": n, "4B": n, "16B async": n, ...}: the global loads in the PTX text by the bytes each
+  moves (a vector load of 4 32-bit words is 16 bytes), and the asynchronous copies into shared
+  memory (cp.async, Triton's pipelined loads) likewise."""
+  sizes = [f"{_load_bytes(q)}B" for q in _LOAD.findall(ptx)] + [f"{int(n, 0)}B async" for n in _COPY.findall(ptx)]
+  return {size: sizes.count(size) for size in dict.fromkeys(sizes)}
 
 
 def _skip_llvm_optimizer() -> None:

@@ -27,8 +27,11 @@ def test_load_widths():
   @%p4 ld.global.b32 { %r7 }, [ %rd3 + 0 ];
   ld.global.b32 { %r8 }, [ %rd4 + 0 ];
   ld.global.b16 { %rs1 }, [ %rd5 + 0 ];
-  st.global.b32 [ %rd6 + 0 ], { %r9 };"""
-  assert load_widths(ptx) == {"16B": 1, "8B": 1, "4B": 2, "2B": 1}
+  st.global.b32 [ %rd6 + 0 ], { %r9 };
+  cp.async.cg.shared.global [ %r9 + 0 ], [ %rd12 + 0 ], 0x10, %r10;
+  cp.async.ca.shared.global [ %r11 + 0 ], [ %rd13 + 0 ], 4;
+  cp.async.commit_group;"""
+  assert load_widths(ptx) == {"16B": 1, "8B": 1, "4B": 2, "2B": 1, "16B async": 1, "4B async": 1}
 
 
 def test_triton_kernels_of_a_gemv():
