@@ -15,9 +15,9 @@ from experiments.triton_ptx import TRITON_VERSION
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call a Pallas Triton kernel lowers to
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-TRITON_VENV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-triton")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+TRITON_VENV = os.path.join(ROOT, ".venv-triton")
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32  # sm_90
-
 
 
 def programs_per_sm(registers: int, num_warps: int) -> int:
@@ -120,8 +120,7 @@ def compile_rows(kernels: list[tuple[dict, str]], work_dir: str) -> list[dict]:
       f.write(text)
     with open(stem + ".json", "w") as f:
       json.dump(meta, f)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = subprocess.run([triton_python(), "-m", "experiments.triton_ptx", work_dir], capture_output=True, text=True,
-                        check=True, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+                        check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
   rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
   return [dict(row, programs_per_sm=programs_per_sm(row["registers"], row["num_warps"])) for row in rows]

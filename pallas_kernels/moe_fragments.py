@@ -437,8 +437,8 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
   (gw, gs), (uw, us) = flat(gate_proj), flat(up_proj)
   x_in = list(activations_kernel(x, pl.cdiv(d, CHUNK), interpret)) if operands == "float16" else [bf16_pairs(x)]
   gate_up = [ids, *x_in, gw, uw, gs, us, gate_proj.global_scale, up_proj.global_scale]
-  routing = jax.ShapeDtypeStruct((e * TOKENS,), jnp.float32)
   if config.fused_swiglu:  # h (and the routing weights) straight from the gate/up launch
+    routing = jax.ShapeDtypeStruct((e * TOKENS,), jnp.float32)
     h, rw = launch(_swiglu_gate_up_kernel, [ids, weights, *gate_up[1:]],
                    [jax.ShapeDtypeStruct((e * t * i,), x.dtype), routing], gate_up_config, gate_proj.tiles,
                    pl.cdiv(gate_proj.tiles, gate_up_config.tiles // 2), "moe_fragments_gate_up_swiglu", choice=2,
