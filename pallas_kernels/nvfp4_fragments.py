@@ -353,8 +353,9 @@ class FragmentConfig:
   from 60.1 to 53.3-54.6 us and the MoE's gate/up (12 groups) from 150 to 122-124, but M = 1 (whose one
   row few lanes load) from 49.0 to 49.8 and [1, 6144] x [6144, 154880] from 191 to 204, and the
   down launch from 66 to 90; run 50: it wins or ties from 2 rows at six more shapes, but loses at
-  [5, 6144] x [6144, 154880] (201 -> 224 us; lm_head, which no policy quantizes). float16 operands load prepared words, not x's rows, yet their
-  program is faster with Lanes.of's wide spelling too (M = 1: 54.2 -> 52.0 us).
+  [5, 6144] x [6144, 154880] (201 -> 224 us; lm_head, which no policy quantizes). float16
+  operands load prepared words, not x's rows, yet their program is faster with Lanes.of's wide
+  spelling too (M = 1: 54.2 -> 52.0 us).
   default_fragment_config turns it on from 2 rows and for float16 operands; moe_fragments.DOWN
   keeps it off."""
   tiles: int = 4
