@@ -1,6 +1,6 @@
 """Pallas-Triton kernels compiled for sm_90 on a machine without a GPU: their PTX, what ptxas says
-of it (registers a thread, spills, shared memory), the SASS size and the width of each global
-load. It runs in a side virtual environment that holds pip's Triton (`experiments.kernel_registers`
+of it (registers a thread, spills, shared memory), the SASS size, the longest loop's opcodes
+and the width of each global load. It runs in a side virtual environment that holds pip's Triton (`experiments.kernel_registers`
 makes it and calls `python -m experiments.triton_ptx DIR` there), so it imports only the standard
 library and, inside its functions, triton.
 
@@ -24,6 +24,8 @@ import sys
 TRITON_VERSION = "3.7.1"  # pinned: _skip_llvm_optimizer patches its CUDA backend module
 _LOAD = re.compile(r"\bld\.global(\S*)\s")  # its qualifiers: cache hints, .v2 / .v4, the element type
 _COPY = re.compile(r"\bcp\.async\.\w+\.shared\.global\S*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)")
+_SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")  # cuobjdump's "/*0350*/  @!P4 BRA 0x7140 ;"
+_BACKWARD = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
 _PTXAS = {"registers": r"Used (\d+) registers", "spill_stores": r"(\d+) bytes spill stores",
           "spill_loads": r"(\d+) bytes spill loads", "smem": r"(\d+) bytes smem"}
 
@@ -40,6 +42,24 @@ def load_widths(ptx: str) -> dict[str, int]:
   memory (cp.async, Triton's pipelined loads) likewise."""
   sizes = [f"{_load_bytes(q)}B" for q in _LOAD.findall(ptx)] + [f"{int(n, 0)}B async" for n in _COPY.findall(ptx)]
   return {size: sizes.count(size) for size in dict.fromkeys(sizes)}
+
+
+def loop_mix(sass: str, top: int = 8) -> dict:
+  """The kernel's longest loop in SASS (the span a backward branch closes, not the branch to
+  itself that ends the code; a K loop's body, its unrolled steps included): {"loop": its
+  instructions, "loop_ops": its `top` opcodes by count}, an opcode without its predicate and
+  modifiers (LOP3, PRMT, HMMA, LDG...). Which pipe an opcode issues to (ALU: LOP3, PRMT, SHF,
+  LEA; FMA: IMAD, HMUL2) says what a loop step costs besides its loads; {} without a loop."""
+  code = [(int(address, 16), text.strip()) for address, text in _SASS.findall(sass)]
+  spans = [(int(target.group(1), 16), address) for address, text in code
+           for target in [_BACKWARD.search(text)] if target and int(target.group(1), 16) < address]
+  if not spans:
+    return {}
+  begin, end = max(spans, key=lambda span: span[1] - span[0])
+  ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+         for address, text in code if begin <= address <= end]
+  counts = {op: ops.count(op) for op in dict.fromkeys(ops)}
+  return {"loop": len(ops), "loop_ops": dict(sorted(counts.items(), key=lambda item: -item[1])[:top])}
 
 
 def _skip_llvm_optimizer() -> None:
@@ -94,7 +114,7 @@ def ptxas_report(ptx_path: str) -> dict[str, int]:
   found = {key: re.findall(pattern, done.stderr + done.stdout) for key, pattern in _PTXAS.items()}
   sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
   return {key: int(hits[-1]) if hits else 0 for key, hits in found.items()} | {
-      "sass": len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass))}
+      "sass": len(_SASS.findall(sass))} | loop_mix(sass)
 
 
 def main(directory: str) -> None:

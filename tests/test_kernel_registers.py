@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments.kernel_ir import programs_per_sm, triton_kernels
-from experiments.triton_ptx import load_widths
+from experiments.triton_ptx import load_widths, loop_mix
 from glmjax.quant import quantize_nvfp4, to_fragments
 from pallas_kernels.nvfp4_fragments import FragmentConfig, fragment_matmul
 
@@ -32,6 +32,27 @@ def test_load_widths():
   cp.async.ca.shared.global [ %r11 + 0 ], [ %rd13 + 0 ], 4;
   cp.async.commit_group;"""
   assert load_widths(ptx) == {"16B": 1, "8B": 1, "4B": 2, "2B": 1, "16B async": 1, "4B async": 1}
+
+
+def test_loop_mix_takes_the_longest_loop():
+  """The span the longest backward branch closes, opcodes without predicates or modifiers; a
+  shorter loop and the closing branch to itself are not it."""
+  sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @!P4 BRA 0x80 ;
+        /*0020*/                   LOP3.LUT R2, R3, 0x81818181, RZ, 0xc0, !PT ;
+        /*0030*/                   PRMT R4, R2, 0x1504, R5 ;
+        /*0040*/              @!P0 LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*0050*/                   LOP3.LUT R2, R2, 0xc0c0c0c0, RZ, 0xc0, !PT ;
+        /*0060*/                   HMMA.16816.F32.BF16 R12, R8, R4, R12 ;
+        /*0070*/              @!P4 BRA 0x20 ;
+        /*0080*/                   SHF.R.U32.HI R2, RZ, 0x4, R3 ;
+        /*0090*/               @P1 BRA 0x80 ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   BRA 0xb0;"""
+  assert loop_mix(sass) == dict(loop=6, loop_ops={"LOP3": 2, "PRMT": 1, "LDG": 1, "HMMA": 1, "BRA": 1})
+  assert loop_mix(sass, top=1) == dict(loop=6, loop_ops={"LOP3": 2})
+  assert loop_mix("/*0000*/ EXIT ;\n/*0010*/ BRA 0x10;") == {}
 
 
 def test_triton_kernels_of_a_gemv():
