@@ -1,8 +1,8 @@
 """Pallas-Triton kernels compiled for sm_90 on a machine without a GPU: their PTX, what ptxas says
-of it (registers a thread, spills, shared memory), the SASS size, the longest loop's opcodes
-and the width of each global load. It runs in a side virtual environment that holds pip's Triton (`experiments.kernel_registers`
-makes it and calls `python -m experiments.triton_ptx DIR` there), so it imports only the standard
-library and, inside its functions, triton.
+of it (registers a thread, spills, shared memory), the SASS size, the longest loop's opcodes and
+the width of each global load. It runs in a side virtual environment that holds pip's Triton
+(`experiments.kernel_registers` makes it and calls `python -m experiments.triton_ptx DIR` there),
+so it imports only the standard library and, inside its functions, triton.
 
 How it follows XLA: XLA compiles a Pallas kernel's Triton IR through Triton's MLIR passes (the
 same stages as Triton's make_ttir, make_ttgir, make_llir) and links the LLVM IR into its own
@@ -104,8 +104,9 @@ def _tool(name: str) -> str:
   return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def ptxas_report(ptx_path: str) -> dict[str, int]:
-  """ptxas -v's registers, spill bytes and static shared memory for the PTX (its own .target)."""
+def ptxas_report(ptx_path: str) -> dict:
+  """ptxas -v's registers, spill bytes and static shared memory for the PTX (its own .target),
+  the SASS's size and its longest loop (loop_mix)."""
   with open(ptx_path) as f:
     arch = re.search(r"^\.target\s+(\w+)", f.read(), re.M).group(1)
   cubin = ptx_path.removesuffix(".ptx") + ".cubin"
