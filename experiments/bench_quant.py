@@ -65,7 +65,7 @@ from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
 from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
 from pallas_kernels.mla_query import absorbed_query, absorbed_query_reference
-from pallas_kernels.moe_fragments import ExpertsConfig, moe_fragments
+from pallas_kernels.moe_fragments import DOWN, GATE_UP, ExpertsConfig, moe_fragments
 from pallas_kernels.moe_grouped_matmul import MoEConfig, default_moe_config, moe_grouped_matmul
 from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
 from pallas_kernels.moe_route import route_select
@@ -376,9 +376,10 @@ def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
   over row tiles and K splits with either operand dtype; the bf16 split-K GEMV at a rank's 25 MB
   [5, 6144] -> 2048 over K splits; the fragment-order NVFP4 GEMV (nvfp4_fragments) at M = 1 and
   8 over tiles a program, warps, K splits and chunks a loop step (two tiles a warp sharing the
-  activation loads, sums stored by row), and with either switch off; the routed experts on the
-  fragment GEMV (moe_fragments) at the rank's view over program groups and either launch's tiles,
-  K splits and chunks a loop step. First the `read` row (with_read_fraction)."""
+  activation loads, sums stored by row), and with either switch off, and on bf16 operands with
+  x's rows loaded 4 or 16 bytes a lane (wide_x); the routed experts on the fragment GEMV
+  (moe_fragments) at the rank's view over program groups and either launch's tiles, K splits and
+  chunks a loop step. First the `read` row (with_read_fraction)."""
   timer = QUICK_TIMER if quick else time_own_kernels
   yield from with_read_fraction(_sweeps(quick, timer), timer, quick=quick)
 
@@ -403,21 +404,28 @@ def _sweeps(quick: bool, timer: Callable[..., float]) -> Iterator[dict[str, Any]
                       for t, w in ((4, 2), (2, 1), (8, 4)) for s in (2, 4, 8, 16) for u in (1, 2)]
   fragment_configs += [FragmentConfig(tiles=4, num_warps=2, split_k=8, unroll=2, tile_groups=g, rows_out=r)
                        for g, r in ((1, False), (1, True), (2, False))]
-  # bf16 operands (no activations launch): the default's K splits, then one split storing the
-  # finished result (final_out: the call one launch) over tiles and chunks a loop step.
-  bf16_fragment_configs = [FragmentConfig(tiles=4, num_warps=2, split_k=s, unroll=2, tile_groups=2, rows_out=True)
-                           for s in (2, 4)]
+  # bf16 operands (no activations launch): default_fragment_config's tiles and K splits at 2 and 4
+  # chunks a loop step, x's rows loaded 4 or 16 bytes a lane (wide_x: on by default from 2 rows),
+  # then one split storing the finished result (final_out: the call one launch) over tiles and
+  # chunks a loop step.
+  bf16_fragment_configs = [FragmentConfig(tiles=4, num_warps=2, split_k=4, unroll=u, tile_groups=2, rows_out=True,
+                                          wide_x=wide) for u in (2, 4) for wide in (False, True)]
   bf16_fragment_configs += [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)
                             for t, w in ((2, 1), (4, 2), (8, 4)) for u in (1, 2, 4)]
   # The fragment MoE (each chosen expert once): the defaults (12 gate/up groups, 8 down), then the
   # chosen experts over 8, 1, 4 and 24 program groups in both launches, with h from its own launch
   # or from gate/up's (fused_swiglu), then either launch's tiles, K splits and chunks a loop step,
-  # the other launch at its default.
-  frag = lambda t, s, u: FragmentConfig(tiles=t, num_warps=max(1, t // 2), split_k=s, unroll=u, tile_groups=2)
+  # the other launch at its default (each varied from its default, so down keeps 4-byte loads);
+  # then, for the rank's few chosen experts (about 5 of 12 groups busy by default), 6 or 8 groups
+  # with gate/up over 4 K splits and down over 1 or 2.
+  vary = lambda base, t, s, u: dataclasses.replace(base, tiles=t, num_warps=max(1, t // 2), split_k=s, unroll=u)
   experts_configs = [ExpertsConfig()] + [ExpertsConfig(groups=g, down_groups=g, fused_swiglu=f)
                                          for f in (False, True) for g in (8, 1, 4, 24)]
-  experts_configs += [ExpertsConfig(gate_up=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8, 16) for u in (1, 2)]
-  experts_configs += [ExpertsConfig(down=frag(t, s, u)) for t in (2, 4) for s in (2, 4, 8) for u in (1, 2)]
+  experts_configs += [ExpertsConfig(gate_up=vary(GATE_UP, t, s, u))
+                      for t in (2, 4) for s in (2, 4, 8, 16) for u in (1, 2)]
+  experts_configs += [ExpertsConfig(down=vary(DOWN, t, s, u)) for t in (2, 4) for s in (2, 4, 8) for u in (1, 2)]
+  experts_configs += [ExpertsConfig(gate_up=vary(GATE_UP, 4, 4, 2), down=vary(DOWN, 2, s, 2), groups=g, down_groups=g)
+                      for g in (6, 8) for s in (1, 2)]
   if quick:
     gemv_configs, fp8_configs, bf16_configs = gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1], bf16_configs[:1]
     pairs_configs, fragment_configs = pairs_configs[:1], fragment_configs[:1]
