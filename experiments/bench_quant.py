@@ -79,6 +79,9 @@ from pallas_kernels.residual_norm import residual_norm, residual_norm_reference
 
 TIMERS = {"loop": time_device, "own": time_own_kernels}
 QUICK_TIMER = functools.partial(time_device, iters=2, repeats=1, warmup=1)  # the quick runs' (tests')
+# Issue 6's MoE step (5 tokens, top-8 among 32 local experts of GLM-5's shapes) and the quick runs' stand-in.
+MOE_CASE = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
+QUICK_MOE_CASE = dict(tokens=5, top_k=2, experts=4, d=64, i=32)
 FORMATS = {"nvfp4": (quantize_nvfp4, nvfp4_matmul), "fp8": (quantize_fp8_block, fp8_matmul)}
 SWEPT = FORMATS | {"bf16": (lambda w: w, bf16_matmul),  # config_sweep_rows' kernels
                    "nvfp4_fragments": (lambda w: to_fragments(quantize_nvfp4(w)), fragment_matmul),
@@ -439,8 +442,7 @@ def _sweeps(quick: bool, timer: Callable[..., float]) -> Iterator[dict[str, Any]
       yield dict(row, config=str(row["config"]))
   # One TEP rank's step: ids over all routed experts, so only about 5 of the 32 local ones are
   # chosen, nearly each by one token: the pairs the stack runs (--moe_routing=pairs_fused).
-  rank = dict(tokens=5, top_k=2, experts=4, d=64, i=32, routed=16) if quick else dict(
-      tokens=5, top_k=8, experts=32, d=6144, i=2048, routed=256)
+  rank = dict(QUICK_MOE_CASE, routed=16) if quick else dict(MOE_CASE, routed=256)
   yield from moe_sweep_rows("nvfp4", pairs_configs, kernel=moe_hfma2, timer=timer, **rank)
   yield from moe_sweep_rows("nvfp4_fragments_bf16", experts_configs, kernel=moe_fragments, timer=timer, **rank)
 
@@ -461,11 +463,9 @@ def quant_rows(*, quick: bool = False, timer: str = "loop", cases: tuple[str, ..
 def _cases(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> Iterator[dict[str, Any]]:
   """quant_rows' rows, without the read row."""
   if quick:
-    gemv = [("gemv", 64, 128), ("expert_gate_up", 32, 96), ("expert_down", 96, 32)]
-    moe = dict(tokens=5, top_k=2, experts=4, d=64, i=32)
+    gemv, moe = [("gemv", 64, 128), ("expert_gate_up", 32, 96), ("expert_down", 96, 32)], QUICK_MOE_CASE
   else:
-    gemv = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)]
-    moe = dict(tokens=5, top_k=8, experts=32, d=6144, i=2048)
+    gemv, moe = [("gemv", 28672, 8192), ("expert_gate_up", 2048, 6144), ("expert_down", 6144, 2048)], MOE_CASE
   for name, n, k in gemv:
     for m in (1, 5, 8) if name in cases else ():
       yield from gemv_rows(m, n, k, name=name, timer=timer)

@@ -94,8 +94,9 @@ def case(name: str, *, m: int, n: int, k: int, operands: str):
     from pallas_kernels.nvfp4_fragments import fragment_matmul
     return lambda x, w: fragment_matmul(x, w, interpret=False), (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
                                                                  frag((n, k)))
+  from experiments.bench_quant import MOE_CASE
   from pallas_kernels.moe_fragments import moe_fragments
-  tokens, top_k, experts, d, i = 5, 8, 32, 6144, 2048
+  tokens, top_k, experts, d, i = (MOE_CASE[key] for key in ("tokens", "top_k", "experts", "d", "i"))
   return (lambda *a: moe_fragments(*a, interpret=False),
           (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
            jax.ShapeDtypeStruct((tokens, top_k), jnp.float32), frag((experts, i, d)), frag((experts, i, d)),
