@@ -369,25 +369,43 @@ def moe_sweep_rows(fmt: str, configs: list[MoEConfig] | list[PairsConfig] | list
   return rows
 
 
-def quant_sweep_rows(*, quick: bool = False) -> Iterator[dict[str, Any]]:
+SWEEP_CASES = ("hfma2", "fp8", "bf16", "fragments", "pairs", "experts")  # quant_sweep_rows' groups
+
+
+def quant_sweep_rows(*, quick: bool = False, cases: tuple[str, ...] = SWEEP_CASES) -> Iterator[dict[str, Any]]:
   """Tile sweeps (kernels_bench --sweep) of the quantized and bf16 kernels a TEP=8 rank's stack
   runs, by own kernel time off the CPU (the time that carries into the step, BENCHMARKS.md run
-  26): the one-row NVFP4 GEMV on the CUDA cores (dot="hfma2") at [1, 8192] x [8192, 28672] over
-  row tiles, K steps, K splits and warps, with the tensor-core kernel's default beside it; the
-  routed experts as (token, expert) pairs (moe_hfma2, fused planes) at the rank's view (5 tokens,
-  top-8 of 256 routed experts, 32 local) over both launches' tiles and the groups; the FP8 GEMV
-  over row tiles and K splits with either operand dtype; the bf16 split-K GEMV at a rank's 25 MB
-  [5, 6144] -> 2048 over K splits; the fragment-order NVFP4 GEMV (nvfp4_fragments) at M = 1 and
-  8 over tiles a program, warps, K splits and chunks a loop step (two tiles a warp sharing the
-  activation loads, sums stored by row), and with either switch off, and on bf16 operands with
-  x's rows loaded 4 or 16 bytes a lane (wide_x); the routed experts on the fragment GEMV
-  (moe_fragments) at the rank's view over program groups and either launch's tiles, K splits and
-  chunks a loop step. First the `read` row (with_read_fraction)."""
+  26), in groups (`cases`, SWEEP_CASES): hfma2, the one-row NVFP4 GEMV on the CUDA cores
+  (dot="hfma2") at [1, 8192] x [8192, 28672] over row tiles, K steps, K splits and warps, with the
+  tensor-core kernel's default beside it; fp8, the FP8 GEMV over row tiles and K splits with
+  either operand dtype; bf16, the split-K GEMV at a rank's 25 MB [5, 6144] -> 2048 over K
+  splits; fragments, the fragment-order NVFP4 GEMV (nvfp4_fragments) at M = 1 and 8 on either
+  operand dtype, its default and one field at a time around it (`around_default`), and on bf16
+  operands one split storing the finished result; pairs, the routed experts as (token, expert)
+  pairs (moe_hfma2, fused planes) at the rank's view (5 tokens, top-8 of 256 routed experts, 32
+  local) over both launches' tiles and the groups; experts, the routed experts on the fragment
+  GEMV (moe_fragments) at the rank's view over program groups and either launch's tiles, K
+  splits and chunks a loop step. First the `read` row (with_read_fraction)."""
+  unknown = set(cases) - set(SWEEP_CASES)
+  if unknown:
+    raise ValueError(f"unknown sweep cases {sorted(unknown)}; known: {list(SWEEP_CASES)}")
   timer = QUICK_TIMER if quick else time_own_kernels
-  yield from with_read_fraction(_sweeps(quick, timer), timer, quick=quick)
+  yield from with_read_fraction(_sweeps(quick, timer, cases), timer, quick=quick)
 
 
-def _sweeps(quick: bool, timer: Callable[..., float]) -> Iterator[dict[str, Any]]:
+def around_default(base: FragmentConfig) -> list[FragmentConfig]:
+  """base, then one field at a time: 2 or 8 chunks a loop step, half or twice the K splits, the
+  next step's loads carried (prefetch), x's loads the other width (wide_x), and 2- or 8-tile
+  programs of a warp per two tiles. Where a launch is bound by its loads in flight, not by its
+  bytes (the H200, BENCHMARKS.md run 45), these are the fields that move them."""
+  vary = functools.partial(dataclasses.replace, base)
+  return [base, *(vary(unroll=u) for u in (2, 8) if u != base.unroll),
+          *(vary(split_k=s) for s in (base.split_k // 2, 2 * base.split_k) if s),
+          vary(prefetch=not base.prefetch), vary(wide_x=not base.wide_x),
+          *(vary(tiles=t, num_warps=t // 2) for t in (2, 8) if t != base.tiles)]
+
+
+def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> Iterator[dict[str, Any]]:
   """quant_sweep_rows' rows, without the read row."""
   gemv = (1, 128, 64) if quick else (1, 28672, 8192)
   dense = (5, 96, 128) if quick else (5, 2048, 6144)
@@ -401,20 +419,10 @@ def _sweeps(quick: bool, timer: Callable[..., float]) -> Iterator[dict[str, Any]
                   for bn, bk, s in ((64, 256, 8), (64, 256, 4), (64, 256, 16), (32, 256, 8), (128, 128, 4))]
   pairs_configs = [PairsConfig(gate_up=hfma2(bn, 512, gs), down=hfma2(bn, 512, ds), groups=g, fused_planes=True)
                    for bn in (16, 32) for gs, ds in ((2, 1), (4, 2), (1, 1)) for g in (2, 4, 8)]
-  # Two tiles a warp sharing the activation loads, sums by row (run 31's best), around the default;
-  # then each of those two switches off, at run 28's tiles.
-  fragment_configs = [FragmentConfig(tiles=t, num_warps=w, split_k=s, unroll=u, tile_groups=2, rows_out=True)
-                      for t, w in ((4, 2), (2, 1), (8, 4)) for s in (2, 4, 8, 16) for u in (1, 2)]
-  fragment_configs += [FragmentConfig(tiles=4, num_warps=2, split_k=8, unroll=2, tile_groups=g, rows_out=r)
-                       for g, r in ((1, False), (1, True), (2, False))]
-  # bf16 operands (no activations launch): default_fragment_config's tiles and K splits at 2 and 4
-  # chunks a loop step, x's rows loaded 4 or 16 bytes a lane (wide_x: on by default from 2 rows),
-  # then one split storing the finished result (final_out: the call one launch) over tiles and
-  # chunks a loop step.
-  bf16_fragment_configs = [FragmentConfig(tiles=4, num_warps=2, split_k=4, unroll=u, tile_groups=2, rows_out=True,
-                                          wide_x=wide) for u in (2, 4) for wide in (False, True)]
-  bf16_fragment_configs += [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)
-                            for t, w in ((2, 1), (4, 2), (8, 4)) for u in (1, 2, 4)]
+  # bf16 operands also at one split storing the finished result (final_out: the call one launch)
+  # over tiles and chunks a loop step.
+  final_configs = [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)
+                   for t, w in ((2, 1), (4, 2), (8, 4)) for u in (1, 2, 4)]
   # The fragment MoE (each chosen expert once): the defaults (12 gate/up groups, 8 down), then the
   # chosen experts over 8, 1, 4 and 24 program groups in both launches, with h from its own launch
   # or from gate/up's (fused_swiglu), then either launch's tiles, K splits and chunks a loop step,
@@ -429,22 +437,24 @@ def _sweeps(quick: bool, timer: Callable[..., float]) -> Iterator[dict[str, Any]
   experts_configs += [ExpertsConfig(down=vary(DOWN, t, s, u)) for t in (2, 4) for s in (2, 4, 8) for u in (1, 2)]
   experts_configs += [ExpertsConfig(gate_up=vary(GATE_UP, 4, 4, 2), down=vary(DOWN, 2, s, 2), groups=g, down_groups=g)
                       for g in (6, 8) for s in (1, 2)]
+  first = (lambda configs: configs[:1]) if quick else (lambda configs: configs)
   if quick:
-    gemv_configs, fp8_configs, bf16_configs = gemv_configs[:1] + gemv_configs[-1:], fp8_configs[:1], bf16_configs[:1]
-    pairs_configs, fragment_configs = pairs_configs[:1], fragment_configs[:1]
-    bf16_fragment_configs, experts_configs = bf16_fragment_configs[-1:], experts_configs[:1]
-  for fmt, shape, configs in (("nvfp4", gemv, gemv_configs), ("fp8", gemv, fp8_configs), ("bf16", dense, bf16_configs),
-                              ("nvfp4_fragments", gemv, fragment_configs),
-                              ("nvfp4_fragments", (8, *gemv[1:]), fragment_configs),
-                              ("nvfp4_fragments_bf16", gemv, bf16_fragment_configs),
-                              ("nvfp4_fragments_bf16", (8, *gemv[1:]), bf16_fragment_configs)):
-    for row in config_sweep_rows(fmt, *shape, configs, timer=timer):
+    gemv_configs = gemv_configs[:1] + gemv_configs[-1:]
+  grid = [("hfma2", "nvfp4", gemv, gemv_configs), ("fp8", "fp8", gemv, first(fp8_configs)),
+          ("bf16", "bf16", dense, first(bf16_configs))]
+  grid += [("fragments", fmt, (m, *gemv[1:]), first(around_default(default_fragment_config(*gemv[1:], m, operands))
+                                                   + (final_configs if operands == "bfloat16" else [])))
+           for operands, fmt in (("float16", "nvfp4_fragments"), ("bfloat16", "nvfp4_fragments_bf16")) for m in (1, 8)]
+  for case, fmt, shape, configs in grid:
+    for row in config_sweep_rows(fmt, *shape, configs, timer=timer) if case in cases else ():
       yield dict(row, config=str(row["config"]))
   # One TEP rank's step: ids over all routed experts, so only about 5 of the 32 local ones are
   # chosen, nearly each by one token: the pairs the stack runs (--moe_routing=pairs_fused).
   rank = dict(QUICK_MOE_CASE, routed=16) if quick else dict(MOE_CASE, routed=256)
-  yield from moe_sweep_rows("nvfp4", pairs_configs, kernel=moe_hfma2, timer=timer, **rank)
-  yield from moe_sweep_rows("nvfp4_fragments_bf16", experts_configs, kernel=moe_fragments, timer=timer, **rank)
+  if "pairs" in cases:
+    yield from moe_sweep_rows("nvfp4", first(pairs_configs), kernel=moe_hfma2, timer=timer, **rank)
+  if "experts" in cases:
+    yield from moe_sweep_rows("nvfp4_fragments_bf16", first(experts_configs), kernel=moe_fragments, timer=timer, **rank)
 
 
 QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues")

@@ -41,6 +41,7 @@ _QUANT_TIMER = flags.DEFINE_enum("quant_timer", "loop", list(bench_quant.TIMERS)
                                   "(each implementation's own kernels' device time, from a profile)")
 _QUANT_CASES = flags.DEFINE_list("quant_cases", list(bench_quant.QUANT_CASES), "quant: which cases to run")
 _SWEEP = flags.DEFINE_bool("sweep", False, "run each suite's tile/config sweep instead of its rows")
+_SWEEP_CASES = flags.DEFINE_list("sweep_cases", list(bench_quant.SWEEP_CASES), "quant --sweep: which groups to run")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "dsa: also profile each kernel path's launches")
 _PROFILE = flags.DEFINE_string("profile", "", "write a jax.profiler trace (TensorBoard/XProf) here")
 _OUTPUT = flags.DEFINE_string("output", "", "write all rows as JSON here")
@@ -66,7 +67,8 @@ def main(_):
   report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 host=platform.node(), jax=jax.__version__, suites={})
   quant = functools.partial(bench_quant.quant_rows, timer=_QUANT_TIMER.value, cases=tuple(_QUANT_CASES.value))
-  suites = SWEEPS if _SWEEP.value else dict(SUITES, quant=quant, dsa=functools.partial(
+  sweeps = dict(SWEEPS, quant=functools.partial(bench_quant.quant_sweep_rows, cases=tuple(_SWEEP_CASES.value)))
+  suites = sweeps if _SWEEP.value else dict(SUITES, quant=quant, dsa=functools.partial(
       bench_dsa.dsa_rows, contexts=[int(c) for c in _CONTEXTS.value], query_tokens=[int(t) for t in _QUERY.value],
       breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value, query_dtypes=_QUERIES.value,
       mla_combines=_COMBINES.value))

@@ -127,6 +127,7 @@ def test_quant_sweep_covers_the_stacks_kernels():
   sweep), every one timed (interpret mode: the PTX runs its jnp twin)."""
   from experiments.bench_quant import quant_sweep_rows
   from pallas_kernels.moe_fragments import ExpertsConfig
+  from pallas_kernels.nvfp4_fragments import default_fragment_config
   read, *rows = quant_sweep_rows(quick=True)
   assert read["name"] == "read" and read["tbs"] > 0
   assert all(r["frac_of_read"] == pytest.approx(r["tbs"] / read["tbs"]) for r in rows)
@@ -138,12 +139,29 @@ def test_quant_sweep_covers_the_stacks_kernels():
   assert moe[1] == repr(ExpertsConfig())  # its defaults
   for fmt in ("fp8", "bf16"):
     assert len({r["config"] for r in rows if r["name"] == "sweep" and r["format"] == fmt}) == 1
-  for fmt in ("nvfp4_fragments", "nvfp4_fragments_bf16"):
+  for fmt, operands in (("nvfp4_fragments", "float16"), ("nvfp4_fragments_bf16", "bfloat16")):
     fragments = [(r["m"], r["config"]) for r in rows if r["name"] == "sweep" and r["format"] == fmt]
-    assert [m for m, _ in fragments] == [1, 8] and all(c.startswith("FragmentConfig(") for _, c in fragments)
-  assert all("final_out=True" in r["config"] for r in rows
-             if r["name"] == "sweep" and r["format"] == "nvfp4_fragments_bf16")
+    assert fragments == [(m, repr(default_fragment_config(128, 64, m, operands))) for m in (1, 8)]
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
+
+
+def test_fragment_sweep_varies_one_field_of_the_default_at_a_time():
+  """around_default: the default first, then each arm differs from it in one field (tiles with
+  their warps), none twice; the sweep's groups run alone, and an unknown group is named."""
+  import dataclasses
+  from experiments.bench_quant import around_default, quant_sweep_rows
+  from pallas_kernels.nvfp4_fragments import default_fragment_config
+  base = default_fragment_config(28672, 8192, 1, "bfloat16")
+  configs = around_default(base)
+  assert configs[0] == base and len(set(configs)) == len(configs)
+  changed = [{f.name for f in dataclasses.fields(base) if getattr(c, f.name) != getattr(base, f.name)}
+             for c in configs[1:]]
+  assert changed == [{"unroll"}] * 2 + [{"split_k"}] * 2 + [{"prefetch"}, {"wide_x"}] + [{"tiles", "num_warps"}] * 2
+  assert [c.unroll for c in configs[1:3]] == [2, 8] and [c.split_k for c in configs[3:5]] == [2, 8]
+  read, *rows = quant_sweep_rows(quick=True, cases=("fp8",))
+  assert read["name"] == "read" and [(r["name"], r["format"]) for r in rows] == [("sweep", "fp8")]
+  with pytest.raises(ValueError, match="unknown sweep cases \\['gemv'\\]"):
+    next(quant_sweep_rows(quick=True, cases=("gemv",)))
 
 
 @pytest.mark.side_lane  # 15-20 s on 2 cores: evens out the two processes' times (Makefile)
