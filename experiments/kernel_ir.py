@@ -1,7 +1,9 @@
 """A kernel's Triton IR and what ptxas makes of it for sm_90, without a GPU: the pieces behind
-`python -m experiments.kernel_registers` (its docstring says why and how), importable without
-its flags."""
+`python -m experiments.kernel_registers` (its docstring says why and how), and the cases it and
+`experiments.kernel_launch` take; importable without defining their flags."""
 
+import ast
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from experiments.triton_ptx import TRITON_VERSION
 
@@ -63,7 +66,7 @@ def triton_kernels(fn, *args) -> list[tuple[dict, str]]:
   return kernels
 
 
-def _dsa_case():
+def _dsa_case(concrete: bool, interpret: bool | None):
   """The DSA path of one TEP=8 rank's layer as `rank_fastest` runs it (bf16 queries, FP8 keys and
   latents): the indexer's scores and top-k of 2048 over 81,920 keys, then sparse MLA, 5 query
   tokens (experiments.bench_dsa's cases)."""
@@ -78,29 +81,65 @@ def _dsa_case():
 
   def dsa(q, weights, index_k, index_scale, page_table, positions, *mla):
     picks = indexer_topk(q, weights, index_k, index_scale, page_table, positions, num_keys=context, k=FULL["k"],
-                         interpret=False)
-    return picks, sparse_mla_decode(*mla, softmax_scale=SOFTMAX_SCALE, interpret=False)
-  return dsa, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
+                         interpret=interpret)
+    return picks, sparse_mla_decode(*mla, softmax_scale=SOFTMAX_SCALE, interpret=interpret)
+  return dsa, args if concrete else tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
 
 
-def case(name: str, *, m: int, n: int, k: int, operands: str):
-  """(fn, ShapeDtypeStructs) of a case (the flags')."""
+def case(name: str, *, m: int, n: int, k: int, operands: str, config=None, concrete: bool = False):
+  """(fn, args) of a case (`define_case_flags`' flags): args as ShapeDtypeStructs, or with
+  `concrete` as arrays to launch it on a GPU (random activations, weights quantized from random
+  bf16 ones, the MoE a routed step; the kernels compiled on a GPU, interpreted on the CPU).
+  config: the gemv case's FragmentConfig (None: the default)."""
+  interpret = None if concrete else False  # abstract: always Triton's lowering (for an H200)
   if name == "dsa":
-    return _dsa_case()
+    return _dsa_case(concrete, interpret)
   from glmjax.quant import quantize_nvfp4, to_fragments
-  frag = lambda shape: jax.eval_shape(lambda w: to_fragments(quantize_nvfp4(w), operands),
-                                      jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+  quantized = lambda w: to_fragments(quantize_nvfp4(w), operands)
+  frag = lambda w: quantized(w) if concrete else jax.eval_shape(quantized, w)
   if name == "gemv":
     from pallas_kernels.nvfp4_fragments import fragment_matmul
-    return lambda x, w: fragment_matmul(x, w, interpret=False), (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                                                                 frag((n, k)))
-  from experiments.bench_quant import MOE_CASE
+    kx, kw = jax.random.split(jax.random.key(0))
+    x, w = ((jax.random.normal(kx, (m, k), jnp.bfloat16), jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02)
+            if concrete else (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16)))
+    return lambda x, w: fragment_matmul(x, w, config=config, interpret=interpret), (x, frag(w))
+  from experiments.bench_quant import MOE_CASE, _moe_case
   from pallas_kernels.moe_fragments import moe_fragments
-  tokens, top_k, experts, d, i = (MOE_CASE[key] for key in ("tokens", "top_k", "experts", "d", "i"))
-  return (lambda *a: moe_fragments(*a, interpret=False),
-          (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
-           jax.ShapeDtypeStruct((tokens, top_k), jnp.float32), frag((experts, i, d)), frag((experts, i, d)),
-           frag((experts, d, i))))
+  if concrete:
+    x, routing, weights, _ = _moe_case(**MOE_CASE)
+  else:
+    tokens, top_k, experts, d, i = (MOE_CASE[key] for key in ("tokens", "top_k", "experts", "d", "i"))
+    x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
+    routing = (jax.ShapeDtypeStruct((tokens, top_k), jnp.int32), jax.ShapeDtypeStruct((tokens, top_k), jnp.float32))
+    weights = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((experts, i, d),) * 2 + ((experts, d, i),))
+  return lambda *a: moe_fragments(*a, interpret=interpret), (x, *routing, *(frag(w) for w in weights))
+
+
+def define_case_flags() -> None:
+  """The flags of a case, for the entry points that take one (kernel_registers, kernel_launch)."""
+  flags.DEFINE_enum("case", "gemv", ["gemv", "moe", "dsa"], "gemv: fragment_matmul [m, k] x [n, k]; moe: "
+                    "moe_fragments at issue 6's case (5 tokens, top-8, 32 experts, 6144 -> 2048); dsa: a rank's "
+                    "indexer top-k and sparse MLA at 80K FP8 keys, 5 query tokens")
+  flags.DEFINE_integer("m", 1, "gemv: rows of x")
+  flags.DEFINE_integer("n", 28672, "gemv: the weight's rows")
+  flags.DEFINE_integer("k", 8192, "gemv: the weight's columns")
+  flags.DEFINE_enum("operands", "bfloat16", ["bfloat16", "float16"], "the fragment weights' MMA operands")
+  flags.DEFINE_list("vary", [], "gemv: FragmentConfig fields changed from default_fragment_config's, as "
+                    "field=value (e.g. unroll=8,prefetch=True)")
+
+
+def case_from_flags(concrete: bool = False):
+  """case(...) of `define_case_flags`' flags."""
+  from pallas_kernels.nvfp4_fragments import FragmentConfig, default_fragment_config
+  f = flags.FLAGS
+  changes = dict(item.split("=", 1) if "=" in item else (item, "") for item in f.vary)
+  known = [field.name for field in dataclasses.fields(FragmentConfig)]
+  if changes and f.case != "gemv" or set(changes) - set(known) or "" in changes.values():
+    raise flags.ValidationError(f"--vary takes field=value pairs of the gemv case's FragmentConfig ({known}), "
+                                f"got {f.vary} for --case={f.case}")
+  config = dataclasses.replace(default_fragment_config(f.n, f.k, f.m, f.operands),
+                               **{key: ast.literal_eval(value) for key, value in changes.items()}) if changes else None
+  return case(f.case, m=f.m, n=f.n, k=f.k, operands=f.operands, config=config, concrete=concrete)
 
 
 def triton_python() -> str:

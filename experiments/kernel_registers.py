@@ -3,6 +3,7 @@ without a GPU: registers a thread, spills, shared memory, SASS instructions (all
 longest loop by opcode), the global loads by width, and the programs an SM holds for its registers.
 
   python -m experiments.kernel_registers --case=gemv --m=8
+  python -m experiments.kernel_registers --case=gemv --operands=float16 --vary=unroll=8,prefetch=True
   python -m experiments.kernel_registers --case=moe --output=regs.json
   python -m experiments.kernel_registers --case=dsa
 
@@ -23,23 +24,17 @@ import tempfile
 
 from absl import app, flags
 
-from experiments.kernel_ir import case, compile_rows, triton_kernels
+from experiments.kernel_ir import case_from_flags, compile_rows, define_case_flags, triton_kernels
 from experiments.triton_ptx import TRITON_VERSION
 
-flags.DEFINE_enum("case", "gemv", ["gemv", "moe", "dsa"], "gemv: fragment_matmul [m, k] x [n, k]; moe: moe_fragments "
-                  "at issue 6's case (5 tokens, top-8, 32 experts, 6144 -> 2048); dsa: a rank's indexer top-k and "
-                  "sparse MLA at 80K FP8 keys, 5 query tokens")
-flags.DEFINE_integer("m", 1, "gemv: rows of x")
-flags.DEFINE_integer("n", 28672, "gemv: the weight's rows")
-flags.DEFINE_integer("k", 8192, "gemv: the weight's columns")
-flags.DEFINE_enum("operands", "bfloat16", ["bfloat16", "float16"], "the fragment weights' MMA operands")
+define_case_flags()
 flags.DEFINE_string("output", "", "also write the rows here as JSON")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
-  fn, args = case(FLAGS.case, m=FLAGS.m, n=FLAGS.n, k=FLAGS.k, operands=FLAGS.operands)
+  fn, args = case_from_flags()
   with tempfile.TemporaryDirectory() as work_dir:
     rows = compile_rows(triton_kernels(fn, *args), work_dir)
   print(f"{'kernel':30s} {'grid':>14s} {'warps':>5s} {'regs':>4s} {'an SM':>5s} {'spills':>7s} {'sass':>5s} "
@@ -51,7 +46,7 @@ def main(argv):
           f"{r['spill_stores']:3d}/{r['spill_loads']:<3d} {r['sass']:5d} {r.get('loop', 0):5d}  {r['loads']}; {ops}")
   if FLAGS.output:
     with open(FLAGS.output, "w") as f:
-      json.dump(dict(case=FLAGS.case, flags={key: FLAGS[key].value for key in ("m", "n", "k", "operands")},
+      json.dump(dict(case=FLAGS.case, flags={key: FLAGS[key].value for key in ("m", "n", "k", "operands", "vary")},
                      triton=TRITON_VERSION, rows=rows), f, indent=1)
 
 

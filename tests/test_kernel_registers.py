@@ -79,3 +79,36 @@ def test_dsa_case_lowers_the_rank_path():
   names = [meta["name"] for meta, _ in triton_kernels(fn, *args)]
   assert names[0] == "indexer_scores" and names[-1] == "sparse_mla_decode" and len(names) >= 3
   assert all(name.startswith("topk") for name in names[1:-1])
+
+
+def test_concrete_case_is_its_abstract_one_with_data():
+  """kernel_launch's inputs: the gemv case's arrays have the abstract case's shapes and dtypes,
+  carry data (not zeros), and the case's function on them (interpreted on the CPU) gives XLA's
+  product of the same quantized weight; a FragmentConfig reaches the kernel's launch."""
+  from experiments.kernel_ir import case
+  from glmjax.quant import from_fragments, linear
+  from pallas_kernels.nvfp4_fragments import default_fragment_config
+  shape = dict(m=3, n=48, k=160, operands="bfloat16")
+  fn, args = case("gemv", **shape, concrete=True)
+  _, abstract = case("gemv", **shape)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), args) == jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
+  x, w = args
+  assert float(jnp.abs(x).min()) > 0 and int(jnp.count_nonzero(w.words)) > w.words.size // 2
+  want = linear(x, from_fragments(w), impl="xla").astype(jnp.float32)
+  got = jax.jit(fn)(x, w).astype(jnp.float32)
+  assert float(jnp.max(jnp.abs(got - want))) <= 1e-2 * float(jnp.max(jnp.abs(want)))
+  split = dataclasses.replace(default_fragment_config(2048, 1024, 1), split_k=2)
+  for config, splits in ((None, default_fragment_config(2048, 1024, 1).split_k), (split, 2)):
+    fn, args = case("gemv", m=1, n=2048, k=1024, operands="bfloat16", config=config)
+    [(meta, _)] = triton_kernels(fn, *args)
+    assert meta["grid_y"] == splits
+
+
+def test_kernel_launch_names_a_bad_vary():
+  """--vary outside the gemv case's FragmentConfig fields is refused, naming them, before any launch."""
+  import subprocess
+  import sys
+  for args in (["--vary=bogus=1"], ["--vary=unroll"], ["--case=moe", "--vary=unroll=2"]):
+    done = subprocess.run([sys.executable, "-m", "experiments.kernel_launch", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "--vary takes field=value pairs" in done.stderr and "'unroll'" in done.stderr
