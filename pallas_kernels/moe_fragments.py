@@ -124,6 +124,19 @@ class ExpertsConfig:
     return plain(gate_up), plain(self.down or DOWN)
 
 
+def default_experts_config(chosen: float | None = None) -> ExpertsConfig:
+  """ExpertsConfig for a step expected to choose `chosen` distinct local experts (None: all):
+  gate/up over 4 K splits where at most half of its program groups get an expert, so the idle
+  groups' share of the card goes to more splits of the busy ones; else the defaults. Measured on
+  an H100 (BENCHMARKS.md run 51, a TEP=8 rank's view, 6 of 32 experts chosen): 75.5 -> 66.0 us
+  (the swiglu launch, which sums the splits, 5.1 -> 7.9 of it); at issue 6's case (24 chosen)
+  4 splits lose to 2 (run 45, H200: 217.4 against 211.7)."""
+  config = ExpertsConfig()
+  if chosen is not None and chosen <= config.groups // 2:
+    config = dataclasses.replace(config, gate_up=dataclasses.replace(GATE_UP, split_k=4))
+  return config
+
+
 def chosen_experts(ids_ref, *, slots: int, experts: int):
   """(count, expert_of): the local experts the step's [slots] ids name, and expert_of(s) -> the
   s-th of them in id order (s < count), from ids_ref read whole (padded past `slots`)."""
@@ -398,7 +411,8 @@ def moe_fragments(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ga
     gate_proj, up_proj: stacked [E, I, D], down_proj [E, D, I]: to_fragments(w, operands) of
       NVFP4Weights, one operand dtype: bfloat16 reads x and h as they are; float16 scales x into fp16
       in a launch before gate/up, and the swiglu launch stores h so (fused_swiglu cannot).
-    config: the launches' tiles; default ExpertsConfig().
+    config: the launches' tiles; default ExpertsConfig() (default_experts_config picks one by the
+      experts a step is expected to choose).
     keep_partials: return the down launch's fp32 partials [S * down groups, T, D] unsummed.
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:

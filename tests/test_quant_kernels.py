@@ -441,6 +441,25 @@ def test_moe_fragments_stream_changes_no_bit(gate_up, down, groups, operands):
     ExpertsConfig(stream=True, fused_swiglu=True)
 
 
+def test_moe_experts_splits_the_fragment_gate_up_for_few_chosen_experts():
+  """routing="fragments" takes its launches from the experts a step is expected to choose
+  (default_experts_config): gate/up over 4 K splits where at most half of its 12 program groups
+  get one (a TEP rank's view), else the defaults; the same product either way."""
+  from glmjax.quant import FRAGMENT_IMPL
+  from pallas_kernels.moe_fragments import GATE_UP, ExpertsConfig, default_experts_config
+  assert default_experts_config() == default_experts_config(24.0) == default_experts_config(7) == ExpertsConfig()
+  assert default_experts_config(4.7) == ExpertsConfig(gate_up=dataclasses.replace(GATE_UP, split_k=4))
+  x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
+  fragments = [to_fragments(w, "bfloat16") for w in experts]
+  want = moe_grouped_matmul_reference(x, ids, weights, *experts)
+  for chosen, splits in ((None, GATE_UP.split_k), (4.7, 4)):
+    run = lambda *a, chosen=chosen: moe_experts(*a, impl=FRAGMENT_IMPL, routing="fragments", chosen=chosen)
+    [grid] = [e.params["grid_mapping"].grid for e in jax.make_jaxpr(run)(x, ids, weights, *fragments).eqns[0]
+              .params["jaxpr"].eqns if e.primitive.name == "pallas_call" and e.params["name"].endswith("gate_up")]
+    assert grid[1] == splits
+    assert rel_err(run(x, ids, weights, *fragments), want) <= TOL
+
+
 def test_moe_fragments_split_k_and_bad_inputs():
   """K split in both launches (two chunks of 128 each): the split sums equal one split's within
   fp32 rounding; weights not in bf16 fragment order, or more tokens than the MMA's 8, are clear

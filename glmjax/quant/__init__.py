@@ -302,7 +302,8 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   (pallas_kernels/moe_fragments.py; impl FRAGMENT_IMPL and stacked experts in bf16 fragment order,
   `arrange_params(..., experts=True)`; up to 8 tokens, more take the reference on the weights
   moved back to ModelOpt's order); `chosen`: the distinct local experts a step is expected to
-  read, which picks the kernels' tiles (default_moe_config; None: all of them). partials: fp32
+  read, which picks the kernels' tiles (default_moe_config, default_experts_config; None: all of
+  them). partials: fp32
   terms [S, T, D] whose sum rounded to x.dtype is the result (the pairs' or the fragments' down
   partials, unsummed; else [1, T, D]), for a kernel that sums them itself
   (bf16_matmul.swiglu_matmul's epilogue). x_planes: x's fp16 planes and row maxima where a
@@ -315,13 +316,14 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   if routing in PAIR_ROUTINGS:
     _check_pairs(impl, routing, gate_proj, up_proj, down_proj)
   if routing == FRAGMENT_ROUTING:
-    from pallas_kernels.moe_fragments import TOKENS, check_expert_fragments, moe_fragments
+    from pallas_kernels.moe_fragments import TOKENS, check_expert_fragments, default_experts_config, moe_fragments
     if impl != FRAGMENT_IMPL:
       raise ValueError(f"moe_experts: routing={routing!r} runs on the fragment GEMV: it needs impl="
                        f"{FRAGMENT_IMPL!r}, got {impl!r}")
     check_expert_fragments(gate_proj, up_proj, down_proj)
     if decode_sized(x) and x.shape[0] <= TOKENS:
-      return moe_fragments(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, keep_partials=partials)
+      return moe_fragments(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj, keep_partials=partials,
+                           config=default_experts_config(chosen))
     gate_proj, up_proj, down_proj = map(from_fragments, (gate_proj, up_proj, down_proj))
     impl = "xla"
   if impl != "xla" and decode_sized(x):
