@@ -128,9 +128,10 @@ def default_experts_config(chosen: float | None = None) -> ExpertsConfig:
   """ExpertsConfig for a step expected to choose `chosen` distinct local experts (None: all):
   gate/up over 4 K splits where at most half of its program groups get an expert, so the idle
   groups' share of the card goes to more splits of the busy ones; else the defaults. Measured on
-  an H100 (BENCHMARKS.md run 51, a TEP=8 rank's view, 6 of 32 experts chosen): 75.5 -> 66.0 us
-  (the swiglu launch, which sums the splits, 5.1 -> 7.9 of it); at issue 6's case (24 chosen)
-  4 splits lose to 2 (run 45, H200: 217.4 against 211.7)."""
+  an H100 (BENCHMARKS.md run 51, a TEP=8 rank's view, 6 of 32 experts chosen): 75.5 -> 66.0 us,
+  the pairs' 63.2 (in the run's 6-group arm the swiglu launch, which sums the splits, took 5.1 ->
+  7.9 us of it); at issue 6's case (24 chosen) 4 splits lose to 2 (run 45, H200: 217.4 against
+  211.7)."""
   config = ExpertsConfig()
   if chosen is not None and chosen <= config.groups // 2:
     config = dataclasses.replace(config, gate_up=dataclasses.replace(GATE_UP, split_k=4))

@@ -303,9 +303,8 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   `arrange_params(..., experts=True)`; up to 8 tokens, more take the reference on the weights
   moved back to ModelOpt's order); `chosen`: the distinct local experts a step is expected to
   read, which picks the kernels' tiles (default_moe_config, default_experts_config; None: all of
-  them). partials: fp32
-  terms [S, T, D] whose sum rounded to x.dtype is the result (the pairs' or the fragments' down
-  partials, unsummed; else [1, T, D]), for a kernel that sums them itself
+  them). partials: fp32 terms [S, T, D] whose sum rounded to x.dtype is the result (the pairs' or
+  the fragments' down partials, unsummed; else [1, T, D]), for a kernel that sums them itself
   (bf16_matmul.swiglu_matmul's epilogue). x_planes: x's fp16 planes and row maxima where a
   caller built them (`builds_x_planes`; moe_route.route_select_planes).
   """
