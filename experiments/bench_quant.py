@@ -126,12 +126,16 @@ def _kernel_entry(fmt: str, kernel: Callable, reference: Callable, args: tuple, 
 FRAGMENT_IMPLS = {"float16": "pallas_fragments", "bfloat16": "pallas_fragments_bf16"}  # by operands
 
 
+def gemv_inputs(m: int, n: int, k: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+  """A GEMV case's x bf16 [m, k] (standard normal) and weight bf16 [n, k] (normal, 0.02 scale)."""
+  kx, kw = jax.random.split(jax.random.key(seed))
+  return jax.random.normal(kx, (m, k), jnp.bfloat16), jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02
+
+
 def gemv_rows(m: int, n: int, k: int, *, name: str, timer: Callable[..., float], seed: int = 0):
   """x bf16 [m, k] @ w[n, k].T: XLA bf16 and the bf16 split-K kernel, then per format XLA
   dequant+matmul and the kernel."""
-  kx, kw = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-  w = jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02
+  x, w = gemv_inputs(m, n, k, seed)
   act_bytes = (m * k + m * n) * 2
   bf16 = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w))
   xla_dequant = jax.jit(functools.partial(linear, impl="xla"))
@@ -340,9 +344,8 @@ def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConf
                         for bn, bk in ((32, 128), (64, 128), (64, 256), (128, 128))
                         for s in (1, 4) for w in (4, 8) if fmt != "fp8" or bk <= 128]
   quantize, kernel = SWEPT[fmt]
-  kx, kw = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-  q = quantize(jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02)
+  x, w = gemv_inputs(m, n, k, seed)
+  q = quantize(w)
   nbytes = _nbytes(q) + (m * k + m * n) * 2
   rows = []
   for config in configs:

@@ -99,9 +99,9 @@ def case(name: str, *, m: int, n: int, k: int, operands: str, config=None, concr
   frag = lambda w: quantized(w) if concrete else jax.eval_shape(quantized, w)
   if name == "gemv":
     from pallas_kernels.nvfp4_fragments import fragment_matmul
-    kx, kw = jax.random.split(jax.random.key(0))
-    x, w = ((jax.random.normal(kx, (m, k), jnp.bfloat16), jax.random.normal(kw, (n, k), jnp.bfloat16) * 0.02)
-            if concrete else (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16)))
+    from experiments.bench_quant import gemv_inputs
+    x, w = (gemv_inputs(m, n, k) if concrete
+            else (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16)))
     return lambda x, w: fragment_matmul(x, w, config=config, interpret=interpret), (x, frag(w))
   from experiments.bench_quant import MOE_CASE, _moe_case
   from pallas_kernels.moe_fragments import moe_fragments

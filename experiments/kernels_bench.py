@@ -24,7 +24,6 @@ from experiments import bench_dsa, bench_quant, write_json
 from glmjax.bench import maybe_profile
 
 SUITES = {"dsa": bench_dsa.dsa_rows, "quant": bench_quant.quant_rows}
-SWEEPS = {"dsa": bench_dsa.config_sweep_rows, "quant": bench_quant.quant_sweep_rows}
 _SUITES = flags.DEFINE_list("suites", list(SUITES), "which suites to run")
 _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
 _CONTEXTS = flags.DEFINE_list("contexts", [], "dsa: cached tokens per case (empty: 8K, 32K, 80K, 128K)")
@@ -67,7 +66,8 @@ def main(_):
   report = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 host=platform.node(), jax=jax.__version__, suites={})
   quant = functools.partial(bench_quant.quant_rows, timer=_QUANT_TIMER.value, cases=tuple(_QUANT_CASES.value))
-  sweeps = dict(SWEEPS, quant=functools.partial(bench_quant.quant_sweep_rows, cases=tuple(_SWEEP_CASES.value)))
+  sweeps = dict(dsa=bench_dsa.config_sweep_rows,
+                quant=functools.partial(bench_quant.quant_sweep_rows, cases=tuple(_SWEEP_CASES.value)))
   suites = sweeps if _SWEEP.value else dict(SUITES, quant=quant, dsa=functools.partial(
       bench_dsa.dsa_rows, contexts=[int(c) for c in _CONTEXTS.value], query_tokens=[int(t) for t in _QUERY.value],
       breakdown=_BREAKDOWN.value, topk_methods=_TOPK.value, query_dtypes=_QUERIES.value,
