@@ -372,7 +372,7 @@ def moe_sweep_rows(fmt: str, configs: list[MoEConfig] | list[PairsConfig] | list
   return rows
 
 
-SWEEP_CASES = ("hfma2", "fp8", "bf16", "fragments", "pairs", "experts")  # quant_sweep_rows' groups
+SWEEP_CASES = ("hfma2", "fp8", "bf16", "fragments", "l2", "pairs", "experts")  # quant_sweep_rows' groups
 
 
 def quant_sweep_rows(*, quick: bool = False, cases: tuple[str, ...] = SWEEP_CASES) -> Iterator[dict[str, Any]]:
@@ -384,7 +384,8 @@ def quant_sweep_rows(*, quick: bool = False, cases: tuple[str, ...] = SWEEP_CASE
   either operand dtype; bf16, the split-K GEMV at a rank's 25 MB [5, 6144] -> 2048 over K
   splits; fragments, the fragment-order NVFP4 GEMV (nvfp4_fragments) at M = 1 and 8 on either
   operand dtype, its default and one field at a time around it (`around_default`), and on bf16
-  operands one split storing the finished result; pairs, the routed experts as (token, expert)
+  operands one split storing the finished result; l2, the same GEMVs with L2 prefetches ahead of
+  their loads (`l2_arms`); pairs, the routed experts as (token, expert)
   pairs (moe_hfma2, fused planes) at the rank's view (5 tokens, top-8 of 256 routed experts, 32
   local) over both launches' tiles and the groups; experts, the routed experts on the fragment
   GEMV (moe_fragments) at the rank's view over program groups and either launch's tiles, K
@@ -406,6 +407,15 @@ def around_default(base: FragmentConfig) -> list[FragmentConfig]:
           *(vary(split_k=s) for s in (base.split_k // 2, 2 * base.split_k) if s),
           vary(prefetch=not base.prefetch), vary(wide_x=not base.wide_x),
           *(vary(tiles=t, num_warps=t // 2) for t in (2, 8) if t != base.tiles)]
+
+
+def l2_arms(base: FragmentConfig) -> list[FragmentConfig]:
+  """base, then its programs bulk-prefetching into L2 1, 2, 4 or 8 chunks ahead of their loads
+  (FragmentConfig.l2_ahead), and 4 ahead over half the K splits (fewer programs, each with more
+  bytes in flight)."""
+  vary = functools.partial(dataclasses.replace, base)
+  return [base, *(vary(l2_ahead=a) for a in (1, 2, 4, 8)),
+          *([vary(l2_ahead=4, split_k=base.split_k // 2)] if base.split_k > 1 else [])]
 
 
 def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> Iterator[dict[str, Any]]:
@@ -445,9 +455,11 @@ def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) ->
     gemv_configs = gemv_configs[:1] + gemv_configs[-1:]
   grid = [("hfma2", "nvfp4", gemv, gemv_configs), ("fp8", "fp8", gemv, first(fp8_configs)),
           ("bf16", "bf16", dense, first(bf16_configs))]
-  grid += [("fragments", fmt, (m, *gemv[1:]), first(around_default(default_fragment_config(*gemv[1:], m, operands))
-                                                   + (final_configs if operands == "bfloat16" else [])))
-           for operands, fmt in (("float16", "nvfp4_fragments"), ("bfloat16", "nvfp4_fragments_bf16")) for m in (1, 8)]
+  for operands, fmt in (("float16", "nvfp4_fragments"), ("bfloat16", "nvfp4_fragments_bf16")):
+    for m in (1, 8):
+      base, finals = default_fragment_config(*gemv[1:], m, operands), final_configs if operands == "bfloat16" else []
+      grid += [("fragments", fmt, (m, *gemv[1:]), first(around_default(base) + finals)),
+               ("l2", fmt, (m, *gemv[1:]), l2_arms(base)[1:2] if quick else l2_arms(base))]  # quick: one arm
   for case, fmt, shape, configs in grid:
     for row in config_sweep_rows(fmt, *shape, configs, timer=timer) if case in cases else ():
       yield dict(row, config=str(row["config"]))

@@ -114,6 +114,9 @@ class ExpertsConfig:
     if self.stream and self.fused_swiglu:
       raise ValueError("ExpertsConfig.stream runs the gate/up and down launches' experts as one K loop each; "
                        "fused_swiglu's launch has no such loop: set one of them")
+    if self.stream and any(c is not None and c.l2_ahead for c in (self.gate_up, self.down)):
+      raise ValueError("ExpertsConfig.stream's one K loop over a program's experts has no L2 prefetches: "
+                       "FragmentConfig.l2_ahead needs stream=False")
     if self.fused_swiglu and self.gate_up is not None and (self.gate_up.split_k, self.gate_up.tile_groups) != (1, 2):
       raise ValueError(f"ExpertsConfig.fused_swiglu takes gate's and up's rows as a program's two tile groups over "
                        f"the whole K: gate_up needs split_k=1 and tile_groups=2, got {self.gate_up}")

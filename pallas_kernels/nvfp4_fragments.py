@@ -104,6 +104,7 @@ from jax.experimental.pallas import triton as pltriton
 from glmjax.quant.fragments import CHUNK, LANES, OPERANDS, TILE, WORDS, FragmentWeight, plain_word_bits
 from pallas_kernels import loop_stages
 from pallas_kernels.checks import check_at_least, check_launch, is_pow2, resolve_interpret
+from pallas_kernels.l2_prefetch import prefetch_l2
 from pallas_kernels.nvfp4_hfma2 import decode_ptx, decode_word, f16_pairs
 from pallas_kernels.nvfp4_matmul import DECODE_SCALE, f16_rows, row_inverse_scale, row_scale
 
@@ -357,7 +358,14 @@ class FragmentConfig:
   operands load prepared words, not x's rows, yet their program is faster with Lanes.of's wide
   spelling too (M = 1: 54.2 -> 52.0 us).
   default_fragment_config turns it on from 2 rows and for float16 operands; moe_fragments.DOWN
-  keeps it off."""
+  keeps it off.
+  l2_ahead: chunks ahead of its loads that a program bulk-prefetches into L2 (l2_prefetch.py: each
+  loop step the words and scales of the chunks l2_ahead past its own, the first l2_ahead before the
+  loop; 0: none), so DRAM has a split's next chunks in flight without registers and the loads wait
+  on L2's latency instead. Slower on an H100 at every distance (BENCHMARKS.md run 52: [1, 8192] x
+  [8192, 28672] on bf16 operands 50.6 -> 58.4-72.1 us, fp16 53.8 -> 73.9-84.2): 4 ahead, half the
+  loads still miss L2 and DRAM reads 14% more bytes at 68% of its peak against 80%. A switch for
+  the H200, off."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
@@ -369,9 +377,11 @@ class FragmentConfig:
   final_out: bool = False
   prefetch: bool = False
   wide_x: bool = True
+  l2_ahead: int = 0
 
   def __post_init__(self):
     check_at_least("FragmentConfig", "split_k", self.split_k)
+    check_at_least("FragmentConfig", "l2_ahead", self.l2_ahead, 0)
     check_at_least("FragmentConfig", "unroll", self.unroll)
     check_at_least("FragmentConfig", "tile_groups", self.tile_groups)
     check_launch("FragmentConfig", self.num_warps, self.num_stages)
@@ -473,9 +483,12 @@ class FragmentOps(NamedTuple):
   """One program's loads and MMAs over a weight's chunks (fragment_ops): chunk(c, expert, x_base,
   valid) -> chunk c's loads of weight `expert` against x from x_base (valid: a scalar mask, None for
   none: a masked chunk loads zeros, which add nothing); multiply(accs, loads) -> the accs after
-  its MMAs; the tile groups' first tiles and row masks (None: all in range)."""
+  its MMAs; prefetch(first, count, end, expert) -> None, the L2 prefetch of chunks first .. first
+  + count - 1 before `end` (FragmentConfig.l2_ahead); the tile groups' first tiles and row masks
+  (None: all in range)."""
   chunk: Callable
   multiply: Callable
+  prefetch: Callable
   starts: list
   oks: list
 
@@ -533,7 +546,27 @@ def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k
                                operands=operands)
     return tuple(accs)
 
-  return FragmentOps(chunk, multiply, starts, oks)
+  # The prefetches' spans: per ref, its first tile and tile count (a program's tiles are contiguous).
+  first_tile = block * (group if paired else config.tiles)
+  span = jnp.minimum(group if paired else config.tiles, tiles - first_tile)
+
+  def prefetch(first, count, end, expert=0) -> None:
+    words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
+
+    def words_item(item):  # item 2u + h: half h of chunk first + u
+      c = first + item // 2
+      return (words_base + (2 * c + item % 2) * tiles * WORDS + first_tile * WORDS,
+              jnp.where((item < 2 * count) & (c < end), span * WORDS * 4, 0))
+
+    def scales_item(item):  # item u: chunk first + u
+      c = first + item
+      return scales_base + (c * tiles + first_tile) * LANES, jnp.where((item < count) & (c < end), span * LANES * 4, 0)
+
+    for words, scales in (refs if paired else refs[:1]):
+      prefetch_l2(words, words_item, num_warps=config.num_warps)
+      prefetch_l2(scales, scales_item, num_warps=config.num_warps)
+
+  return FragmentOps(chunk, multiply, prefetch, starts, oks)
 
 
 def split_size(chunks: int, config: FragmentConfig) -> int:
@@ -569,13 +602,19 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
   def step_loads(s) -> list:  # step s's config.unroll chunks (past the split: its last chunk again)
     return [chunk(jnp.minimum(begin + s * config.unroll + u, end - 1)) for u in range(config.unroll)]
 
+  def l2_prefetch(first, count):  # FragmentConfig.l2_ahead's prefetches
+    if config.l2_ahead:
+      ops.prefetch(first, count, end, expert)
+
   def step(s, accs):  # the step's loads, then their MMAs
+    l2_prefetch(begin + s * config.unroll + config.l2_ahead, config.unroll)
     for chunk_loads in step_loads(s):
       accs = ops.multiply(accs, chunk_loads)
     return accs
 
   def prefetched_step(s, carry):  # the next step's loads, then this step's MMAs
     accs, loads = carry
+    l2_prefetch(begin + (s + 1) * config.unroll + config.l2_ahead, config.unroll)
     ahead = step_loads(s + 1)
     for chunk_loads in loads:
       accs = ops.multiply(accs, chunk_loads)
@@ -584,6 +623,7 @@ def fragment_sums(x_ref, words_ref, scales_ref, block, split, lanes: Lanes, *, m
   begin, end = split_chunks(split, chunks, config)
   steps = jnp.maximum(end - begin, 0) // config.unroll
   accs = zero_sums(config)
+  l2_prefetch(begin, config.l2_ahead)
   if config.prefetch:
     accs, _ = lax.fori_loop(0, steps, prefetched_step, (accs, step_loads(0)))
   else:

@@ -125,6 +125,7 @@ def test_quant_sweep_covers_the_stacks_kernels():
   cores' default, the routed experts as pairs and on the fragment GEMV at a rank's view, the FP8
   and bf16 GEMVs and the fragment-order NVFP4 GEMV at 1 and 8 rows (one config each in the quick
   sweep), every one timed (interpret mode: the PTX runs its jnp twin)."""
+  import dataclasses
   from experiments.bench_quant import quant_sweep_rows
   from pallas_kernels.moe_fragments import ExpertsConfig
   from pallas_kernels.nvfp4_fragments import default_fragment_config
@@ -141,7 +142,9 @@ def test_quant_sweep_covers_the_stacks_kernels():
     assert len({r["config"] for r in rows if r["name"] == "sweep" and r["format"] == fmt}) == 1
   for fmt, operands in (("nvfp4_fragments", "float16"), ("nvfp4_fragments_bf16", "bfloat16")):
     fragments = [(r["m"], r["config"]) for r in rows if r["name"] == "sweep" and r["format"] == fmt]
-    assert fragments == [(m, repr(default_fragment_config(128, 64, m, operands))) for m in (1, 8)]
+    # each default, then (the l2 case) its one L2 prefetch arm
+    defaults = [(m, default_fragment_config(128, 64, m, operands)) for m in (1, 8)]
+    assert fragments == [(m, repr(c)) for m, base in defaults for c in (base, dataclasses.replace(base, l2_ahead=1))]
   assert all(np.isfinite(r["us"]) and r["us"] > 0 and r["bytes"] > 0 for r in rows)
 
 
@@ -149,7 +152,7 @@ def test_fragment_sweep_varies_one_field_of_the_default_at_a_time():
   """around_default: the default first, then each arm differs from it in one field (tiles with
   their warps), none twice; the sweep's groups run alone, and an unknown group is named."""
   import dataclasses
-  from experiments.bench_quant import around_default, quant_sweep_rows
+  from experiments.bench_quant import around_default, l2_arms, quant_sweep_rows
   from pallas_kernels.nvfp4_fragments import default_fragment_config
   base = default_fragment_config(28672, 8192, 1, "bfloat16")
   configs = around_default(base)
@@ -158,6 +161,8 @@ def test_fragment_sweep_varies_one_field_of_the_default_at_a_time():
              for c in configs[1:]]
   assert changed == [{"unroll"}] * 2 + [{"split_k"}] * 2 + [{"prefetch"}, {"wide_x"}] + [{"tiles", "num_warps"}] * 2
   assert [c.unroll for c in configs[1:3]] == [2, 8] and [c.split_k for c in configs[3:5]] == [2, 8]
+  arms = l2_arms(base)  # the L2 prefetch distances, then 4 ahead over half the splits
+  assert arms[0] == base and [(c.l2_ahead, c.split_k) for c in arms[1:]] == [(1, 4), (2, 4), (4, 4), (8, 4), (4, 2)]
   read, *rows = quant_sweep_rows(quick=True, cases=("fp8",))
   assert read["name"] == "read" and [(r["name"], r["format"]) for r in rows] == [("sweep", "fp8")]
   with pytest.raises(ValueError, match="unknown sweep cases \\['gemv'\\]"):

@@ -441,6 +441,24 @@ def test_moe_fragments_stream_changes_no_bit(gate_up, down, groups, operands):
     ExpertsConfig(stream=True, fused_swiglu=True)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_moe_fragments_l2_ahead_changes_no_bit(fused):
+  """FragmentConfig.l2_ahead in both launches (fused_swiglu: gate's and up's weights, a pair of
+  refs, prefetched side by side) adds prefetches and no value: the same bits; not with stream."""
+  from pallas_kernels.moe_fragments import FUSED_GATE_UP, GATE_UP, DOWN, ExpertsConfig, moe_fragments
+  x, ids, weights, *experts = moe_inputs(7, FORMATS["nvfp4"])
+  fragments = [to_fragments(w, "bfloat16") for w in experts]
+  gate_up = dataclasses.replace(FUSED_GATE_UP if fused else GATE_UP, unroll=1)
+  plain = ExpertsConfig(gate_up, DOWN, groups=2, fused_swiglu=fused)
+  ahead = dataclasses.replace(plain, gate_up=dataclasses.replace(gate_up, l2_ahead=2),
+                              down=dataclasses.replace(DOWN, l2_ahead=1))
+  got, want = (moe_fragments(x, ids, weights, *fragments, config=c) for c in (ahead, plain))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  assert rel_err(got, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
+  with pytest.raises(ValueError, match="l2_ahead needs stream=False"):
+    dataclasses.replace(ahead, fused_swiglu=False, stream=True)
+
+
 def test_moe_experts_splits_the_fragment_gate_up_for_few_chosen_experts():
   """routing="fragments" takes its launches from the experts a step is expected to choose
   (default_experts_config): gate/up over 4 K splits where at most half of its 12 program groups
