@@ -39,7 +39,6 @@ PREFETCH_PTX = ("{ .reg .pred p; setp.ne.u32 p, $8, 0; @p cp.async.bulk.prefetch
 PREFETCH_CONSTRAINTS = ",".join(["=r"] * PACK + ["l"] * PACK + ["r"] * PACK)
 
 
-
 class PrefetchEffect(effects.Effect):
   """What keeps a prefetch in the kernel: it has no result, and a ref read alone may be dropped."""
 

@@ -391,6 +391,9 @@ class FragmentConfig:
     if self.tiles % (self.tile_groups * self.num_warps):
       raise ValueError(f"FragmentConfig.tile_groups ({self.tile_groups}) must leave each group a multiple of "
                        f"num_warps ({self.num_warps}) of the {self.tiles} tiles")
+    if self.l2_ahead and max(self.l2_ahead, self.unroll) > 16 * self.num_warps:
+      raise ValueError(f"FragmentConfig.l2_ahead: a thread prefetches one half-chunk, so {self.num_warps} warps "
+                       f"reach {16 * self.num_warps} chunks a call; got l2_ahead={self.l2_ahead}, unroll={self.unroll}")
     if self.final_out and self.split_k != 1:
       raise ValueError(f"FragmentConfig.final_out stores finished sums: it needs split_k=1, got {self.split_k}")
 
@@ -546,7 +549,8 @@ def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k
                                operands=operands)
     return tuple(accs)
 
-  # The prefetches' spans: per ref, its first tile and tile count (a program's tiles are contiguous).
+  # The prefetches' spans: per ref, its first tile and tile count (a program's tiles are contiguous);
+  # a u32 word is 4 bytes.
   first_tile = block * (group if paired else config.tiles)
   span = jnp.minimum(group if paired else config.tiles, tiles - first_tile)
 

@@ -93,6 +93,9 @@ def test_lowered_kernel_keeps_its_prefetches():
   assert "cp.async.bulk.prefetch" not in texts[0]
 
 
-def test_l2_ahead_must_not_be_negative():
+def test_l2_ahead_bad_values_are_named():
   with pytest.raises(ValueError, match="l2_ahead must be >= 0, got -1"):
     FragmentConfig(l2_ahead=-1)
+  FragmentConfig(tiles=2, num_warps=1, l2_ahead=16)  # two items a chunk, 32 threads
+  with pytest.raises(ValueError, match="1 warps reach 16 chunks a call; got l2_ahead=17"):
+    FragmentConfig(tiles=2, num_warps=1, l2_ahead=17)
