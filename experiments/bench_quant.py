@@ -399,13 +399,14 @@ def quant_sweep_rows(*, quick: bool = False, cases: tuple[str, ...] = SWEEP_CASE
 
 def around_default(base: FragmentConfig) -> list[FragmentConfig]:
   """base, then one field at a time: 2 or 8 chunks a loop step, half or twice the K splits, the
-  next step's loads carried (prefetch), x's loads the other width (wide_x), and 2- or 8-tile
-  programs of a warp per two tiles. Where a launch is bound by its loads in flight, not by its
-  bytes (the H200, BENCHMARKS.md run 45), these are the fields that move them."""
+  next step's loads carried (prefetch), x's loads the other width (wide_x), the padding tokens'
+  activation loads masked or not (token_mask), and 2- or 8-tile programs of a warp per two
+  tiles. Where a launch is bound by its loads in flight, not by its bytes (the H200,
+  BENCHMARKS.md run 45), these are the fields that move them."""
   vary = functools.partial(dataclasses.replace, base)
   return [base, *(vary(unroll=u) for u in (2, 8) if u != base.unroll),
           *(vary(split_k=s) for s in (base.split_k // 2, 2 * base.split_k) if s),
-          vary(prefetch=not base.prefetch), vary(wide_x=not base.wide_x),
+          vary(prefetch=not base.prefetch), vary(wide_x=not base.wide_x), vary(token_mask=not base.token_mask),
           *(vary(tiles=t, num_warps=t // 2) for t in (2, 8) if t != base.tiles)]
 
 

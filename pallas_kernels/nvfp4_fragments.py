@@ -365,7 +365,11 @@ class FragmentConfig:
   on L2's latency instead. Slower on an H100 at every distance (BENCHMARKS.md run 52: [1, 8192] x
   [8192, 28672] on bf16 operands 50.6 -> 58.4-72.1 us, fp16 53.8 -> 73.9-84.2): 4 ahead, half the
   loads still miss L2 and DRAM reads 14% more bytes at 68% of its peak against 80%. A switch for
-  the H200, off."""
+  the H200, off.
+  token_mask: float16 operands: lanes whose token (the MMA's column g) is past M load no
+  activation words (a masked load: zeros, as the padding holds), so at M = 1 a program reads an
+  eighth of them from L2, 32 more instructions a 4-chunk step (bfloat16 operands mask them
+  always). Not yet timed."""
   tiles: int = 4
   split_k: int = 1
   num_warps: int = 4
@@ -378,6 +382,7 @@ class FragmentConfig:
   prefetch: bool = False
   wide_x: bool = True
   l2_ahead: int = 0
+  token_mask: bool = False
 
   def __post_init__(self):
     check_at_least("FragmentConfig", "split_k", self.split_k)
@@ -524,7 +529,8 @@ def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k
     """Activation array a (steps 2a, 2a + 1) of chunk c: prepared words, or (bfloat16) lane 4g +
     t's pairs 8t + 4(a % 2) .. + 3 of token g's half-chunk a // 2 in x's row (zero past M, K)."""
     if operands == "float16":
-      return load(x_ref, x_base + (4 * c + a) * WORDS + word, None, valid)
+      return load(x_ref, x_base + (4 * c + a) * WORDS + word, (g < m) if config.token_mask and m < TOKENS else None,
+                  valid)
     column = c * (CHUNK // 2) + 32 * (a // 2) + 8 * t + 4 * (a % 2) + r
     # The same row-end test spelt two ways (wide_x), each in the operation order that was timed.
     return load(x_ref, x_base + g * (k // 2) + column,

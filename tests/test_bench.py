@@ -159,7 +159,8 @@ def test_fragment_sweep_varies_one_field_of_the_default_at_a_time():
   assert configs[0] == base and len(set(configs)) == len(configs)
   changed = [{f.name for f in dataclasses.fields(base) if getattr(c, f.name) != getattr(base, f.name)}
              for c in configs[1:]]
-  assert changed == [{"unroll"}] * 2 + [{"split_k"}] * 2 + [{"prefetch"}, {"wide_x"}] + [{"tiles", "num_warps"}] * 2
+  assert changed == ([{"unroll"}] * 2 + [{"split_k"}] * 2 + [{"prefetch"}, {"wide_x"}, {"token_mask"}]
+                     + [{"tiles", "num_warps"}] * 2)
   assert [c.unroll for c in configs[1:3]] == [2, 8] and [c.split_k for c in configs[3:5]] == [2, 8]
   arms = l2_arms(base)  # the L2 prefetch distances, then 4 ahead over half the splits
   assert arms[0] == base and [(c.l2_ahead, c.split_k) for c in arms[1:]] == [(1, 4), (2, 4), (4, 4), (8, 4), (4, 2)]

@@ -86,7 +86,8 @@ def test_lowered_kernel_keeps_its_prefetches():
     config = FragmentConfig(tiles=4, num_warps=2, unroll=2, tile_groups=2, rows_out=True, l2_ahead=ahead)
     [(_, text)] = triton_kernels(functools.partial(fragment_matmul, config=config, interpret=False), x, w)
     texts[ahead] = text
-  asm = re.findall(r"elementwise_inline_asm \"[^\"]*cp\.async\.bulk\.prefetch\.L2\.global[^\"]*\" \{([^}]*)\}", texts[2])
+  prefetch_asm = r"elementwise_inline_asm \"[^\"]*cp\.async\.bulk\.prefetch\.L2\.global[^\"]*\" \{([^}]*)\}"
+  asm = re.findall(prefetch_asm, texts[2])
   assert len(asm) == 4 and all("pure = false" in attrs for attrs in asm)
   loop = texts[2][texts[2].index("scf.for"):]
   assert loop.count("cp.async.bulk.prefetch") == 2

@@ -267,6 +267,21 @@ def test_prefetch_changes_no_bit(m, n, k, config, operands):
   assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_token_mask_changes_no_bit(m):
+  """token_mask (fp16 operands: the padding tokens' activation words not loaded) reads zeros
+  where the words hold zeros: the same bits, at M = 8 the same program."""
+  rng = np.random.default_rng(m)
+  x = jnp.asarray(rng.standard_normal((m, 640)), jnp.bfloat16)
+  f = to_fragments(quantize_nvfp4(jnp.asarray(rng.standard_normal((136, 640)), jnp.float32)), "float16")
+  config = FragmentConfig(tiles=2, split_k=2, num_warps=1, unroll=2, tile_groups=2, rows_out=True)
+  got = fragment_matmul(x, f, config=dataclasses.replace(config, token_mask=True))
+  plain = fragment_matmul(x, f, config=config)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
+  want = np.asarray(nvfp4_matmul_reference(x, from_fragments(f)), np.float64)
+  assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
+
+
 @pytest.mark.parametrize("m, n, k, config", [
     (3, 200, 272, FragmentConfig(tiles=4, num_warps=2, tile_groups=2, final_out=True)),  # a group past N
     # rows past N in a tile, an unrolled pair
@@ -392,7 +407,7 @@ def test_fragment_matmul_lowers_for_h200():
   prefetched = dataclasses.replace(grouped, prefetch=True)
   x = jax.ShapeDtypeStruct((3, 272), jnp.bfloat16)
   for config, weight in ((None, w), (staged, w), (grouped, w), (grouped, w_bf16), (final, w_bf16),
-                         (prefetched, w), (prefetched, w_bf16)):
+                         (prefetched, w), (prefetched, w_bf16), (dataclasses.replace(grouped, token_mask=True), w)):
     assert TRITON_CALL in h200_text(functools.partial(fragment_matmul, config=config, interpret=False), x, weight)
   for weight in (w, w_bf16, (w_bf16, w_bf16)):  # the programs that scale their partials, one weight or two
     assert TRITON_CALL in h200_text(functools.partial(fragment_matmul_partials, split_k=2, interpret=False), x, weight)
