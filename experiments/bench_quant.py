@@ -397,16 +397,17 @@ def quant_sweep_rows(*, quick: bool = False, cases: tuple[str, ...] = SWEEP_CASE
   yield from with_read_fraction(_sweeps(quick, timer, cases), timer, quick=quick)
 
 
-def around_default(base: FragmentConfig) -> list[FragmentConfig]:
+def around_default(base: FragmentConfig, operands: str = "bfloat16") -> list[FragmentConfig]:
   """base, then one field at a time: 2 or 8 chunks a loop step, half or twice the K splits, the
-  next step's loads carried (prefetch), x's loads the other width (wide_x), the padding tokens'
-  activation loads masked or not (token_mask), and 2- or 8-tile programs of a warp per two
-  tiles. Where a launch is bound by its loads in flight, not by its bytes (the H200,
+  next step's loads carried (prefetch), x's loads the other width (wide_x), on float16 operands
+  the padding tokens' activation loads masked or not (token_mask), and 2- or 8-tile programs of
+  a warp per two tiles. Where a launch is bound by its loads in flight, not by its bytes (the H200,
   BENCHMARKS.md run 45), these are the fields that move them."""
   vary = functools.partial(dataclasses.replace, base)
   return [base, *(vary(unroll=u) for u in (2, 8) if u != base.unroll),
           *(vary(split_k=s) for s in (base.split_k // 2, 2 * base.split_k) if s),
-          vary(prefetch=not base.prefetch), vary(wide_x=not base.wide_x), vary(token_mask=not base.token_mask),
+          vary(prefetch=not base.prefetch), vary(wide_x=not base.wide_x),
+          *([vary(token_mask=not base.token_mask)] if operands == "float16" else []),
           *(vary(tiles=t, num_warps=t // 2) for t in (2, 8) if t != base.tiles)]
 
 
@@ -459,7 +460,7 @@ def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) ->
   for operands, fmt in (("float16", "nvfp4_fragments"), ("bfloat16", "nvfp4_fragments_bf16")):
     for m in (1, 8):
       base, finals = default_fragment_config(*gemv[1:], m, operands), final_configs if operands == "bfloat16" else []
-      grid += [("fragments", fmt, (m, *gemv[1:]), first(around_default(base) + finals)),
+      grid += [("fragments", fmt, (m, *gemv[1:]), first(around_default(base, operands) + finals)),
                ("l2", fmt, (m, *gemv[1:]), l2_arms(base)[1:2] if quick else l2_arms(base))]  # quick: one arm
   for case, fmt, shape, configs in grid:
     for row in config_sweep_rows(fmt, *shape, configs, timer=timer) if case in cases else ():

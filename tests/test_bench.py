@@ -154,14 +154,15 @@ def test_fragment_sweep_varies_one_field_of_the_default_at_a_time():
   import dataclasses
   from experiments.bench_quant import around_default, l2_arms, quant_sweep_rows
   from pallas_kernels.nvfp4_fragments import default_fragment_config
-  base = default_fragment_config(28672, 8192, 1, "bfloat16")
-  configs = around_default(base)
+  base = default_fragment_config(28672, 8192, 1, "float16")
+  configs = around_default(base, "float16")
   assert configs[0] == base and len(set(configs)) == len(configs)
   changed = [{f.name for f in dataclasses.fields(base) if getattr(c, f.name) != getattr(base, f.name)}
              for c in configs[1:]]
   assert changed == ([{"unroll"}] * 2 + [{"split_k"}] * 2 + [{"prefetch"}, {"wide_x"}, {"token_mask"}]
                      + [{"tiles", "num_warps"}] * 2)
   assert [c.unroll for c in configs[1:3]] == [2, 8] and [c.split_k for c in configs[3:5]] == [2, 8]
+  assert around_default(base, "bfloat16") == [c for c in configs if not c.token_mask]  # no fp16 activation words
   arms = l2_arms(base)  # the L2 prefetch distances, then 4 ahead over half the splits
   assert arms[0] == base and [(c.l2_ahead, c.split_k) for c in arms[1:]] == [(1, 4), (2, 4), (4, 4), (8, 4), (4, 2)]
   read, *rows = quant_sweep_rows(quick=True, cases=("fp8",))
