@@ -364,8 +364,8 @@ class FragmentConfig:
   loop; 0: none), so DRAM has a split's next chunks in flight without registers and the loads wait
   on L2's latency instead. Slower on an H100 at every distance (BENCHMARKS.md run 52: [1, 8192] x
   [8192, 28672] on bf16 operands 50.6 -> 58.4-72.1 us, fp16 53.8 -> 73.9-84.2): 4 ahead, half the
-  loads still miss L2 and DRAM reads 14% more bytes at 68% of its peak against 80%. A switch for
-  the H200, off.
+  loads still miss L2 and DRAM reads 14% more bytes at 68% of its peak against 80%; the MoE at
+  issue 6's case 205 -> 237-277 us. A switch for the H200, off.
   token_mask: float16 operands: lanes whose token (the MMA's column g) is past M load no
   activation words (a masked load: zeros, as the padding holds), so at M = 1 a program reads an
   eighth of them from L2, 32 more instructions a 4-chunk step (bfloat16 operands mask them
