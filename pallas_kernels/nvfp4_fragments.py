@@ -70,9 +70,9 @@ rest the activations' launch and XLA's epilogue. The gathers' offsets use trunca
 lax.rem: with jnp's floor // and % Triton could not see their alignment and loaded the
 activation and scale words 4 bytes at a time (44.6 us). Latency-bound (Nsight Compute: 70
 registers, 28 warps an SM, most stalls on the loads); tried without gain: registers
-prefetching the next chunk, two MMA chains, Triton's pipelining (2x slower), cache hints. An
-expert's [6144] -> 2048 and [2048] -> 6144 take 6.4-8.6 us, as slow as XLA's bf16 or slower:
-launches, not bytes. Run 30 kept the loads one by one (MMAs replaced by xors): the weights and
+prefetching the next chunk, two MMA chains, Triton's pipelining (2x slower), cache hints, bulk
+prefetches into L2 (FragmentConfig.l2_ahead, run 52). An expert's [6144] -> 2048 and [2048] ->
+6144 take 6.4-8.6 us, as slow as XLA's bf16 or slower: launches, not bytes. Run 30 kept the loads one by one (MMAs replaced by xors): the weights and
 scales alone take 34.6 us, the read ceiling (3.82 TB/s); the activation words, twice a tile's
 weight bytes and re-read by every tile group, cost 5.5-6.3 us more. Run 31 shared them between
 a warp's two tiles (FragmentConfig.tile_groups) and stored the sums by row (.rows_out), now the

@@ -124,7 +124,8 @@ def test_quant_sweep_covers_the_stacks_kernels():
   """kernels_bench --sweep's quant rows: the NVFP4 GEMV on the CUDA cores beside the tensor
   cores' default, the routed experts as pairs and on the fragment GEMV at a rank's view, the FP8
   and bf16 GEMVs and the fragment-order NVFP4 GEMV at 1 and 8 rows (one config each in the quick
-  sweep), every one timed (interpret mode: the PTX runs its jnp twin)."""
+  sweep; the fragment GEMV's also with one L2 prefetch arm), every one timed (interpret mode: the
+  PTX runs its jnp twin)."""
   import dataclasses
   from experiments.bench_quant import quant_sweep_rows
   from pallas_kernels.moe_fragments import ExpertsConfig

@@ -445,7 +445,7 @@ def test_moe_fragments_stream_changes_no_bit(gate_up, down, groups, operands):
 def test_moe_fragments_l2_ahead_changes_no_bit(fused):
   """FragmentConfig.l2_ahead in both launches (fused_swiglu: gate's and up's weights, a pair of
   refs, prefetched side by side) adds prefetches and no value: the same bits; not with stream."""
-  from pallas_kernels.moe_fragments import FUSED_GATE_UP, GATE_UP, DOWN, ExpertsConfig, moe_fragments
+  from pallas_kernels.moe_fragments import DOWN, FUSED_GATE_UP, GATE_UP, ExpertsConfig, moe_fragments
   x, ids, weights, *experts = moe_inputs(7, FORMATS["nvfp4"])
   fragments = [to_fragments(w, "bfloat16") for w in experts]
   gate_up = dataclasses.replace(FUSED_GATE_UP if fused else GATE_UP, unroll=1)
