@@ -65,25 +65,25 @@ H200 at most tilings (BENCHMARKS.md run 28, call 9). Check any change to the loa
 
 Measured (H200, own time, BENCHMARKS.md run 28; XLA's bf16 GEMV 108-114 us in the same run):
 [M, 8192] x [8192, 28672] 47.4 us at M = 1 (hfma2: 47.2), 50.2 at M = 5, 51.1 at M = 8 (the
-tensor-core kernel: 85.6), 2.24-2.27x bf16; the kernel alone 41.3-42.9 us (76% of copy), the
-rest the activations' launch and XLA's epilogue. The gathers' offsets use truncating lax.div /
-lax.rem: with jnp's floor // and % Triton could not see their alignment and loaded the
-activation and scale words 4 bytes at a time (44.6 us). Latency-bound (Nsight Compute: 70
-registers, 28 warps an SM, most stalls on the loads); tried without gain: registers
-prefetching the next chunk, two MMA chains, Triton's pipelining (2x slower), cache hints, bulk
-prefetches into L2 (FragmentConfig.l2_ahead, run 52). An expert's [6144] -> 2048 and [2048] ->
-6144 take 6.4-8.6 us, as slow as XLA's bf16 or slower: launches, not bytes. Run 30 kept the loads one by one (MMAs replaced by xors): the weights and
-scales alone take 34.6 us, the read ceiling (3.82 TB/s); the activation words, twice a tile's
-weight bytes and re-read by every tile group, cost 5.5-6.3 us more. Run 31 shared them between
-a warp's two tiles (FragmentConfig.tile_groups) and stored the sums by row (.rows_out), now the
-default: 46.3-48.4 us own (the launch alone 41.7-42.5), 2.34-2.40x XLA's bf16 in the same call
-(run 28's default there: 53.2-56.2). What is left is one launch for the call (the activations
-launch and the split sum, 4.6-5.9 us) and a faster program. bf16 operands remove the first; at
-one K split, FragmentConfig.final_out the second (the program scales its sums and stores the
-bf16 result): one launch a call, if one split keeps enough loads in flight. Not yet timed.
-Where an epilogue kernel sums the splits itself (the model's folds), `fragment_matmul_partials`
-hands it the splits, each scaled by its program, so no XLA epilogue runs between the two; given
-weights that share x, it runs them in one launch.
+tensor-core kernel: 85.6), 2.24-2.27x bf16; the kernel alone 41.3-42.9 us (76% of copy), the rest
+the activations' launch and XLA's epilogue. The gathers' offsets use truncating lax.div / lax.rem:
+with jnp's floor // and % Triton could not see their alignment and loaded the activation and scale
+words 4 bytes at a time (44.6 us). Latency-bound (Nsight Compute: 70 registers, 28 warps an SM,
+most stalls on the loads); tried without gain: registers prefetching the next chunk, two MMA
+chains, Triton's pipelining (2x slower), cache hints, bulk prefetches into L2
+(FragmentConfig.l2_ahead, run 52). An expert's [6144] -> 2048 and [2048] -> 6144 take 6.4-8.6 us,
+as slow as XLA's bf16 or slower: launches, not bytes. Run 30 kept the loads one by one (MMAs
+replaced by xors): the weights and scales alone take 34.6 us, the read ceiling (3.82 TB/s); the
+activation words, twice a tile's weight bytes and re-read by every tile group, cost 5.5-6.3 us
+more. Run 31 shared them between a warp's two tiles (FragmentConfig.tile_groups) and stored the
+sums by row (.rows_out), now the default: 46.3-48.4 us own (the launch alone 41.7-42.5),
+2.34-2.40x XLA's bf16 in the same call (run 28's default there: 53.2-56.2). What is left is one
+launch for the call (the activations launch and the split sum, 4.6-5.9 us) and a faster program.
+bf16 operands remove the first; at one K split, FragmentConfig.final_out the second (the program
+scales its sums and stores the bf16 result): one launch a call, if one split keeps enough loads in
+flight. Not yet timed. Where an epilogue kernel sums the splits itself (the model's folds),
+`fragment_matmul_partials` hands it the splits, each scaled by its program, so no XLA epilogue
+runs between the two; given weights that share x, it runs them in one launch.
 
 Lowering: Triton (`pltriton.elementwise_inline_asm`): the kernel is loads, two PTX calls and a
 store; Mosaic GPU's wgmma wants 64-row operands from shared memory (nvfp4_matmul_mgpu, slower).
