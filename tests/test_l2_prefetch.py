@@ -12,19 +12,13 @@ import numpy as np
 import pytest
 
 from experiments.kernel_ir import triton_kernels
-from glmjax.quant import from_fragments, quantize_nvfp4, to_fragments
+from glmjax.quant import quantize_nvfp4, to_fragments
 from pallas_kernels import nvfp4_fragments
 from pallas_kernels.l2_prefetch import PACK
 from pallas_kernels.nvfp4_fragments import FragmentConfig, fragment_matmul
-from pallas_kernels.nvfp4_matmul import nvfp4_matmul_reference
+from tests.fragment_checks import assert_same_product, fragment_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
-
-
-def _weight(m, n, k, operands, seed):
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-  return x, to_fragments(quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32)), operands)
 
 
 @pytest.mark.parametrize("m, n, k, config, operands, ahead", [
@@ -33,12 +27,8 @@ def _weight(m, n, k, operands, seed):
     (5, 48, 256, FragmentConfig(tiles=2, split_k=3, num_warps=2, prefetch=True), "bfloat16", 2),  # a split with none
 ])
 def test_l2_ahead_changes_no_bit(m, n, k, config, operands, ahead):
-  x, f = _weight(m, n, k, operands, m * 1000 + k)
-  got = fragment_matmul(x, f, config=dataclasses.replace(config, l2_ahead=ahead))
-  plain = fragment_matmul(x, f, config=config)
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
-  want = np.asarray(nvfp4_matmul_reference(x, from_fragments(f)), np.float64)
-  assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
+  assert_same_product(*fragment_case(m, n, k, operands, m * 1000 + k), dataclasses.replace(config, l2_ahead=ahead),
+                      config)
 
 
 @pytest.mark.parametrize("n, k, config", [
@@ -59,7 +49,7 @@ def test_prefetches_cover_each_chunk_once_inside_its_array(monkeypatch, n, k, co
                        offsets, jnp.where(e % PACK == 0, nbytes, 0))
 
   monkeypatch.setattr(nvfp4_fragments, "prefetch_l2", record)
-  x, f = _weight(2, n, k, "bfloat16", n + k)
+  x, f = fragment_case(2, n, k, "bfloat16", n + k)
   jax.block_until_ready(fragment_matmul(x, f, config=config))
   for size in (f.words.size, f.scales.size):
     counts = np.zeros(size, np.int64)

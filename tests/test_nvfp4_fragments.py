@@ -23,6 +23,7 @@ from pallas_kernels.nvfp4_fragments import (FRAGMENT_PTX, FragmentConfig, Lanes,
                                             default_fragment_config, fragment_activations, fragment_matmul,
                                             fragment_matmul_partials, fragment_mma_twin, mma_m16n8k16)
 from pallas_kernels.nvfp4_matmul import f16_rows, nvfp4_matmul_reference
+from tests.fragment_checks import assert_same_product, fragment_case
 from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.ptx_emulator import f32_value, run_ptx
 
@@ -238,14 +239,7 @@ def test_wide_x_changes_no_bit(m, n, k, config):
   analysis: the same indices, so the same loads and sums, bit for bit."""
   wide, narrow = (dataclasses.replace(config, wide_x=flag) for flag in (True, False))
   assert all(np.array_equal(a, b) for a, b in zip(Lanes.of(wide), Lanes.of(narrow)))
-  rng = np.random.default_rng(k)
-  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-  f = to_fragments(quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32)), "bfloat16")
-  got = fragment_matmul(x, f, config=wide)
-  same = fragment_matmul(x, f, config=narrow)
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(same, np.float32))
-  want = np.asarray(nvfp4_matmul_reference(x, from_fragments(f)), np.float64)
-  assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
+  assert_same_product(*fragment_case(m, n, k, "bfloat16", k), wide, narrow)
 
 
 @pytest.mark.parametrize("m, n, k, config, operands", [
@@ -256,30 +250,16 @@ def test_wide_x_changes_no_bit(m, n, k, config):
 def test_prefetch_changes_no_bit(m, n, k, config, operands):
   """prefetch (the next step's loads carried over the MMAs) multiplies the same chunks in the same
   order: the result bit for bit without it, and the reference's within bf16 rounding."""
-  rng = np.random.default_rng(m * 1000 + k)
-  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-  w = quantize_nvfp4(jnp.asarray(rng.standard_normal((n, k)), jnp.float32))
-  f = to_fragments(w, operands)
-  got = fragment_matmul(x, f, config=dataclasses.replace(config, prefetch=True))
-  plain = fragment_matmul(x, f, config=config)
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
-  want = np.asarray(nvfp4_matmul_reference(x, w), np.float64)
-  assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
+  assert_same_product(*fragment_case(m, n, k, operands, m * 1000 + k), dataclasses.replace(config, prefetch=True),
+                      config)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_token_mask_changes_no_bit(m):
   """token_mask (fp16 operands: the padding tokens' activation words not loaded) reads zeros
   where the words hold zeros: the same bits, at M = 8 the same program."""
-  rng = np.random.default_rng(m)
-  x = jnp.asarray(rng.standard_normal((m, 640)), jnp.bfloat16)
-  f = to_fragments(quantize_nvfp4(jnp.asarray(rng.standard_normal((136, 640)), jnp.float32)), "float16")
   config = FragmentConfig(tiles=2, split_k=2, num_warps=1, unroll=2, tile_groups=2, rows_out=True)
-  got = fragment_matmul(x, f, config=dataclasses.replace(config, token_mask=True))
-  plain = fragment_matmul(x, f, config=config)
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
-  want = np.asarray(nvfp4_matmul_reference(x, from_fragments(f)), np.float64)
-  assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 4e-3
+  assert_same_product(*fragment_case(m, 136, 640, "float16", m), dataclasses.replace(config, token_mask=True), config)
 
 
 @pytest.mark.parametrize("m, n, k, config", [
