@@ -254,10 +254,10 @@ def test_prefetch_changes_no_bit(m, n, k, config, operands):
                       config)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3])
 def test_token_mask_changes_no_bit(m):
   """token_mask (fp16 operands: the padding tokens' activation words not loaded) reads zeros
-  where the words hold zeros: the same bits, at M = 8 the same program."""
+  where the words hold zeros: the same bits (at M = 8 nothing is masked)."""
   config = FragmentConfig(tiles=2, split_k=2, num_warps=1, unroll=2, tile_groups=2, rows_out=True)
   assert_same_product(*fragment_case(m, 136, 640, "float16", m), dataclasses.replace(config, token_mask=True), config)
 
