@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax._src import core as jax_core
 from jax._src import effects
-from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas import core as pallas_core
 from jax._src.pallas.triton import lowering
@@ -70,19 +69,26 @@ def _lowering(ctx: lowering.LoweringRuleContext, ptr, offsets, nbytes):
   [block_info, *_] = ctx.block_infos
   if block_info is None or tuple(block_info.block_shape) != tuple(block_info.full_shape_dtype.shape):
     raise NotImplementedError("prefetch_l2 takes a ref whose block is its whole array")
-  shape = ctx.avals_in[1].shape
-  addresses = lowering._add(lowering._bcast_to(ptr, shape), offsets)
-  i32 = ir.RankedTensorType.get(shape, ir.IntegerType.get_signless(32), ir.RankedTensorType(offsets.type).encoding)
-  tt_dialect.elementwise_inline_asm([i32], PREFETCH_PTX, constraints=PREFETCH_CONSTRAINTS, pure=False,
+  addresses = lowering._add(lowering._bcast_to(ptr, ctx.avals_in[1].shape), offsets)
+  # The asm's unused results: int32, as the offsets are.
+  tt_dialect.elementwise_inline_asm([offsets.type], PREFETCH_PTX, constraints=PREFETCH_CONSTRAINTS, pure=False,
                                     packed_element=PACK, args=[addresses, nbytes])
   return []
 
 
-def prefetch_l2(ref, address: Callable[[jax.Array], tuple[jax.Array, jax.Array]], *, num_warps: int) -> None:
+Address = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def prefetch_items(address: Address, *, num_warps: int) -> tuple[jax.Array, jax.Array]:
+  """The [num_warps * 128] int32 offsets and bytes of prefetch_l2's items, each thread's item at
+  the lead element of its pack (the other elements' bytes 0)."""
+  e = jnp.arange(num_warps * 32 * PACK, dtype=jnp.int32)
+  offsets, nbytes = address(e // PACK)
+  return offsets.astype(jnp.int32), jnp.where(e % PACK == 0, nbytes, 0).astype(jnp.int32)
+
+
+def prefetch_l2(ref, address: Address, *, num_warps: int) -> None:
   """Thread i of the program's num_warps warps prefetches item i into L2: address(item) -> (its
   first element's offset into `ref`, a whole-array ref; its bytes, a multiple of 16 from a
   16-byte aligned element, or 0 for none), as int32 arrays of item's shape."""
-  e = jnp.arange(num_warps * 32 * PACK, dtype=jnp.int32)
-  offsets, nbytes = address(e // PACK)
-  nbytes = jnp.where(e % PACK == 0, nbytes, 0)
-  l2_prefetch_p.bind(ref, offsets.astype(jnp.int32), nbytes.astype(jnp.int32))
+  l2_prefetch_p.bind(ref, *prefetch_items(address, num_warps=num_warps))

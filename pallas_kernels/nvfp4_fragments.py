@@ -537,13 +537,20 @@ def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k
     return load(x_ref, x_base + g * (k // 2) + column,
                 (g < m) & ((column < k // 2) if config.wide_x else (2 * column < k)), valid)
 
+  # Where things start, in u32 words (the layout in the module docstring), for the loads and the
+  # L2 prefetches alike: weight `expert`'s words and scales (bases), and from those, chunk c's
+  # words' half h and its scales at row tile `start`.
+  bases = lambda expert: (expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES))
+  word_offset = lambda base, c, h, start: base + (2 * c + h) * tiles * WORDS + start * WORDS
+  scale_offset = lambda base, c, start: base + c * tiles * LANES + start * LANES
+
   def chunk(c, expert=0, x_base=0, valid=None) -> tuple:
     """Chunk c's loads: per group the two halves' words and the scale words; the four
     activation arrays, once."""
-    words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
-    words = [[load(words, pl.ds(words_base + (2 * c + h) * tiles * WORDS + start * WORDS, size), ok, valid)
-              for h in range(2)] for (words, _), start, ok in zip(refs, starts, oks)]
-    scales = [load(scales, scales_base + c * tiles * LANES + start * LANES + scale_index, ok, valid)
+    words_base, scales_base = bases(expert)
+    words = [[load(words, pl.ds(word_offset(words_base, c, h, start), size), ok, valid) for h in range(2)]
+             for (words, _), start, ok in zip(refs, starts, oks)]
+    scales = [load(scales, scale_offset(scales_base, c, start) + scale_index, ok, valid)
               for (_, scales), start, ok in zip(refs, starts, oks)]
     return words, scales, [activations(c, a, x_base, valid) for a in range(4)]
 
@@ -562,16 +569,16 @@ def fragment_ops(x_ref, words_ref, scales_ref, block, lanes: Lanes, *, m: int, k
   span = jnp.minimum(group if paired else config.tiles, tiles - first_tile)
 
   def prefetch(first, count, end, expert=0) -> None:
-    words_base, scales_base = expert * (chunks * 2 * tiles * WORDS), expert * (chunks * tiles * LANES)
+    words_base, scales_base = bases(expert)
 
     def words_item(item):  # item 2u + h: half h of chunk first + u
       c = first + item // 2
-      return (words_base + (2 * c + item % 2) * tiles * WORDS + first_tile * WORDS,
+      return (word_offset(words_base, c, item % 2, first_tile),
               jnp.where((item < 2 * count) & (c < end), span * WORDS * 4, 0))
 
     def scales_item(item):  # item u: chunk first + u
       c = first + item
-      return scales_base + (c * tiles + first_tile) * LANES, jnp.where((item < count) & (c < end), span * LANES * 4, 0)
+      return scale_offset(scales_base, c, first_tile), jnp.where((item < count) & (c < end), span * LANES * 4, 0)
 
     for words, scales in (refs if paired else refs[:1]):
       prefetch_l2(words, words_item, num_warps=config.num_warps)

@@ -14,7 +14,7 @@ import pytest
 from experiments.kernel_ir import triton_kernels
 from glmjax.quant import quantize_nvfp4, to_fragments
 from pallas_kernels import nvfp4_fragments
-from pallas_kernels.l2_prefetch import PACK
+from pallas_kernels.l2_prefetch import prefetch_items
 from pallas_kernels.nvfp4_fragments import FragmentConfig, fragment_matmul
 from tests.fragment_checks import assert_same_product, fragment_case
 
@@ -43,10 +43,8 @@ def test_prefetches_cover_each_chunk_once_inside_its_array(monkeypatch, n, k, co
   issued = []
 
   def record(ref, address, *, num_warps):
-    e = jnp.arange(num_warps * 32 * PACK, dtype=jnp.int32)
-    offsets, nbytes = address(e // PACK)
     jax.debug.callback(lambda o, b, size=ref.shape[0]: issued.append((size, np.asarray(o), np.asarray(b))),
-                       offsets, jnp.where(e % PACK == 0, nbytes, 0))
+                       *prefetch_items(address, num_warps=num_warps))
 
   monkeypatch.setattr(nvfp4_fragments, "prefetch_l2", record)
   x, f = fragment_case(2, n, k, "bfloat16", n + k)
