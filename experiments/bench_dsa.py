@@ -158,7 +158,7 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
   timing loop's launch gaps and bookkeeping: glmjax.bench.own_kernel_us) and `kernels`,
   glmjax.bench.kernel_breakdown of the kernel path. contexts / query_tokens: override the shape
   set's (empty: keep). topk_methods: the top-k algorithms timed (indexer_topk and topk_indices
-  rows, one per method; a method other than radix is named in the kernel column). query_dtypes:
+  rows, one per method, TOPK_VARIANTS; a method other than radix is named in the kernel column). query_dtypes:
   the dtypes of the queries fed to the indexer and attention kernels (float32: three bf16 MMA
   terms; bfloat16: one), likewise named. mla_combines: how sparse MLA merges its splits
   (SparseMLAConfig.combine), likewise, or "values": the merge with kv_b's value product in one
@@ -186,7 +186,7 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
           select_ref = functools.partial(indexer_topk_reference, num_keys=context, k=s["k"])
           for method in topk_methods:
             select_fn = functools.partial(indexer_topk, num_keys=context, k=s["k"],
-                                          topk_config=TopKConfig(method=method))
+                                          topk_config=topk_variant(method))
             yield _row(_named("indexer_topk", q_tag, _method_tag(method)), case, select_fn, select_ref, args,
                        key_bytes + q_bytes + t * min(s["k"], context) * 4, timing, breakdown)
           args = (*(q.astype(queries) for q in fp32_mla_args[:2]), *fp32_mla_args[2:])
@@ -214,9 +214,17 @@ def dsa_rows(*, quick: bool = False, contexts: Sequence[int] = (), query_tokens:
     for data, scores in (("", normal), (" relu", relu)):
       for method in topk_methods:
         yield _row(_named("topk_indices", _method_tag(method)), f"rows={num_rows} n={n} k={k}{data}",
-                   functools.partial(topk_indices, k=k, config=TopKConfig(method=method)),
+                   functools.partial(topk_indices, k=k, config=topk_variant(method)),
                    functools.partial(topk_indices_reference, k=k), (scores,),
                    num_rows * (n + k) * 4, timing, breakdown)
+
+
+TOPK_VARIANTS = ("radix", "sampled", "one_launch")  # --topk_methods: the sampled method in one launch too
+
+
+def topk_variant(method: str) -> TopKConfig:
+  """The TopKConfig of a --topk_methods entry: a method, or "one_launch" (the sampled one in one launch)."""
+  return TopKConfig(one_launch=True) if method == "one_launch" else TopKConfig(method=method)
 
 
 def _method_tag(method: str) -> str:

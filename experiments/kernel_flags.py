@@ -4,7 +4,7 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm,
 --route_planes, --shared_swiglu, --next_norm, --swiglu, --moe_sum) with the DSA kernels'
---topk_method, --topk_trials, --topk_sample, --indexer_orientation, --indexer_splits,
+--topk_method, --topk_trials, --topk_sample, --topk_one_launch, --indexer_orientation, --indexer_splits,
 --indexer_block_k, --indexer_warps, --indexer_stages, --indexer_prefetch, --attention_warps,
 --attention_scales, --attention_block_n, the folds' --fold_splits, --indexer_queries,
 --attention_queries, --tensor_parallel, --fragment_operands and --expert_operands (`define`); glmjax.runtime.Runtime's
@@ -118,6 +118,8 @@ def define() -> Callable[[], dict[str, str | int]]:
       "topk_sample": flags.DEFINE_enum("topk_sample", "scores", list(SAMPLE_SOURCES),
                                        "where the sampled top-k's threshold reads its sample: scores (written by "
                                        "the scoring kernel) or row (gathered from the scores)"),
+      "topk_one_launch": flags.DEFINE_bool("topk_one_launch", False, "the sampled top-k's count, compaction and "
+                                           "select in one launch (look-back offsets; the last program selects)"),
       "topk_trials": flags.DEFINE_integer("topk_trials", 0, "the keys the sampled top-k's threshold search "
                                           "counts at per step: 0 (its default, 4), or a power of two <= 32 (1: one "
                                           "guess a step)"),

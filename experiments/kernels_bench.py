@@ -28,8 +28,11 @@ _SUITES = flags.DEFINE_list("suites", list(SUITES), "which suites to run")
 _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes (CPU smoke test)")
 _CONTEXTS = flags.DEFINE_list("contexts", [], "dsa: cached tokens per case (empty: 8K, 32K, 80K, 128K)")
 _QUERY = flags.DEFINE_list("query_tokens", [], "dsa: query tokens per step (empty: 1 and 5)")
-_TOPK = flags.DEFINE_list("topk_methods", ["radix", "sampled"],
-                          "dsa: top-k algorithms to time (pallas_kernels/topk.py)")
+_TOPK = flags.DEFINE_list("topk_methods", ["radix", "sampled"], "dsa: top-k algorithms to time "
+                          f"(pallas_kernels/topk.py), of {', '.join(bench_dsa.TOPK_VARIANTS)} (one_launch: the "
+                          "sampled method in one launch)")
+flags.register_validator("topk_methods", lambda methods: set(methods) <= set(bench_dsa.TOPK_VARIANTS),
+                         f"--topk_methods takes {', '.join(bench_dsa.TOPK_VARIANTS)}")
 _QUERIES = flags.DEFINE_list("query_dtypes", ["float32", "bfloat16"],
                              "dsa: dtypes of the queries fed to the indexer and attention kernels")
 _COMBINES = flags.DEFINE_list("mla_combines", ["xla", "pallas", "values"],

@@ -135,6 +135,9 @@ class Runtime:
   "scores" (the default: the scoring kernel writes it contiguously beside the scores; the count
   launch 2 us faster a layer on an H100, run 38) or "row" (gathered from the score row, runs
   17-37); the same selection.
+  topk_one_launch: the sampled top-k's count, compaction and select in one launch
+  (TopKConfig.one_launch: look-back offsets, the last program selects) instead of three; the same
+  selection.
   indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
   "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
   reduced across warps); the same scores up to the order of fp32 sums.
@@ -209,6 +212,7 @@ class Runtime:
   topk_method: str = "sampled"
   topk_trials: int = 0
   topk_sample: str = "scores"
+  topk_one_launch: bool = False
   indexer_orientation: str = "keys"
   indexer_splits: int = 0
   indexer_block_k: int = 0
@@ -313,10 +317,11 @@ class Runtime:
                                scale_rows=SCALE_PLACES[self.attention_scales])
 
   def topk_config(self):
-    """The Pallas top-k's TopKConfig, likewise, with topk_method's algorithm and topk_sample's source."""
+    """The Pallas top-k's TopKConfig, likewise, with topk_method's algorithm, topk_sample's source and
+    topk_one_launch."""
     from pallas_kernels.topk import TopKConfig
     return self._kernel_config(TopKConfig, dict(topk_trials="threshold_trials"), method=self.topk_method,
-                               sample_source=self.topk_sample)
+                               sample_source=self.topk_sample, one_launch=self.topk_one_launch)
 
   def _kernel_config(self, config_class, fields: dict[str, str], **fixed):
     """config_class(**fixed) with each non-zero Runtime field of `fields` (Runtime name -> config

@@ -145,6 +145,11 @@ class TopKConfig:
     (BENCHMARKS.md run 38; 5 rows of 81,920 indexer scores, k = 2048, cold L2) the count launch,
     which derives the threshold, went 8.68 -> 6.64 us with the scoring kernel unchanged (20.3
     -> 20.2); in the rank's step 8.14 -> 6.25 us a layer.
+  one_launch: the sampled method's count, compaction and select in one launch
+    (`_one_launch_kernel`: each program derives the threshold, takes the offsets of its chunk
+    from the lower splits' published counts, and the last program to finish selects), where
+    three launches wait for each other's whole grid; its state is a zeroed int32 row a row. Off
+    until timed.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
@@ -163,6 +168,7 @@ class TopKConfig:
   threshold_trials: int = 4
   select_trials: int = 1
   sample_source: str = "scores"
+  one_launch: bool = False
 
   def __post_init__(self):
     check_tile("TopKConfig", "block", self.block)
@@ -688,54 +694,95 @@ def _sample_threshold_kernel(row_ref, threshold_ref, *, sample: int, plan: Sampl
   threshold_ref[...] = _sample_threshold(row_ref, sample=sample, plan=plan, trials=trials)
 
 
-def _lane_tile(chunk_ref, i, *, start, n: int, lanes: int, width: int):
-  """Step i of a program's chunk cut into `lanes` contiguous segments, each read `width` scores a
-  step: (positions, in-row mask, scores -inf past the row), each [lanes, width]."""
-  stride = chunk_ref.shape[0] // lanes
-  offsets = (jnp.arange(lanes, dtype=jnp.int32)[:, None] * stride + i * width
+def _lane_tile(ref, i, *, start, chunk: int, n: int, lanes: int, width: int, whole_row: bool):
+  """Step i of the chunk at row position `start` cut into `lanes` contiguous segments, each read
+  `width` scores a step: (positions, in-row mask, scores -inf past the row), each [lanes, width].
+  ref holds the chunk (whole_row False) or the whole row."""
+  offsets = (jnp.arange(lanes, dtype=jnp.int32)[:, None] * (chunk // lanes) + i * width
              + jnp.arange(width, dtype=jnp.int32)[None, :])
   pos = start + offsets
   inside = pos < n
-  return pos, inside, pltriton.load(chunk_ref.at[offsets], mask=inside, other=-jnp.inf)
+  return pos, inside, pltriton.load(ref.at[pos if whole_row else offsets], mask=inside, other=-jnp.inf)
 
 
-def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_ref, *, n: int, lanes: int,
-                         width: int, sample: int, plan: SamplePlan, trials: int, own_threshold: bool):
-  """Per segment of this chunk (`_lane_tile`), the numbers of keys above the row's threshold and
-  equal to it, summed over the chunk in registers and reduced once at the end; the row's first
-  program also writes the threshold for the later launches. own_threshold: the program derives
-  the threshold from the row's sample itself (every program of the row the same one), which
-  saves a launch where the row's programs fit on the SMs at once."""
-  # chunk_ref [chunk] f32 ; source_ref [n] f32 (the whole row) if own_threshold else [] u32 (the
+def _chunk_counts(ref, threshold, *, start, chunk: int, tile: dict, whole_row: bool):
+  """Per segment of the chunk (`_lane_tile`; tile: its n, lanes and width), the numbers of keys
+  above the threshold and equal to it: [lanes] each, summed in registers, reduced once."""
+  lanes, width = tile["lanes"], tile["width"]
+
+  def body(i, counts):
+    _, inside, score = _lane_tile(ref, i, start=start, chunk=chunk, **tile, whole_row=whole_row)
+    above, tied = _against(order_key(score), inside, threshold)
+    return counts[0] + above.astype(jnp.int32), counts[1] + tied.astype(jnp.int32)
+
+  zeros = jnp.zeros((lanes, width), jnp.int32)
+  above, tied = lax.fori_loop(0, chunk // (lanes * width), body, (zeros, zeros))
+  return jnp.sum(above, axis=1), jnp.sum(tied, axis=1)
+
+
+def _compact_chunk(ref, threshold, buffers, slot0, tie0, *, tie_limit, scan_ties, start, chunk: int, tile: dict,
+                   whole_row: bool, capacity: int):
+  """The chunk's keys above the threshold -> the candidate buffers, from slot0 [lanes] on (one
+  offset a segment), and its keys equal to it whose rank among the row's ties, from tie0 [lanes]
+  on, is below tie_limit -> the tie buffer; both in index order. Candidates past `capacity` are
+  dropped (the select then falls back). The ties' scan runs only where scan_ties (a scalar)."""
+  # buffers: cand_ref [capacity] u32 (or None: positions only), cand_pos_ref [capacity] i32, tie_pos_ref [k_pow2] i32
+  cand_ref, cand_pos_ref, tie_pos_ref = buffers
+  lanes, width = tile["lanes"], tile["width"]
+
+  def body(i, carry):
+    slot0, tie0 = carry
+    pos, inside, score = _lane_tile(ref, i, start=start, chunk=chunk, **tile, whole_row=whole_row)
+    key = order_key(score)
+    above, tied = _against(key, inside, threshold)
+    above_i, tied_i = above.astype(jnp.int32), tied.astype(jnp.int32)
+    slot = slot0[:, None] + _exclusive_cumsum(above_i, axis=1)
+    fits = above & (slot < capacity)
+    if cand_ref is not None:
+      pltriton.store(cand_ref.at[jnp.where(fits, slot, capacity)], key, mask=fits)
+    pltriton.store(cand_pos_ref.at[jnp.where(fits, slot, capacity)], pos, mask=fits)
+
+    def store_ties():
+      tie_rank = tie0[:, None] + _exclusive_cumsum(tied_i, axis=1)
+      first = tied & (tie_rank < tie_limit)
+      pltriton.store(tie_pos_ref.at[jnp.where(first, tie_rank, tie_pos_ref.shape[0])], pos, mask=first)
+      return tie0 + jnp.sum(tied_i, axis=1)
+
+    # Usually the keys above fill k and no tie is wanted: skip the second scan.
+    return slot0 + jnp.sum(above_i, axis=1), lax.cond(scan_ties, store_ties, lambda: tie0)
+
+  lax.fori_loop(0, chunk // (lanes * width), body, (slot0, tie0))
+
+
+def _sample_count_kernel(chunk_ref, source_ref, threshold_ref, above_ref, tied_ref, *, tile: dict, sample: int,
+                         plan: SamplePlan, trials: int, own_threshold: bool):
+  """Per segment of this chunk (`_chunk_counts`), the numbers of keys above the row's threshold
+  and equal to it; the row's first program also writes the threshold for the later launches.
+  own_threshold: the program derives the threshold from the row's sample itself (every program
+  of the row the same one), which saves a launch where the row's programs fit on the SMs at once."""
+  # chunk_ref [chunk] f32 ; source_ref [n] f32 (the whole row) or [sample] f32 if own_threshold else [] u32 (the
   # row's threshold) ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [lanes] i32 (this program's)
   threshold = (_sample_threshold(source_ref, sample=sample, plan=plan, trials=trials) if own_threshold
                else source_ref[...])
   s = pl.program_id(1)
-  start = s * chunk_ref.shape[0]
-
-  def body(i, counts):
-    _, inside, score = _lane_tile(chunk_ref, i, start=start, n=n, lanes=lanes, width=width)
-    above, tied = _against(order_key(score), inside, threshold)
-    return counts[0] + above.astype(jnp.int32), counts[1] + tied.astype(jnp.int32)
 
   @pl.when(s == 0)
   def _():
     threshold_ref[...] = threshold
 
-  zeros = jnp.zeros((lanes, width), jnp.int32)
-  above, tied = lax.fori_loop(0, chunk_ref.shape[0] // (lanes * width), body, (zeros, zeros))
-  above_ref[...], tied_ref[...] = jnp.sum(above, axis=1), jnp.sum(tied, axis=1)
+  chunk = chunk_ref.shape[0]
+  above_ref[...], tied_ref[...] = _chunk_counts(chunk_ref, threshold, start=s * chunk, chunk=chunk, tile=tile,
+                                                whole_row=False)
 
 
-def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *outs, n: int, k: int, lanes: int, width: int,
-                    capacity: int, candidate_keys: bool):
+def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *outs, k: int, tile: dict, capacity: int,
+                    candidate_keys: bool):
   """This chunk's keys above the threshold -> the row's candidate buffer, and its keys equal to
-  the threshold that are among the row's first (k - keys above) of them -> the tie buffer; both
-  in index order. Each segment of the chunk (`_lane_tile`) starts at the offset that the counts
-  of the segments before it give and scans its own scores: with lanes of one warp's width, the
-  scans need no exchange between warps. Candidates past `capacity` are dropped (the select then
-  falls back). The row's first program also writes the row's totals, so the select starts
-  from scalars, not reductions."""
+  the threshold that are among the row's first (k - keys above) of them -> the tie buffer
+  (`_compact_chunk`). Each segment of the chunk starts at the offset that the counts of the
+  segments before it give and scans its own scores: with lanes of one warp's width, the scans
+  need no exchange between warps. The row's first program also writes the row's totals, so the
+  select starts from scalars, not reductions."""
   # chunk_ref [chunk] f32 ; threshold_ref [] u32 (the row's) ; above_ref, tied_ref [segments] i32
   # (the row's, segment = program * lanes + lane) ; outs: cand_ref [capacity] u32 keys (where
   # candidate_keys), cand_pos_ref [capacity] i32, tie_pos_ref [k_pow2] i32 (the row's),
@@ -743,7 +790,7 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *outs, n: int
   cand_ref, (cand_pos_ref, tie_pos_ref, row_above_ref, row_tied_ref) = (
       (outs[0], outs[1:]) if candidate_keys else (None, outs))
   s = pl.program_id(1)
-  threshold = threshold_ref[...]
+  lanes = tile["lanes"]
   above_counts, tied_counts = above_ref[...], tied_ref[...]
   above_total = jnp.sum(above_counts)
   ties_wanted = k - above_total  # <= 0 when the keys above fill k
@@ -757,29 +804,11 @@ def _compact_kernel(chunk_ref, threshold_ref, above_ref, tied_ref, *outs, n: int
     earlier = jnp.sum(jnp.where(jnp.arange(counts.shape[0], dtype=jnp.int32) < s * lanes, counts, 0))
     return earlier + _exclusive_cumsum(counts_ref[pl.ds(s * lanes, lanes)])
 
-  def body(i, carry):
-    slot0, tie0 = carry
-    pos, inside, score = _lane_tile(chunk_ref, i, start=s * chunk_ref.shape[0], n=n, lanes=lanes, width=width)
-    key = order_key(score)
-    above, tied = _against(key, inside, threshold)
-    above_i, tied_i = above.astype(jnp.int32), tied.astype(jnp.int32)
-    slot = slot0[:, None] + _exclusive_cumsum(above_i, axis=1)
-    fits = above & (slot < capacity)
-    if cand_ref is not None:
-      pltriton.store(cand_ref.at[jnp.where(fits, slot, capacity)], key, mask=fits)
-    pltriton.store(cand_pos_ref.at[jnp.where(fits, slot, capacity)], pos, mask=fits)
-
-    def store_ties():
-      tie_rank = tie0[:, None] + _exclusive_cumsum(tied_i, axis=1)
-      first = tied & (tie_rank < ties_wanted)
-      pltriton.store(tie_pos_ref.at[jnp.where(first, tie_rank, k)], pos, mask=first)
-      return tie0 + jnp.sum(tied_i, axis=1)
-
-    # Usually the keys above fill k and no tie is wanted: skip the second scan.
-    return slot0 + jnp.sum(above_i, axis=1), lax.cond(ties_wanted > 0, store_ties, lambda: tie0)
-
-  lax.fori_loop(0, chunk_ref.shape[0] // (lanes * width), body,
-                (offsets(above_ref, above_counts), offsets(tied_ref, tied_counts)))
+  chunk = chunk_ref.shape[0]
+  _compact_chunk(chunk_ref, threshold_ref[...], (cand_ref, cand_pos_ref, tie_pos_ref),
+                 offsets(above_ref, above_counts), offsets(tied_ref, tied_counts), tie_limit=ties_wanted,
+                 scan_ties=ties_wanted > 0, start=s * chunk, chunk=chunk, tile=tile, whole_row=False,
+                 capacity=capacity)
 
 
 def _select_candidates(out_ref, candidate_keys, cand_pos_ref, tie_pos_ref, threshold, above, tied, *, k: int,
@@ -811,17 +840,15 @@ def _select_candidates(out_ref, candidate_keys, cand_pos_ref, tie_pos_ref, thres
   pltriton.store(out_ref.at[jnp.where(empty, j, k)], jnp.full((k_pow2,), -1, jnp.int32), mask=empty)
 
 
-def _sampled_select_kernel(*refs, k: int, n: int, block: int, candidate_keys: bool, trials: int):
+def _select_row(buffers, row_ref, out_ref, fallback_ref, threshold, above, tied, *, k: int, n: int, block: int,
+                trials: int):
   """Top k from the buffers when they hold it: the candidates fit, and they with the threshold's
   ties reach k (or the threshold is 0: every valid key is a candidate). Otherwise (a sample
   more than 4 sigma off, or a row of many equal scores above the k-th) the histogram select
-  over the whole row: exact either way."""
-  # refs: cand_ref [capacity] u32 (where candidate_keys) ; cand_pos_ref [capacity] i32 ; tie_pos_ref
-  # [k_pow2] i32 ; row_ref [n] f32 ; threshold_ref [] u32, above_ref, tied_ref [] i32 (the row's) ;
-  # out_ref [k] i32 ; fallback_ref [] i32
-  cand_ref, (cand_pos_ref, tie_pos_ref, row_ref, threshold_ref, above_ref, tied_ref, out_ref, fallback_ref) = (
-      (refs[0], refs[1:]) if candidate_keys else (None, refs))
-  threshold, above, tied = threshold_ref[...], above_ref[...], tied_ref[...]
+  over the whole row: exact either way. above, tied: the row's totals."""
+  # buffers: cand_ref [capacity] u32 (or None) ; cand_pos_ref [capacity] i32 ; tie_pos_ref [k_pow2] i32 ;
+  # row_ref [n] f32 ; out_ref [k] i32 ; fallback_ref [] i32
+  cand_ref, cand_pos_ref, tie_pos_ref = buffers
   fast = (above <= cand_pos_ref.shape[0]) & ((above + tied >= k) | (threshold == 0))
 
   def whole_row():
@@ -838,6 +865,78 @@ def _sampled_select_kernel(*refs, k: int, n: int, block: int, candidate_keys: bo
                                  above, tied, k=k, trials=trials)
   lax.cond(fast, candidates, whole_row)
   fallback_ref[...] = 1 - fast.astype(jnp.int32)
+
+
+def _sampled_select_kernel(*refs, candidate_keys: bool, **select):
+  """The select launch: `_select_row` from the compaction's buffers and row totals."""
+  # refs: cand_ref [capacity] u32 (where candidate_keys) ; cand_pos_ref [capacity] i32 ; tie_pos_ref
+  # [k_pow2] i32 ; row_ref [n] f32 ; threshold_ref [] u32, above_ref, tied_ref [] i32 (the row's) ;
+  # out_ref [k] i32 ; fallback_ref [] i32
+  cand_ref, (cand_pos_ref, tie_pos_ref, row_ref, threshold_ref, above_ref, tied_ref, out_ref, fallback_ref) = (
+      (refs[0], refs[1:]) if candidate_keys else (None, refs))
+  _select_row((cand_ref, cand_pos_ref, tie_pos_ref), row_ref, out_ref, fallback_ref, threshold_ref[...],
+              above_ref[...], tied_ref[...], **select)
+
+
+# The one-launch select's row state (int32, zero before the launch): the programs' tickets, their
+# finished count, then each split's (keys above, keys tied) + 1, 0 until it publishes them.
+_TICKET, _DONE, _PUBLISHED = 0, 1, 2
+
+
+def _published(state_ref, splits: int) -> jax.Array:
+  """The row's published counts [2 * splits] (above of split j at j, tied at splits + j; each + 1,
+  0 while unpublished), by volatile loads: L2's values, never a copy cached before they landed.
+  (Not atomics: Pallas lowers an atomic add of an int32 vector as a float add, jax 0.11.2.)"""
+  return pltriton.load(state_ref.at[pl.ds(_PUBLISHED, 2 * splits)], volatile=True)
+
+
+def _cta_barrier(interpret: bool) -> None:
+  """All of the program's threads here before any goes on (the interpreter runs one thread)."""
+  if not interpret:
+    pltriton.debug_barrier()
+
+
+def _one_launch_kernel(row_ref, source_ref, _, *outs, k: int, splits: int, chunk: int, tile: dict, sample: int,
+                       plan: SamplePlan, threshold_trials: int, select: dict, candidate_keys: bool, interpret: bool):
+  """The sampled method's threshold, count, compaction and select in one launch. A program takes
+  the next split of its row by ticket (an atomic counter: every lower ticket's program has
+  started, so waiting on them cannot deadlock), derives the threshold from the sample, counts
+  its chunk, publishes its counts, waits for the lower splits' (decoupled look-back), and
+  compacts its chunk from their sum on; the program that finishes last selects the row's top k.
+  Ties are kept up to k (the row's count above is unknown until every split publishes); the
+  select takes the first (k - above) of them."""
+  # row_ref [n] f32 ; source_ref [sample] or [n] f32 (the threshold's sample, or the row) ; outs: cand_ref
+  # [capacity] u32 (where candidate_keys), cand_pos_ref [capacity] i32, tie_pos_ref [k_pow2] i32, out_ref [k]
+  # i32, fallback_ref [] i32, state_ref [2 + 2 * splits] i32 (the row's; its input twin goes unread)
+  cand_ref, outs = (outs[0], outs[1:]) if candidate_keys else (None, outs)
+  cand_pos_ref, tie_pos_ref, out_ref, fallback_ref, state_ref = outs
+  buffers = (cand_ref, cand_pos_ref, tie_pos_ref)
+  s = pltriton.atomic_add(state_ref, (jnp.int32(_TICKET),), jnp.int32(1))
+  threshold = _sample_threshold(source_ref, sample=sample, plan=plan, trials=threshold_trials)
+  start = s * chunk
+  above, tied = _chunk_counts(row_ref, threshold, start=start, chunk=chunk, tile=tile, whole_row=True)
+  own_tied = jnp.sum(tied)
+  pltriton.atomic_add(state_ref, (_PUBLISHED + s,), jnp.sum(above) + 1)
+  pltriton.atomic_add(state_ref, (_PUBLISHED + splits + s,), own_tied + 1)
+  split = jnp.arange(2 * splits, dtype=jnp.int32) % splits
+  is_above = jnp.arange(2 * splits, dtype=jnp.int32) < splits
+  earlier = split < s
+  counts = lax.while_loop(lambda c: jnp.min(jnp.where(earlier, c, 1)) == 0, lambda c: _published(state_ref, splits),
+                          _published(state_ref, splits))
+  before = lambda mine: jnp.sum(jnp.where(earlier & mine, counts - 1, 0))
+  earlier_above, earlier_tied = before(is_above), before(~is_above)
+  _compact_chunk(row_ref, threshold, buffers, earlier_above + _exclusive_cumsum(above),
+                 earlier_tied + _exclusive_cumsum(tied), tie_limit=k, scan_ties=(own_tied > 0) & (earlier_tied < k),
+                 start=start, chunk=chunk, tile=tile, whole_row=True, capacity=cand_pos_ref.shape[0])
+  _cta_barrier(interpret)  # every thread's stores before the release of the count below
+  done = pltriton.atomic_add(state_ref, (jnp.int32(_DONE),), jnp.int32(1))
+
+  @pl.when(done == splits - 1)  # the last to finish: every split's buffers are written
+  def _():
+    totals = _published(state_ref, splits) - 1
+    row_total = lambda mine: jnp.sum(jnp.where(mine, totals, 0))
+    _select_row(buffers, row_ref, out_ref, fallback_ref, threshold, row_total(is_above), row_total(~is_above),
+                **select)
 
 
 def few_row_splits(rows: int, splits: int) -> int:
@@ -866,6 +965,32 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
   few = rows <= FEW_ROWS and plan.capacity <= 8 * 32 * KEYS_PER_THREAD
   select_warps = config.select_warps or (8 if few else 16)
   sampled, sampled_spec = (scores, row_spec(n)) if sample is None else (sample, row_spec(config.sample))
+  lanes = config.lanes
+  tile = dict(n=n, lanes=lanes, width=block // lanes)
+  stored = config.candidate_keys  # the candidates' keys (u32), in a buffer of their own
+  buffer_specs = [row_spec(plan.capacity)] * (1 + stored) + [row_spec(k_pow2)]
+  buffer_shapes = [*[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32)] * stored,
+                   jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32),
+                   jax.ShapeDtypeStruct((rows, k_pow2), jnp.int32)]
+  result_specs = [row_spec(k), per_row]
+  result_shapes = [jax.ShapeDtypeStruct((rows, k), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)]
+  select = dict(k=k, n=n, block=config.block, trials=config.select_trials)
+  if config.one_launch:
+    state = jnp.zeros((rows, _PUBLISHED + 2 * splits), jnp.int32)
+    state_spec = row_spec(_PUBLISHED + 2 * splits)
+    return pl.pallas_call(
+        functools.partial(_one_launch_kernel, k=k, splits=splits, chunk=chunk, tile=tile, sample=config.sample,
+                          plan=plan, threshold_trials=config.threshold_trials, select=select, candidate_keys=stored,
+                          interpret=interpret),
+        grid=(rows, splits),
+        in_specs=[row_spec(n), sampled_spec, state_spec],
+        out_specs=[*buffer_specs, *result_specs, state_spec],
+        out_shape=[*buffer_shapes, *result_shapes, jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        input_output_aliases={2: len(buffer_shapes) + 2},
+        compiler_params=_params(config, select_warps),
+        interpret=interpret,
+        name="topk_one_launch",
+    )(scores, sampled, state)[-3:-1]
   if own_threshold:
     source, source_spec = sampled, sampled_spec
   else:
@@ -879,13 +1004,11 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
         interpret=interpret,
         name="topk_sample_threshold",
     )(sampled), per_row
-  lanes = config.lanes
   segments = splits * lanes  # of a row: a program's lanes, program by program
-  tile = dict(n=n, lanes=lanes, width=block // lanes)
   per_program = pl.BlockSpec((None, lanes), lambda r, s: (r, s))
   threshold, above, tied = pl.pallas_call(
-      functools.partial(_sample_count_kernel, **tile, sample=config.sample, plan=plan, trials=config.threshold_trials,
-                        own_threshold=own_threshold),
+      functools.partial(_sample_count_kernel, tile=tile, sample=config.sample, plan=plan,
+                        trials=config.threshold_trials, own_threshold=own_threshold),
       grid=(rows, splits),
       in_specs=[chunk_spec, source_spec],
       out_specs=[per_row, per_program, per_program],
@@ -895,27 +1018,22 @@ def sampled_select(scores: jax.Array, k: int, plan: SamplePlan, *, config: TopKC
       interpret=interpret,
       name="topk_sample_count",
   )(scores, source)
-  stored = config.candidate_keys  # the candidates' keys (u32), in a buffer of their own
   buffers = pl.pallas_call(
-      functools.partial(_compact_kernel, **tile, k=k, capacity=plan.capacity, candidate_keys=stored),
+      functools.partial(_compact_kernel, tile=tile, k=k, capacity=plan.capacity, candidate_keys=stored),
       grid=(rows, splits),
       in_specs=[chunk_spec, per_row, row_spec(segments), row_spec(segments)],
-      out_specs=[row_spec(plan.capacity)] * (1 + stored) + [row_spec(k_pow2)] + [per_row] * 2,
-      out_shape=[*[jax.ShapeDtypeStruct((rows, plan.capacity), jnp.uint32)] * stored,
-                 jax.ShapeDtypeStruct((rows, plan.capacity), jnp.int32),
-                 jax.ShapeDtypeStruct((rows, k_pow2), jnp.int32),
-                 *[jax.ShapeDtypeStruct((rows,), jnp.int32)] * 2],
+      out_specs=[*buffer_specs, per_row, per_row],
+      out_shape=[*buffer_shapes, *[jax.ShapeDtypeStruct((rows,), jnp.int32)] * 2],
       compiler_params=_params(config),
       interpret=interpret,
       name="topk_compact",
   )(scores, threshold, above, tied)
   return pl.pallas_call(
-      functools.partial(_sampled_select_kernel, k=k, n=n, block=config.block, candidate_keys=stored,
-                        trials=config.select_trials),
+      functools.partial(_sampled_select_kernel, candidate_keys=stored, **select),
       grid=(rows,),
-      in_specs=[row_spec(plan.capacity)] * (1 + stored) + [row_spec(k_pow2), row_spec(n), *[per_row] * 3],
-      out_specs=[row_spec(k), per_row],
-      out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)],
+      in_specs=[*buffer_specs, row_spec(n), *[per_row] * 3],
+      out_specs=result_specs,
+      out_shape=result_shapes,
       compiler_params=_params(config, select_warps),
       interpret=interpret,
       name="topk_sampled_select",

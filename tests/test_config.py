@@ -285,8 +285,8 @@ def test_runtime_indexer_scores_fields_name_their_bad_value(field, bad, message,
 
 
 def test_runtime_topk_trials_reach_the_topk_config():
-  """topk_trials (0: the kernel's default), topk_method and topk_sample make the TopKConfig the
-  attention reads; a bad trial count is an error naming the field."""
+  """topk_trials (0: the kernel's default), topk_method, topk_sample and topk_one_launch make the
+  TopKConfig the attention reads; a bad trial count is an error naming the field."""
   from glmjax.runtime import Runtime
   from pallas_kernels.topk import TopKConfig
   with pytest.raises(ValueError, match="topk_trials must be 0 .*threshold_trials must be a power of two >= 1, got 3"):
@@ -294,6 +294,7 @@ def test_runtime_topk_trials_reach_the_topk_config():
   assert Runtime().topk_config() == TopKConfig()
   assert Runtime(topk_trials=1, topk_method="radix").topk_config() == TopKConfig(threshold_trials=1, method="radix")
   assert Runtime(topk_sample="row").topk_config() == TopKConfig(sample_source="row")
+  assert Runtime(topk_one_launch=True).topk_config() == TopKConfig(one_launch=True)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "fewest", 2.0, True])

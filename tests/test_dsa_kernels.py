@@ -179,35 +179,40 @@ SAMPLED = TopKConfig(block=64, method="sampled", sample=256, scan_block=64)
 _sampled_select = jax.jit(topk.sampled_select, static_argnames=("k", "plan", "config", "interpret"))
 
 
-def _sampled(scores, k, lanes=None, keys=True, trials=(4, 1)):
+def _sampled(scores, k, lanes=None, keys=True, trials=(4, 1), one_launch=False):
   config = dataclasses.replace(SAMPLED, scan_lanes=lanes, candidate_keys=keys, threshold_trials=trials[0],
-                               select_trials=trials[1])
+                               select_trials=trials[1], one_launch=one_launch)
   plan = topk.sample_plan(scores.shape[-1], k, config.sample)
   assert plan is not None
   got, fallback = _sampled_select(scores, k, plan, config=config, interpret=True)
   return np.asarray(got), np.asarray(fallback)
 
 
-@pytest.mark.parametrize("kind,lanes,keys,trials", [
-    ("normal", 1, True, (4, 1)), ("normal", 4, True, (4, 1)), ("ties", 4, True, (4, 1)), ("close", 1, True, (4, 1)),
-    ("normal", 4, False, (4, 1)), ("ties", 1, False, (4, 1)), ("normal", 4, True, (1, 8)), ("ties", 4, True, (1, 8))])
-def test_sampled_topk_matches_reference(kind, lanes, keys, trials):
+@pytest.mark.parametrize("kind,lanes,keys,trials,one_launch", [
+    ("normal", 1, True, (4, 1), False), ("normal", 4, True, (4, 1), False), ("ties", 4, True, (4, 1), False),
+    ("close", 1, True, (4, 1), False), ("normal", 4, False, (4, 1), False), ("ties", 1, False, (4, 1), False),
+    ("normal", 4, True, (1, 8), False), ("ties", 4, True, (1, 8), False),
+    ("normal", 4, True, (4, 1), True), ("ties", 1, False, (4, 1), True), ("close", 4, True, (1, 8), True)])
+def test_sampled_topk_matches_reference(kind, lanes, keys, trials, one_launch):
   """The sampled method at awkward sizes (n not a multiple of the block or the sample), rows
   with every entry valid, many, exactly k, fewer than k (the threshold is then 0: every valid
   score is a candidate) and none. "close" rows share one 16-bit key prefix: the full-key
   threshold still separates them, so no row falls back. Count and compaction scan their chunks
   as one block a step (lanes=1) or as 4 segments (positions in index order either way); the
   select reads the candidates' stored keys or gathers them from the row by position; the
-  threshold's and the select's searches count at one key a step or several."""
+  threshold's and the select's searches count at one key a step or several. With one_launch the
+  three launches are one: offsets from the lower splits' published counts, the last program
+  selecting."""
   n, k = 4099, 61
   scores = _score_rows(_rng(4), (n, 3000, k, 40, 0), n, kind)
-  got, fallback = _sampled(scores, k, lanes, keys, trials)
+  got, fallback = _sampled(scores, k, lanes, keys, trials, one_launch)
   _assert_same_sets(got, np.asarray(topk_indices_reference(scores, k)))
   np.testing.assert_array_equal(fallback, 0)
 
 
-@pytest.mark.parametrize("lanes,keys", [(1, True), (4, True), (4, False)])
-def test_sampled_topk_threshold_on_a_mass_of_ties(lanes, keys):
+@pytest.mark.parametrize("lanes,keys,one_launch", [(1, True, False), (4, True, False), (4, False, False),
+                                                   (4, True, True)])
+def test_sampled_topk_threshold_on_a_mass_of_ties(lanes, keys, one_launch):
   """ReLU-summed indexer scores: fewer positive scores than k and a mass of exact zeros, so the
   threshold lands on +0.0. The candidates (the positives) and the first zeros by position form
   the answer without the fallback; a row whose threshold falls among distinct negatives (zeros
@@ -219,14 +224,15 @@ def test_sampled_topk_threshold_on_a_mass_of_ties(lanes, keys):
   rows[0, rng.permutation(n)[:900]] = -rng.uniform(0.1, 2.0, 900)
   rows[1] = -rng.uniform(0.1, 2.0, n)
   rows[1, rng.permutation(n)[:20]] = 0.0
-  got, fallback = _sampled(jnp.asarray(rows), k, lanes, keys)
+  got, fallback = _sampled(jnp.asarray(rows), k, lanes, keys, one_launch=one_launch)
   np.testing.assert_array_equal(fallback, 0)
   _assert_same_sets(got, np.asarray(topk_indices_reference(jnp.asarray(rows), k)))
   positives, zeros = np.flatnonzero(rows[0] > 0), np.flatnonzero(rows[0] == 0)
   assert set(got[0]) == set(positives) | set(zeros[:k - len(positives)])
 
 
-def test_sampled_topk_falls_back_when_the_sample_misleads():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_sampled_topk_falls_back_when_the_sample_misleads(one_launch):
   """Every sampled position (a multiple of the stride) holds a large score, every other one a
   small score: the threshold lands above the k-th score, the candidates are too few, and the
   select over the whole row still returns the exact set (lowest positions first on ties)."""
@@ -235,7 +241,7 @@ def test_sampled_topk_falls_back_when_the_sample_misleads():
   x = np.full((2, n), 1.0, np.float32)
   x[:, ::plan.stride] = 50.0 + _rng(5).random((2, len(range(0, n, plan.stride))))
   x[1, 7] = 0.5   # a row whose ties at 1.0 are broken by position
-  got, fallback = _sampled(jnp.asarray(x), k)
+  got, fallback = _sampled(jnp.asarray(x), k, one_launch=one_launch)
   assert fallback.all()
   ref = np.asarray(topk_indices_reference(jnp.asarray(x), k))
   np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(ref, axis=1))
@@ -244,11 +250,15 @@ def test_sampled_topk_falls_back_when_the_sample_misleads():
 def test_sampled_topk_few_rows_take_one_launch_fewer():
   """Up to FEW_ROWS rows, the splits shrink until the programs fit on the SMs, which then derive
   the threshold themselves: count, compaction and select (3 launches); 64 rows keep the
-  threshold's own launch (4). Five rows of 81,920 is a speculative decode step at 80K."""
+  threshold's own launch (4); with one_launch, one at any row count. Five rows of 81,920 is a
+  speculative decode step at 80K."""
   launches = lambda rows, n: kernel_launches(jax.make_jaxpr(lambda x: topk_indices(x, 2048))(
       jax.ShapeDtypeStruct((rows, n), jnp.float32)).jaxpr)
   assert launches(5, 81920) == launches(1, 131072) == launches(8, 131072) == 3
   assert launches(64, 131072) == 4
+  one = lambda rows: kernel_launches(jax.make_jaxpr(lambda x: topk_indices(
+      x, 2048, config=TopKConfig(one_launch=True)))(jax.ShapeDtypeStruct((rows, 81920), jnp.float32)).jaxpr)
+  assert one(5) == one(64) == 1
   assert topk.few_row_splits(5, 32) == 16 and topk.few_row_splits(64, 8) == 8
 
 
@@ -639,6 +649,9 @@ def test_lowers_for_h200():
       # One row: its programs derive the threshold themselves (no launch of its own).
       (lambda x: topk_indices(x, 2048, config=TopKConfig(method="sampled"), interpret=False),
        (s((1, 131072), f32),)),
+      # The sampled method in one launch (tickets, look-back, the last program selects).
+      (lambda x: topk_indices(x, 2048, config=TopKConfig(one_launch=True), interpret=False),
+       (s((5, 81920), f32),)),
       # The select gathering the candidates' keys from the row.
       (lambda x: topk_indices(x, 2048, config=TopKConfig(candidate_keys=False), interpret=False),
        (s((64, 131072), f32),)),
