@@ -392,8 +392,9 @@ def test_indexer_topk_reads_the_scoring_kernels_sample(t, orientation):
   """The sampled top-k's threshold reads the sample the scoring kernel writes beside the scores
   (sample_source="scores") or gathers it from the score rows ("row"): the kernel's sample is
   topk.strided_sample of its scores, bit for bit (11 tokens: two query groups, padded; either
-  orientation of the kernel's MMA), and the two selections are the same exact top-k. A sample
-  of the wrong shape or one past the row is an error."""
+  orientation of the kernel's MMA), and the two selections, and the one-launch top-k's from the
+  kernel's sample, are the same exact top-k. A sample of the wrong shape or one past the row is
+  an error."""
   max_pages, k = 256, 64  # 4096 keys: long enough for a 256-score sample
   num_keys = max_pages * PAGE
   args = _indexer_inputs(50 + t, t, fp8=True, lengths=(4000, 2500), max_pages=max_pages)
@@ -407,7 +408,10 @@ def test_indexer_topk_reads_the_scoring_kernels_sample(t, orientation):
   got = {source: np.asarray(indexer_topk(*args, num_keys=num_keys, k=k, scores_config=scores_config,
                                          topk_config=dataclasses.replace(config, sample_source=source)))
          for source in topk.SAMPLE_SOURCES}
+  one_launch = np.asarray(indexer_topk(*args, num_keys=num_keys, k=k, scores_config=scores_config,
+                                      topk_config=dataclasses.replace(config, one_launch=True)))
   np.testing.assert_array_equal(got["scores"], got["row"])
+  np.testing.assert_array_equal(one_launch, got["scores"])
   _assert_same_sets(got["scores"], np.asarray(topk_indices_reference(scores, k)))
   with pytest.raises(ValueError, match="sample must be float32"):
     topk_indices(scores, k, config=config, sample=sample[..., :128])
