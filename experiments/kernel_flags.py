@@ -4,12 +4,12 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm,
 --route_planes, --shared_swiglu, --next_norm, --swiglu, --moe_sum) with the DSA kernels'
---topk_method, --topk_trials, --topk_sample, --topk_one_launch, --indexer_orientation, --indexer_splits,
---indexer_block_k, --indexer_warps, --indexer_stages, --indexer_prefetch, --attention_warps,
---attention_scales, --attention_block_n, the folds' --fold_splits, --indexer_queries,
---attention_queries, --tensor_parallel, --fragment_operands and --expert_operands (`define`); glmjax.runtime.Runtime's
-fields of those names. `define` also defines --preset (configs/runs.py), which the experiment's
-main applies first (`apply_preset`)."""
+--topk_method, --topk_trials, --topk_sample, --topk_one_launch, --warm_o_proj,
+--indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --indexer_stages,
+--indexer_prefetch, --attention_warps, --attention_scales, --attention_block_n, the folds'
+--fold_splits, --indexer_queries, --attention_queries, --tensor_parallel, --fragment_operands and
+--expert_operands (`define`); glmjax.runtime.Runtime's fields of those names. `define` also
+defines --preset (configs/runs.py), which the experiment's main applies first (`apply_preset`)."""
 
 from typing import Callable
 
@@ -120,6 +120,8 @@ def define() -> Callable[[], dict[str, str | int]]:
                                        "the scoring kernel) or row (gathered from the scores)"),
       "topk_one_launch": flags.DEFINE_bool("topk_one_launch", False, "the sampled top-k's count, compaction and "
                                            "select in one launch (look-back offsets; the last program selects)"),
+      "warm_o_proj": flags.DEFINE_bool("warm_o_proj", False, "the sparse MLA launch prefetches the layer's o_proj "
+                                       "weight into L2 for the GEMV after it (the same values)"),
       "topk_trials": flags.DEFINE_integer("topk_trials", 0, "the keys the sampled top-k's threshold search "
                                           "counts at per step: 0 (its default, 4), or a power of two <= 32 (1: one "
                                           "guess a step)"),

@@ -116,6 +116,7 @@ class MLAttention(nn.Module):
       kv_b = kv_b if isinstance(kv_b, jax.Array) else kv_b.dequantize(jnp.float32)  # used raw (absorbed)
       kv_b = kv_b.reshape(h, nope + v, r)
 
+    o_proj = Weight((c.hidden_size, h * v), ("embed", "heads"), self.param_dtype, name="o_proj")()
     if cache is None:
       q_nope, q_pe = self._query(q_resid, q_b, cos, sin, runtime)
       idx = self._index(indexer, x, q_resid, cos, sin, runtime)
@@ -126,8 +127,7 @@ class MLAttention(nn.Module):
                                                      None if indexer is None else indexer.wq_b())
       idx = self._index(indexer, x, q_resid, cos, sin, runtime, finished_keys=index_keys, **index_q)
       out, topk, new_layer = self._cached(q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions,
-                                          cache, cache_slot, runtime, written)
-    o_proj = Weight((c.hidden_size, h * v), ("embed", "heads"), self.param_dtype, name="o_proj")()
+                                          cache, cache_slot, runtime, written, o_proj)
     out = out.reshape(b, t, h * v).astype(self.dtype)
     impls = dict(impl=runtime.matmul, dense=runtime.dense_matmul, dtype=self.dtype)
     if o_partials:
@@ -234,9 +234,10 @@ class MLAttention(nn.Module):
     return jnp.einsum("bhts,bshv->bthv", probs, values), prev_topk
 
   def _cached(self, q_latent, q_pe, latent, k_pe, kv_b, idx, prev_topk, positions, cache, cache_slot, runtime,
-              written=None):
+              written, o_proj):
     """Write the new tokens to the pages (unless MLA's epilogue launch wrote them: `written`),
-    then attend in latent space over the selection."""
+    then attend in latent space over the selection (warming o_proj's weight into L2 under
+    runtime.warm_o_proj)."""
     c = self.config
     layer = written
     if layer is None:
@@ -255,5 +256,6 @@ class MLAttention(nn.Module):
     out = dsa.cached_attention_values(q_latent, q_pe, layer, cache.page_table, positions, prev_topk,
                                       c.softmax_scale, runtime.attention, kv_b, c.qk_nope_head_dim,
                                       fuse=runtime.value_merge == "pallas", dtype=self.dtype,
-                                      config=runtime.attention_config())
+                                      config=runtime.attention_config(),
+                                      warm=tuple(jax.tree.leaves(o_proj)) if runtime.warm_o_proj else ())
     return out, prev_topk, layer

@@ -89,14 +89,15 @@ def _gathers_selection(impl: str, q_latent: jax.Array) -> bool:
 
 
 def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, positions, topk,
-                     scale: float, impl: str, config=None) -> jax.Array:
+                     scale: float, impl: str, config=None, warm: tuple = ()) -> jax.Array:
   """Latent-space attention of queries [B, T, H, R] over the selected cached tokens -> [B, T, H, R] fp32.
-  config: the Pallas kernel's SparseMLAConfig (None: its defaults) (impl="pallas")."""
+  config: the Pallas kernel's SparseMLAConfig (None: its defaults); warm: arrays its launch
+  prefetches into L2 for a later one (sparse_mla_decode's docstring) (both impl="pallas")."""
   if _gathers_selection(impl, q_latent):
     if layer.latent.dtype == jnp.float32:
       raise ValueError(f"attention={impl!r} reads bf16 or fp8 pages; fp32 pages are for the dense reference")
     from pallas_kernels import sparse_mla
-    fn = (functools.partial(sparse_mla.sparse_mla_decode, config=config) if impl == "pallas"
+    fn = (functools.partial(sparse_mla.sparse_mla_decode, config=config, warm=warm) if impl == "pallas"
           else sparse_mla.sparse_mla_decode_reference)
     return fn(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table, topk,
               softmax_scale=scale)
@@ -116,16 +117,17 @@ def cached_attention(q_latent, q_rope, layer: paged.LayerCache, page_table, posi
 
 def cached_attention_values(q_latent, q_rope, layer: paged.LayerCache, page_table, positions, topk,
                             scale: float, impl: str, kv_b: jax.Array, nope: int, *, fuse: bool,
-                            dtype=jnp.float32, config=None) -> jax.Array:
+                            dtype=jnp.float32, config=None, warm: tuple = ()) -> jax.Array:
   """`cached_attention` through kv_b_proj's value half (kv_b [H, nope + V, R], rows nope..)
   -> [B, T, H, V], computed in fp32 and rounded to dtype. fuse: where the Pallas kernel runs,
   the product happens in its split merge (pallas_kernels/sparse_mla.sparse_mla_decode_values:
-  one launch for XLA's six). config: as cached_attention's."""
+  one launch for XLA's six). config, warm: as cached_attention's."""
   if fuse and impl == "pallas" and _gathers_selection(impl, q_latent):
     from pallas_kernels.sparse_mla import sparse_mla_decode_values
     return sparse_mla_decode_values(q_latent, q_rope, layer.latent, layer.latent_scale, layer.k_rope, page_table,
-                                    topk, kv_b, nope=nope, softmax_scale=scale, out_dtype=dtype, config=config)
-  o_latent = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config)
+                                    topk, kv_b, nope=nope, softmax_scale=scale, out_dtype=dtype, config=config,
+                                    warm=warm)
+  o_latent = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config, warm)
   return value_projection(o_latent, kv_b, nope).astype(dtype)
 
 

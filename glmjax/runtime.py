@@ -138,6 +138,10 @@ class Runtime:
   topk_one_launch: the sampled top-k's count, compaction and select in one launch
   (TopKConfig.one_launch: look-back offsets, the last program selects) instead of three; the same
   selection.
+  warm_o_proj: under attention="pallas" at decode, the sparse MLA launch's programs prefetch
+  the layer's o_proj weight into L2 (pallas_kernels/sparse_mla.sparse_mla_decode's `warm`), so
+  o_proj's GEMV, the launch after the attention's, reads it from L2: the attention is latency-bound
+  and leaves DRAM mostly idle. The same values.
   indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
   "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
   reduced across warps); the same scores up to the order of fp32 sums.
@@ -213,6 +217,7 @@ class Runtime:
   topk_trials: int = 0
   topk_sample: str = "scores"
   topk_one_launch: bool = False
+  warm_o_proj: bool = False
   indexer_orientation: str = "keys"
   indexer_splits: int = 0
   indexer_block_k: int = 0

@@ -1,4 +1,5 @@
-"""Bulk prefetch into L2 from a Pallas-Triton kernel: `prefetch_l2(ref, address, num_warps=)`.
+"""Bulk prefetch into L2 from a Pallas-Triton kernel: `prefetch_l2(ref, address, num_warps=)`, and
+`prefetch_share`: a program's share of a whole array, warmed for a later launch.
 
 Why: a skinny matmul is latency-bound when its SMs keep too few bytes in flight (the fragment GEMV
 takes about the same time on an H100 and on the H200, whose memory is 1.4x faster: BENCHMARKS.md
@@ -18,13 +19,15 @@ warp at a time from uniform registers, looping over the lanes that prefetch.
 
 Measured (H100, BENCHMARKS.md run 52): it slows the fragment GEMV at every distance; Nsight
 Compute at 4 chunks ahead finds half the demand loads still missing L2 and DRAM reading 151 MB
-for the 132 MB weight, at 68% of its peak against 80% without.
+for the 132 MB weight, at 68% of its peak against 80% without. A launch that leaves DRAM idle
+(the latency-bound sparse attention, STUDY.md) can instead warm the next launch's weight.
 """
 
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax._src import core as jax_core
 from jax._src import effects
 from jax._src.lib.triton import dialect as tt_dialect
@@ -92,3 +95,24 @@ def prefetch_l2(ref, address: Address, *, num_warps: int) -> None:
   first element's offset into `ref`, a whole-array ref; its bytes, a multiple of 16 from a
   16-byte aligned element, or 0 for none), as int32 arrays of item's shape."""
   l2_prefetch_p.bind(ref, *prefetch_items(address, num_warps=num_warps))
+
+
+def prefetch_share(ref, *, program, programs: int, num_warps: int) -> None:
+  """Program `program` of `programs` prefetches its share of a whole-array ref into L2: the
+  array's bytes (its tail past a multiple of 16 left out) in `programs` contiguous shares, each
+  cut into one range a warp (its first lane's: the fewer prefetches, the fewer issue slots; a
+  range may span kilobytes). For a later launch's operand, warmed while this launch's programs
+  leave DRAM idle (sparse_mla's `warm`)."""
+  itemsize = ref.dtype.itemsize
+  total = ref.size * itemsize // 16 * 16
+  if total >= 2 ** 31:
+    raise ValueError(f"prefetch_share takes arrays under 2 GiB (int32 offsets), got {total} bytes")
+  share = pl.cdiv(pl.cdiv(total, programs), 16) * 16
+  piece = pl.cdiv(pl.cdiv(share, num_warps), 16) * 16
+
+  def item(i):  # thread i: lane 0 of warp w = i // 32 takes the warp's range (first element, bytes)
+    start = program * share + i // 32 * piece
+    end = jnp.minimum(jnp.minimum(start + piece, (program + 1) * share), total)
+    return start // itemsize, jnp.where(i % 32 == 0, jnp.maximum(end - start, 0), 0)
+
+  prefetch_l2(ref, item, num_warps=num_warps)

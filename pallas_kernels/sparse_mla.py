@@ -64,6 +64,7 @@ from glmjax.cache.kv_fp8 import dequantize_fp8, fp8_block_size
 from glmjax.cache.paged import token_slots
 from pallas_kernels.checks import (bf16_parts, check_at_least, check_choice, check_launch, check_page_table,
                                    check_paged, check_tile, is_pow2, parts_dot, resolve_interpret)
+from pallas_kernels.l2_prefetch import prefetch_share
 
 _MIN_MMA = 16  # smallest M/N/K of a Triton tensor-core dot
 _TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM
@@ -134,17 +135,19 @@ def _first_rows(x: jax.Array, rows: int) -> jax.Array:
 
 def _sparse_mla_kernel(ql_ref, qr_ref, pt_ref, idx_ref, lat_ref, *refs, k: int, chunk: int,
                        block_n: int, page_size: int, softmax_scale: float, fp8: bool, heads: int,
-                       heads_out: int, scale_rows: bool):
-  """Partial attention of one query token over one split of its selected tokens."""
+                       heads_out: int, scale_rows: bool, warm: int, grid: tuple[int, int, int], num_warps: int):
+  """Partial attention of one query token over one split of its selected tokens (first, its
+  share of the `warm` arrays into L2)."""
   # ql_ref [Hp, R] bf16|f32 ; qr_ref [Hp, dr] bf16|f32: blocks of [H, ...] queries, rows past
   # H masked to zero (no padded copy of the queries in HBM)
   # pt_ref [max_pages] i32 ; idx_ref [k] i32
   # lat_ref [P, page_size, R] bf16|e4m3 ; scale_ref [P, page_size, R // blk] f32 (FP8 only)
-  # rope_ref [P, page_size, dr] bf16 ; acc_ref [Hs, R] f32 ; m_ref, l_ref [Hs] f32
-  if fp8:
-    scale_ref, rope_ref, acc_ref, m_ref, l_ref = refs
-  else:
-    rope_ref, acc_ref, m_ref, l_ref = refs
+  # rope_ref [P, page_size, dr] bf16 ; warm refs (whole arrays) ; acc_ref [Hs, R] f32 ; m_ref, l_ref [Hs] f32
+  scale_ref, refs = (refs[0], refs[1:]) if fp8 else (None, refs)
+  rope_ref, warm_refs, (acc_ref, m_ref, l_ref) = refs[0], refs[1:1 + warm], refs[1 + warm:]
+  program = (pl.program_id(2) * grid[1] + pl.program_id(1)) * grid[0] + pl.program_id(0)
+  for ref in warm_refs:
+    prefetch_share(ref, program=program, programs=grid[0] * grid[1] * grid[2], num_warps=num_warps)
   max_pages = pt_ref.shape[0]
   hp, rank = ql_ref.shape
   rope_dim = qr_ref.shape[1]
@@ -334,9 +337,10 @@ def _num_splits(queries: int, k: int, block_n: int) -> int:
 
 
 def _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices, *, softmax_scale: float,
-                  config: SparseMLAConfig, interpret: bool) -> list[jax.Array]:
+                  config: SparseMLAConfig, interpret: bool, warm: tuple[jax.Array, ...] = ()) -> list[jax.Array]:
   """The main launch: each (sequence, query token, split)'s partial state, [acc [B, T, S, Hs, R],
-  m [B, T, S, Hs], l [B, T, S, Hs]] f32 (Hs: H rounded up to a power of two)."""
+  m [B, T, S, Hs], l [B, T, S, Hs]] f32 (Hs: H rounded up to a power of two); its programs also
+  prefetch the `warm` arrays into L2 (sparse_mla_decode's docstring)."""
   b, t, h, rank = q_latent.shape
   rope_dim = q_rope.shape[-1]
   k = indices.shape[-1]
@@ -353,16 +357,18 @@ def _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, in
   whole = lambda x: pl.BlockSpec(x.shape, lambda i, s, j: (0,) * x.ndim)
   caches = [latent, latent_scale, k_rope] if fp8 else [latent, k_rope]
   part_spec = pl.BlockSpec((None, None, None, heads_out), lambda i, s, j: (j, i, s, 0))
+  grid = (t, splits, b)  # query token fastest: its programs share the selected rows
   return pl.pallas_call(
       functools.partial(_sparse_mla_kernel, k=k, chunk=chunk, block_n=config.block_n,
                         page_size=latent.shape[1], softmax_scale=softmax_scale, fp8=fp8, heads=h,
-                        heads_out=heads_out, scale_rows=config.scale_rows),
-      grid=(t, splits, b),  # query token fastest: its programs share the selected rows
+                        heads_out=heads_out, scale_rows=config.scale_rows, warm=len(warm), grid=grid,
+                        num_warps=config.num_warps),
+      grid=grid,
       in_specs=[pl.BlockSpec((None, None, hp, rank), lambda i, s, j: (j, i, 0, 0)),
                 pl.BlockSpec((None, None, hp, rope_dim), lambda i, s, j: (j, i, 0, 0)),
                 pl.BlockSpec((None, page_table.shape[1]), lambda i, s, j: (j, 0)),
                 pl.BlockSpec((None, None, k), lambda i, s, j: (j, i, 0)),
-                *map(whole, caches)],
+                *map(whole, caches), *map(whole, warm)],
       out_specs=[pl.BlockSpec((None, None, None, heads_out, rank),
                               lambda i, s, j: (j, i, s, 0, 0)), part_spec, part_spec],
       out_shape=[jax.ShapeDtypeStruct((b, t, splits, heads_out, rank), jnp.float32),
@@ -372,7 +378,7 @@ def _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, in
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="sparse_mla_decode",
-  )(q_latent, q_rope, page_table, indices, *caches)
+  )(q_latent, q_rope, page_table, indices, *caches, *warm)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "config", "interpret"))
@@ -380,7 +386,7 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
                       latent_scale: jax.Array | None, k_rope: jax.Array, page_table: jax.Array,
                       indices: jax.Array, *, softmax_scale: float,
                       config: SparseMLAConfig | None = None,
-                      interpret: bool | None = None) -> jax.Array:
+                      interpret: bool | None = None, warm: tuple[jax.Array, ...] = ()) -> jax.Array:
   """Attention of T query tokens per sequence over their selected cached tokens.
 
   Args:
@@ -395,6 +401,10 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
     softmax_scale: logit scale.
     config: tuning; None for the defaults.
     interpret: run the Pallas interpreter; None: only on a CPU backend.
+    warm: arrays a later launch reads (the layer's o_proj weight: Runtime.warm_o_proj), which the
+      main launch's programs prefetch into L2 in equal shares (l2_prefetch.prefetch_share) before
+      their own loads: the launch is latency-bound and leaves DRAM mostly idle (STUDY.md). No
+      value changes.
   Returns:
     [B, T, H, R] f32 attention outputs in latent space (zeros where no slot is valid).
   """
@@ -402,7 +412,7 @@ def sparse_mla_decode(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
   config = config or SparseMLAConfig()
   interpret = resolve_interpret(interpret)
   acc, m, l = _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices,
-                            softmax_scale=softmax_scale, config=config, interpret=interpret)
+                            softmax_scale=softmax_scale, config=config, interpret=interpret, warm=warm)
   return _combine(acc, m, l, config, interpret)[:, :, :q_latent.shape[2]]
 
 
@@ -419,7 +429,7 @@ def sparse_mla_decode_values(q_latent: jax.Array, q_rope: jax.Array, latent: jax
                              latent_scale: jax.Array | None, k_rope: jax.Array, page_table: jax.Array,
                              indices: jax.Array, kv_b: jax.Array, *, nope: int, softmax_scale: float,
                              out_dtype=jnp.float32, config: SparseMLAConfig | None = None,
-                             interpret: bool | None = None) -> jax.Array:
+                             interpret: bool | None = None, warm: tuple[jax.Array, ...] = ()) -> jax.Array:
   """sparse_mla_decode's output through kv_b_proj's value half, per head: [B, T, H, V].
 
   The splits' merge and the value product run in one launch (`_merge_values`), where
@@ -436,6 +446,7 @@ def sparse_mla_decode_values(q_latent: jax.Array, q_rope: jax.Array, latent: jax
       (read in place: no sliced copy).
     nope: the key half's rows per head (qk_nope_head_dim).
     out_dtype: the result's dtype, f32 or bf16.
+    warm: as sparse_mla_decode's.
   """
   check_sparse_mla_args(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices)
   check_value_weights(kv_b, nope, *q_latent.shape[2:])
@@ -444,7 +455,7 @@ def sparse_mla_decode_values(q_latent: jax.Array, q_rope: jax.Array, latent: jax
   config = config or SparseMLAConfig()
   interpret = resolve_interpret(interpret)
   acc, m, l = _split_states(q_latent, q_rope, latent, latent_scale, k_rope, page_table, indices,
-                            softmax_scale=softmax_scale, config=config, interpret=interpret)
+                            softmax_scale=softmax_scale, config=config, interpret=interpret, warm=warm)
   return _merge_values(acc, m, l, kv_b, nope, jnp.dtype(out_dtype), interpret)
 
 

@@ -86,8 +86,8 @@ def _record_pallas_calls(monkeypatch) -> list[tuple]:
                        got, q, weights, layer, page_table, positions)
     return got
 
-  def attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config=None):
-    got = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config)
+  def attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config=None, warm=()):
+    got = cached_attention(q_latent, q_rope, layer, page_table, positions, topk, scale, impl, config, warm)
     jax.debug.callback(functools.partial(record, "attention", ref_attention, (scale, "sparse")),
                        got, q_latent, q_rope, layer, page_table, positions, topk)
     return got
@@ -272,15 +272,16 @@ def test_swiglu_and_moe_sum_keep_the_tokens_on_a_bf16_residual_stream():
 @fold_lane
 def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatch):
   """indexer_splits=256, indexer_block_k=16, indexer_warps=8, indexer_stages=2, indexer_prefetch,
-  attention_warps=8, attention_scales="columns", attention_block_n=16: every scores and sparse
-  MLA launch runs with them; each computes what it did, so the tokens are the untuned run's
-  (FP8 pages, fp32 queries: the rows' path by default)."""
+  attention_warps=8, attention_scales="columns", attention_block_n=16, warm_o_proj: every scores
+  and sparse MLA launch runs with them (each attention launch warming its layer's o_proj weight);
+  each computes what it did, so the tokens are the untuned run's (FP8 pages, fp32 queries: the
+  rows' path by default)."""
   default = _baseline(tiny, "pallas", "fp8", **UNFOLDED)
   seen = []
 
   def recording(name, fn):
     def call(*args, config, **kwargs):
-      seen.append((name, config))
+      seen.append((name, config, kwargs.get("warm")))
       return fn(*args, config=config, **kwargs)
     return call
 
@@ -288,11 +289,14 @@ def test_kernel_tuning_reaches_the_kernels_and_keeps_the_tokens(tiny, monkeypatc
   monkeypatch.setattr(sparse_mla, "sparse_mla_decode", recording("mla", sparse_mla.sparse_mla_decode))
   tuned = _generate(tiny, "pallas", "fp8", **UNFOLDED, indexer_splits=256, indexer_block_k=16, indexer_warps=8,
                     indexer_stages=2, indexer_prefetch=True, attention_warps=8, attention_scales="columns",
-                    attention_block_n=16)
+                    attention_block_n=16, warm_o_proj=True)
   np.testing.assert_array_equal(tuned, default)
-  assert {(c.num_splits, c.block_k, c.num_warps, c.num_stages, c.prefetch) for name, c in seen if name == "scores"} == {
-      (256, 16, 8, 2, True)}
-  assert {(c.num_warps, c.scale_rows, c.block_n) for name, c in seen if name == "mla"} == {(8, False, 16)}
+  assert {(c.num_splits, c.block_k, c.num_warps, c.num_stages, c.prefetch) for name, c, _ in seen
+          if name == "scores"} == {(256, 16, 8, 2, True)}
+  mla = [(c, warm) for name, c, warm in seen if name == "mla"]
+  assert {(c.num_warps, c.scale_rows, c.block_n) for c, _ in mla} == {(8, False, 16)}
+  o_proj = tiny[0].hidden_size, tiny[0].num_attention_heads * tiny[0].v_head_dim
+  assert mla and all(len(warm) == 1 and warm[0].shape == o_proj for _, warm in mla)
 
 
 @fold_lane
