@@ -32,7 +32,7 @@ test: $(STAMP)
 	@$(PY) -m pytest -q -m "multidevice or side_lane" tests/test_multidevice_*.py tests/test_study.py tests/test_notebook.py \
 	  tests/test_engine.py tests/test_analysis.py tests/test_pallas_engine.py tests/test_training.py \
 	  tests/test_fold_chain.py tests/test_quant_model.py tests/test_mini_checkpoint.py tests/test_bench.py \
-	  > .multidevice.log 2>&1 & multi=$$!; \
+	  tests/test_quant_kernels.py > .multidevice.log 2>&1 & multi=$$!; \
 	$(PY) -m pytest -q -m "not multidevice and not side_lane" --ignore-glob='tests/test_multidevice_*.py' tests; \
 	main=$$?; wait $$multi; multi_rc=$$?; echo "== multi-device and side-lane tests =="; cat .multidevice.log; \
 	test $$main -eq 0 && test $$multi_rc -eq 0

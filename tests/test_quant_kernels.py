@@ -27,6 +27,9 @@ from tests.h200_lowering import TRITON_CALL, h200_text
 from tests.ptx_emulator import f16_value as _f16, f32_value as _f32, run_ptx as _run_ptx
 
 TOL = 1e-2
+# The slowest fragment-MoE tests (10-18 s each in the interpreter) run in the Makefile's second
+# process, which evens out the two.
+side_lane = pytest.mark.side_lane
 pytestmark = pytest.mark.filterwarnings("ignore:.*Pallas Triton backend is deprecated")
 
 
@@ -419,6 +422,7 @@ def test_moe_fragments(gate_up, down, groups, down_groups, fused, operands):
     # gate/up: 3 chunks in steps of 2 (the second half masked); down: 2 steps of a chunk
     (FragmentConfig(tiles=2, num_warps=1, tile_groups=2, unroll=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=2),
      1, "float16")])
+@side_lane
 def test_moe_fragments_stream_changes_no_bit(gate_up, down, groups, operands):
   """ExpertsConfig.stream (a program's experts as one K loop) multiplies the same chunks in the
   same order as a loop per expert, the masked chunks past a ragged split adding zeros: the same
@@ -459,6 +463,7 @@ def test_moe_fragments_l2_ahead_changes_no_bit(fused):
     dataclasses.replace(ahead, fused_swiglu=False, stream=True)
 
 
+@side_lane
 def test_moe_experts_splits_the_fragment_gate_up_for_few_chosen_experts():
   """routing="fragments" takes its launches from the experts a step is expected to choose
   (default_experts_config): gate/up over 4 K splits where at most half of its 12 program groups
@@ -478,6 +483,7 @@ def test_moe_experts_splits_the_fragment_gate_up_for_few_chosen_experts():
     assert rel_err(run(x, ids, weights, *fragments), want) <= TOL
 
 
+@side_lane
 def test_moe_fragments_split_k_and_bad_inputs():
   """K split in both launches (two chunks of 128 each): the split sums equal one split's within
   fp32 rounding; weights not in bf16 fragment order, or more tokens than the MMA's 8, are clear
