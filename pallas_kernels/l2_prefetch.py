@@ -27,13 +27,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax._src import core as jax_core
 from jax._src import effects
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas import core as pallas_core
 from jax._src.pallas.triton import lowering
 from jax._src.state import discharge as state_discharge
+from jax.experimental import pallas as pl
 
 PACK = 4  # elements a lane holds of the [num_warps * 128] arrays, one asm call's
 PREFETCH_PTX = ("{ .reg .pred p; setp.ne.u32 p, $8, 0; @p cp.async.bulk.prefetch.L2.global [$4], $8; "

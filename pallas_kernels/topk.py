@@ -922,8 +922,8 @@ def _one_launch_kernel(row_ref, source_ref, _, *outs, k: int, splits: int, chunk
   own_tied = jnp.sum(tied)
   pltriton.atomic_add(state_ref, (_PUBLISHED + s,), jnp.sum(above) + 1)
   pltriton.atomic_add(state_ref, (_PUBLISHED + splits + s,), own_tied + 1)
-  split = jnp.arange(2 * splits, dtype=jnp.int32) % splits
-  is_above = jnp.arange(2 * splits, dtype=jnp.int32) < splits
+  slot = jnp.arange(2 * splits, dtype=jnp.int32)  # of _published's counts
+  split, is_above = slot % splits, slot < splits
   earlier = split < s
   counts = lax.while_loop(lambda c: jnp.min(jnp.where(earlier, c, 1)) == 0, lambda c: _published(state_ref, splits),
                           _published(state_ref, splits))
