@@ -137,11 +137,13 @@ class Runtime:
   17-37); the same selection.
   topk_one_launch: the sampled top-k's count, compaction and select in one launch
   (TopKConfig.one_launch: look-back offsets, the last program selects) instead of three; the same
-  selection.
+  selection. No faster (run 53, H100: 24.6 us and a 1.0 us memset a layer against 23.6-23.9), off.
   warm_o_proj: under attention="pallas" at decode, the sparse MLA launch's programs prefetch
   the layer's o_proj weight into L2 (pallas_kernels/sparse_mla.sparse_mla_decode's `warm`), so
   o_proj's GEMV, the launch after the attention's, reads it from L2: the attention is latency-bound
-  and leaves DRAM mostly idle. The same values.
+  and leaves DRAM mostly idle. The same values. Moves time rather than saving it (run 53, H100:
+  the GEMVs 0.7-1.4 us faster a layer, the attention, whose gathers queue behind the prefetches,
+  1.3-1.5 us slower), off.
   indexer_orientation: the Pallas scores kernel's MMA rows (IndexerScoresConfig.orientation):
   "keys" (the default; each warp sums its keys' heads in registers) or "heads" (the head sum
   reduced across warps); the same scores up to the order of fp32 sums.

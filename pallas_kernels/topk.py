@@ -152,8 +152,11 @@ class TopKConfig:
   one_launch: the sampled method's count, compaction and select in one launch
     (`_one_launch_kernel`: each program derives the threshold, takes the offsets of its chunk
     from the lower splits' published counts, and the last program to finish selects), where
-    three launches wait for each other's whole grid; its state is a zeroed int32 row a row. Off
-    until timed.
+    three launches wait for each other's whole grid; its state is a zeroed int32 row a row. Exact
+    on an H100 but no faster (BENCHMARKS.md run 53: 5 rows of 81,920 indexer scores, scores +
+    top-k 37.8 against 36.1 us; in the rank's layer 24.6 us and a 1.0 us memset of the state
+    against 23.6 for three launches; 64 rows 126.4 against 61.1, their programs more than the SMs
+    hold, so the look-back serialises). Off.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
