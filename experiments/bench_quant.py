@@ -37,7 +37,9 @@ The projections of one TEP=8 rank that share an input also run as a group (`grou
 the GEMV once per weight against bf16_matmul_group's one launch, `pallas_grouped`), and the
 router's choice of 8 among 256 experts from its GEMV's partials, XLA's against one launch
 (`router_rows`, 1 and 5 tokens), and so do the epilogues of MLA's and the indexer's projections
-(`epilogue_rows`: the absorbed query, the indexer's keys, MLA's norms; 5 tokens).
+(`epilogue_rows`: the absorbed query, the indexer's keys, MLA's norms; 5 tokens), and each of the
+five bf16 GEMV launches of a tep8_shard rank's MoE layer under rank_fastest, at its shapes and
+split count, its weights cold (`rank_dense_rows`, the `rank_dense` case).
 
 Cases: GEMV [M, 8192] x [8192, 28672]; one GLM-5 expert's gate/up [2048, 6144] and down
 [6144, 2048] (the shapes of a TEP=8 rank's q_a_proj and o_proj too); each at M = 1, 5, 8; the
@@ -60,7 +62,7 @@ from glmjax.config import ModelConfig
 from glmjax.moe import route
 from glmjax.quant import (FRAGMENT_OPERANDS, from_fragments, linear, moe_experts, quantize_fp8_block, quantize_nvfp4,
                           to_fragments)
-from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group
+from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group, bf16_matmul_partials, fold_config
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
 from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
@@ -337,6 +339,63 @@ def group_rows(m: int, k: int, ns: tuple[int, ...], *, name: str, timer: Callabl
   return _rows(dict(name=name, m=m, n="+".join(map(str, ns)), k=k), timed)
 
 
+# Past the H100's and H200's 50 MB of L2: a row cycles its launch over this many bytes of weight copies, so each
+# launch reads its weights cold, as a decode step does (a 3 MB weight timed alone would stay in L2).
+COLD_BYTES = 128 << 20
+
+
+def rank_dense_launches(c: ModelConfig) -> list[tuple[str, int, tuple[int, ...], str | None]]:
+  """The bf16 GEMV launches of one MoE decoder layer on a TEP rank (config: tep8_shard) under
+  configs/runs.py's rank_fastest, in order: (name, K, the rows of the weights sharing the launch,
+  the split count of the split-K partials a fold reads, bf16_matmul.fold_config's "fill" or
+  "rule", or None for a GEMV run whole). The MLA epilogue reads q_a's, kv_a's and the indexer's
+  wk's and weights_proj's; the absorbed query q_b's and wq_b's; the residual norm o_proj's (those
+  three at Runtime.fold_splits' default); the router's launch the router's and the shared
+  expert's gate's and up's (glmjax.moe.shared_route); the shared expert's down GEMV runs whole."""
+  shared = c.shared_intermediate
+  return [("q_a+kv_a+wk+weights_proj", c.hidden_size,
+           (c.q_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim, c.index_head_dim, c.index_n_heads), "fill"),
+          ("q_b+wq_b", c.q_lora_rank, (c.num_attention_heads * c.qk_head_dim, c.index_n_heads * c.index_head_dim),
+           "fill"),
+          ("o_proj", c.num_attention_heads * c.v_head_dim, (c.hidden_size,), "fill"),
+          ("router+shared gate+up", c.hidden_size, (c.n_routed_experts, shared, shared), "rule"),
+          ("shared down", shared, (c.hidden_size,), None)]
+
+
+def rank_dense_rows(config: ModelConfig, *, timer: Callable[..., float], tokens: int = 5, cold_bytes: int = COLD_BYTES,
+                    seed: int = 0) -> list[dict[str, Any]]:
+  """Each of `rank_dense_launches(config)` at `tokens` rows, as the stack runs it (the partials at
+  its split count, or the whole GEMV), against XLA's einsums of the same weights: time per
+  launch with its weights cold (copies cycled over `cold_bytes`), bytes, and the agreement of the
+  partials' sum with XLA's products. Where a layer's 5 bf16 launches (46 us on an H100,
+  BENCHMARKS.md run 53) stand against their weights' bytes, launch by launch."""
+  rows = []
+  for i, (name, k, ns, splits) in enumerate(rank_dense_launches(config)):
+    partials = splits is not None
+    keys = jax.random.split(jax.random.key(seed + i), len(ns) + 1)
+    x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
+    ws = tuple(jax.random.normal(key, (n, k), jnp.bfloat16) * 0.02 for key, n in zip(keys[1:], ns))
+    weight_bytes = _nbytes(ws)
+    copies = max(1, -(-cold_bytes // weight_bytes))
+    sets = [tuple(w + 0 for w in ws) for _ in range(copies - 1)] + [ws]  # distinct buffers, the same values
+    nbytes = weight_bytes + (tokens * k + tokens * sum(ns)) * 2
+    split = fold_config(sum(ns), k, splits) if partials else None
+    launch = ((lambda x, ws: bf16_matmul_partials(x, ws if len(ws) > 1 else ws[0], config=split)) if partials
+              else (lambda x, ws: bf16_matmul(x, ws[0])))
+    outputs = lambda x, ws: jax.tree.leaves(launch(x, ws))  # one array, or a weight's partials [S, M, N] each
+    summed = lambda x, ws: jnp.concatenate([p.sum(0) if partials else p.astype(jnp.float32)
+                                            for p in outputs(x, ws)], -1)
+    xla = lambda x, ws: jnp.concatenate([jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)
+                                         for w in ws], -1)
+    per_set = lambda fn: jax.jit(lambda x, sets: [fn(x, ws) for ws in sets])
+    timed = [("bf16", "xla", timer(per_set(xla), x, sets) / copies, nbytes),
+             ("bf16", "pallas_partials" if partials else "pallas", timer(per_set(launch), x, sets) / copies, nbytes,
+              agreement(jax.jit(summed)(x, ws), jax.jit(xla)(x, ws)))]
+    rows += _rows(dict(name="rank_dense", launch=name, m=tokens, n="+".join(map(str, ns)), k=k,
+                       splits=split.split_k if partials else None, cold_copies=copies), timed)
+  return rows
+
+
 def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConfig] | None = None, *,
                       timer: Callable[..., float] = time_device, seed: int = 0) -> list[dict[str, Any]]:
   """Tuning aid (not part of quant_rows): the `fmt` kernel at one shape under several configs."""
@@ -474,7 +533,7 @@ def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) ->
     yield from moe_sweep_rows("nvfp4_fragments_bf16", first(experts_configs), kernel=moe_fragments, timer=timer, **rank)
 
 
-QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues")
+QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues", "rank_dense")
 
 
 def quant_rows(*, quick: bool = False, timer: str = "loop", cases: tuple[str, ...] = QUANT_CASES
@@ -509,3 +568,6 @@ def _cases(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> 
     yield from router_rows(tokens, get_model_config("mini" if quick else "glm5"), timer=timer)
   if "epilogues" in cases:
     yield from epilogue_rows(5, get_model_config("mini" if quick else "tep8_shard"), timer=timer)
+  if "rank_dense" in cases:
+    yield from rank_dense_rows(get_model_config("mini" if quick else "tep8_shard"), timer=timer,
+                               cold_bytes=1 << 16 if quick else COLD_BYTES)

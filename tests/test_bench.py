@@ -226,6 +226,34 @@ def test_group_rows_check_the_grouped_launch_against_the_lone_ones():
   assert rows[3]["bytes"] == rows[4]["bytes"] < rows[0]["bytes"]
 
 
+def test_rank_dense_rows_time_each_launch_over_cold_weight_copies():
+  """One row pair per bf16 launch of rank_dense_launches: XLA's einsums, then the launch as the
+  stack runs it, its partials' sum checked against XLA; each timed over distinct copies of its
+  weights (same values, other buffers) that together pass cold_bytes, the time per copy."""
+  from configs import get_model_config
+  from experiments.bench_quant import rank_dense_launches, rank_dense_rows
+  config, cold = get_model_config("tiny"), 40_000
+  copies = []
+
+  def timer(fn, x, sets):
+    copies.append(len(sets))
+    pointers = {w.unsafe_buffer_pointer() for ws in sets for w in ws}
+    assert len(pointers) == len(sets) * len(sets[0])
+    assert all(bool(jnp.array_equal(a, b)) for ws in sets for a, b in zip(ws, sets[0]))
+    return 1e-6 * len(sets)
+
+  rows = rank_dense_rows(config, timer=timer, cold_bytes=cold)
+  launches = rank_dense_launches(config)
+  assert [(r["launch"], r["impl"]) for r in rows] == [
+      (name, impl) for name, _, _, splits in launches for impl in ("xla", "pallas_partials" if splits else "pallas")]
+  for (name, k, ns, splits), (xla, kernel), n in zip(launches, zip(rows[::2], rows[1::2]), copies[::2]):
+    weights = sum(ns) * k * 2
+    assert xla["bytes"] == kernel["bytes"] == weights + (5 * k + 5 * sum(ns)) * 2
+    assert n == kernel["cold_copies"] == -(-cold // weights) and xla["us"] == pytest.approx(1.0)
+    assert kernel["max_rel_err"] <= (1e-6 if splits else 1e-2), name  # fp32 partials; a bf16 output
+  assert max(copies) > 1  # the smallest weight, copied past cold_bytes
+
+
 def test_router_rows_check_the_kernel_by_its_routing_matrix():
   """XLA's choice first, then the one-launch kernel with the agreement of both [tokens, E]
   matrices (mini: group-limited routing)."""

@@ -26,6 +26,7 @@ from jax.experimental.pallas import fuser  # noqa: F401
 import glmjax
 from configs import get_model_config
 from configs.runs import PLANES_FOLDS, RANK_FASTEST
+from experiments.bench_quant import rank_dense_launches
 from experiments.step_timing import with_layers
 from glmjax import attention, dsa, layers, quant
 from glmjax.model import init_params
@@ -203,6 +204,11 @@ def test_the_rank_stacks_folds_generate_the_unfolded_tokens(tiny, monkeypatch):
            (2, (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank)),
            (1, (c.hidden_size, c.num_attention_heads * c.v_head_dim))]  # (launch's weights, shape)
   assert {gemv: splits.get(gemv) for gemv in gemvs} == {gemv: {3} for gemv in gemvs}
+  # bench_quant's rank_dense rows time these launches: the same weights grouped alike, each at its split rule
+  # (the folds' Runtime.fold_splits, here 3; the router's launch its default)
+  for name, k, ns, rule in rank_dense_launches(c):
+    if rule is not None:
+      assert all(splits.get((len(ns), (n, k))) == {3 if rule == "fill" else None} for n in ns), (name, splits)
 
 
 @fold_lane
