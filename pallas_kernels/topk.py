@@ -156,7 +156,7 @@ class TopKConfig:
     on an H100 but no faster (BENCHMARKS.md run 53: 5 rows of 81,920 indexer scores, scores +
     top-k 37.8 against 36.1 us; in the rank's layer 24.6 us and a 1.0 us memset of the state
     against 23.6 for three launches; 64 rows 126.4 against 61.1, their programs more than the SMs
-    hold, so the look-back serialises). Off.
+    hold at once). Off.
   select_warps: warps of the sampled method's threshold and select programs, which hold the
     sample or the candidates in registers: more warps, fewer keys a thread per count, but a
     slower reduction across them. None: 8 for up to 8 rows of at most 32 candidates a thread,
