@@ -380,11 +380,12 @@ def rank_dense_rows(config: ModelConfig, *, timer: Callable[..., float], tokens:
     sets = [tuple(w + 0 for w in ws) for _ in range(copies - 1)] + [ws]  # distinct buffers, the same values
     nbytes = weight_bytes + (tokens * k + tokens * sum(ns)) * 2
     split = fold_config(sum(ns), k, splits) if partials else None
-    launch = ((lambda x, ws: bf16_matmul_partials(x, ws if len(ws) > 1 else ws[0], config=split)) if partials
+    launch = ((lambda x, ws: bf16_matmul_partials(x, ws, config=split)) if partials
               else (lambda x, ws: bf16_matmul(x, ws[0])))
-    outputs = lambda x, ws: jax.tree.leaves(launch(x, ws))  # one array, or a weight's partials [S, M, N] each
+    # in fp32, beside XLA's products: each weight's partials [S, M, N] summed (one weight's come bare, not in a
+    # tuple: tree.leaves takes both), or the whole GEMV's [M, N]
     summed = lambda x, ws: jnp.concatenate([p.sum(0) if partials else p.astype(jnp.float32)
-                                            for p in outputs(x, ws)], -1)
+                                            for p in jax.tree.leaves(launch(x, ws))], -1)
     xla = lambda x, ws: jnp.concatenate([jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)
                                          for w in ws], -1)
     per_set = lambda fn: jax.jit(lambda x, sets: [fn(x, ws) for ws in sets])
