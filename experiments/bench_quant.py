@@ -62,7 +62,8 @@ from glmjax.config import ModelConfig
 from glmjax.moe import route
 from glmjax.quant import (FRAGMENT_OPERANDS, from_fragments, linear, moe_experts, quantize_fp8_block, quantize_nvfp4,
                           to_fragments)
-from pallas_kernels.bf16_matmul import bf16_matmul, bf16_matmul_group, bf16_matmul_partials, fold_config
+from pallas_kernels.bf16_matmul import (bf16_matmul, bf16_matmul_group, bf16_matmul_partials, default_bf16_config,
+                                       fold_config)
 from pallas_kernels.fp8_matmul import default_fp8_config, fp8_matmul
 from pallas_kernels.indexer_keys import indexer_keys, indexer_keys_reference
 from pallas_kernels.mla_epilogue import mla_epilogue, mla_epilogue_reference
@@ -363,12 +364,15 @@ def rank_dense_launches(c: ModelConfig) -> list[tuple[str, int, tuple[int, ...],
 
 
 def rank_dense_rows(config: ModelConfig, *, timer: Callable[..., float], tokens: int = 5, cold_bytes: int = COLD_BYTES,
-                    seed: int = 0) -> list[dict[str, Any]]:
+                    seed: int = 0, around: Callable[[MatmulConfig], list[MatmulConfig]] | None = None
+                    ) -> list[dict[str, Any]]:
   """Each of `rank_dense_launches(config)` at `tokens` rows, as the stack runs it (the partials at
   its split count, or the whole GEMV), against XLA's einsums of the same weights: time per
   launch with its weights cold (copies cycled over `cold_bytes`), bytes, and the agreement of the
   partials' sum with XLA's products. Where a layer's 5 bf16 launches (46 us on an H100,
-  BENCHMARKS.md run 53) stand against their weights' bytes, launch by launch."""
+  BENCHMARKS.md run 53) stand against their weights' bytes, launch by launch. around: the
+  configs to time each launch at, from its own (the rank_dense sweep, `around_bf16`); default
+  its own alone."""
   rows = []
   for i, (name, k, ns, splits) in enumerate(rank_dense_launches(config)):
     partials = splits is not None
@@ -379,22 +383,37 @@ def rank_dense_rows(config: ModelConfig, *, timer: Callable[..., float], tokens:
     copies = max(1, -(-cold_bytes // weight_bytes))
     sets = [tuple(w + 0 for w in ws) for _ in range(copies - 1)] + [ws]  # distinct buffers, the same values
     nbytes = weight_bytes + (tokens * k + tokens * sum(ns)) * 2
-    split = fold_config(sum(ns), k, splits) if partials else None
-    launch = ((lambda x, ws: bf16_matmul_partials(x, ws, config=split)) if partials
-              else (lambda x, ws: bf16_matmul(x, ws[0])))
-    # in fp32, beside XLA's products: each weight's partials [S, M, N] summed (one weight's come bare, not in a
-    # tuple: tree.leaves takes both), or the whole GEMV's [M, N]
-    summed = lambda x, ws: jnp.concatenate([p.sum(0) if partials else p.astype(jnp.float32)
-                                            for p in jax.tree.leaves(launch(x, ws))], -1)
+    base = fold_config(sum(ns), k, splits) if partials else default_bf16_config(sum(ns), k)
+    per_set = lambda fn: jax.jit(lambda x, sets: [fn(x, ws) for ws in sets])
     xla = lambda x, ws: jnp.concatenate([jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)
                                          for w in ws], -1)
-    per_set = lambda fn: jax.jit(lambda x, sets: [fn(x, ws) for ws in sets])
-    timed = [("bf16", "xla", timer(per_set(xla), x, sets) / copies, nbytes),
-             ("bf16", "pallas_partials" if partials else "pallas", timer(per_set(launch), x, sets) / copies, nbytes,
-              agreement(jax.jit(summed)(x, ws), jax.jit(xla)(x, ws)))]
-    rows += _rows(dict(name="rank_dense", launch=name, m=tokens, n="+".join(map(str, ns)), k=k,
-                       splits=split.split_k if partials else None, cold_copies=copies), timed)
+    timed = [("bf16", "xla", timer(per_set(xla), x, sets) / copies, nbytes)]
+    tilings = (around or (lambda c: [c]))(base)
+    for tiling in tilings:
+      launch = ((lambda x, ws, c=tiling: bf16_matmul_partials(x, ws, config=c)) if partials
+                else (lambda x, ws, c=tiling: bf16_matmul(x, ws[0], config=c)))
+      # in fp32, beside XLA's products: each weight's partials [S, M, N] summed (one weight's come bare, not in a
+      # tuple: tree.leaves takes both), or the whole GEMV's [M, N]
+      summed = lambda x, ws, launch=launch: jnp.concatenate([p.sum(0) if partials else p.astype(jnp.float32)
+                                                             for p in jax.tree.leaves(launch(x, ws))], -1)
+      timed.append(("bf16", "pallas_partials" if partials else "pallas", timer(per_set(launch), x, sets) / copies,
+                    nbytes, agreement(jax.jit(summed)(x, ws), jax.jit(xla)(x, ws))))
+    case = dict(name="rank_dense", launch=name, m=tokens, n="+".join(map(str, ns)), k=k, cold_copies=copies)
+    rows += [dict(row, splits=c.split_k if c and partials else None, config=str(c) if c else None)
+             for row, c in zip(_rows(case, timed), [None, *tilings])]
   return rows
+
+
+def around_bf16(base: MatmulConfig) -> list[MatmulConfig]:
+  """base, then one field at a time: 32- or 128-row tiles, 64- or 256-wide K steps, half or twice
+  the K splits, 2 or 8 warps, 2, 4 or 5 pipeline stages: the rank_dense sweep's tilings of a
+  bf16 launch (Triton's knobs on the bytes in flight and the programs per SM)."""
+  vary = functools.partial(dataclasses.replace, base)
+  return [base, *(vary(block_n=b) for b in (32, 128) if b != base.block_n),
+          *(vary(block_k=b) for b in (64, 256) if b != base.block_k),
+          *(vary(split_k=s) for s in (base.split_k // 2, 2 * base.split_k) if s),
+          *(vary(num_warps=w) for w in (2, 8) if w != base.num_warps),
+          *(vary(num_stages=s) for s in (2, 4, 5) if s != base.num_stages)]
 
 
 def config_sweep_rows(fmt: str, m: int, n: int, k: int, configs: list[MatmulConfig] | None = None, *,
@@ -432,7 +451,7 @@ def moe_sweep_rows(fmt: str, configs: list[MoEConfig] | list[PairsConfig] | list
   return rows
 
 
-SWEEP_CASES = ("hfma2", "fp8", "bf16", "fragments", "l2", "pairs", "experts")  # quant_sweep_rows' groups
+SWEEP_CASES = ("hfma2", "fp8", "bf16", "fragments", "l2", "pairs", "experts", "rank_dense")  # quant_sweep_rows' groups
 
 
 def quant_sweep_rows(*, quick: bool = False, cases: tuple[str, ...] = SWEEP_CASES) -> Iterator[dict[str, Any]]:
@@ -449,7 +468,8 @@ def quant_sweep_rows(*, quick: bool = False, cases: tuple[str, ...] = SWEEP_CASE
   pairs (moe_hfma2, fused planes) at the rank's view (5 tokens, top-8 of 256 routed experts, 32
   local) over both launches' tiles and the groups; experts, the routed experts on the fragment
   GEMV (moe_fragments) at the rank's view over program groups and either launch's tiles, K
-  splits and chunks a loop step. First the `read` row (with_read_fraction)."""
+  splits and chunks a loop step; rank_dense, a TEP=8 rank's five bf16 launches (rank_dense_rows,
+  weights cold) each at `around_bf16` of its own tiling. First the `read` row (with_read_fraction)."""
   unknown = set(cases) - set(SWEEP_CASES)
   if unknown:
     raise ValueError(f"unknown sweep cases {sorted(unknown)}; known: {list(SWEEP_CASES)}")
@@ -532,6 +552,10 @@ def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) ->
     yield from moe_sweep_rows("nvfp4", first(pairs_configs), kernel=moe_hfma2, timer=timer, **rank)
   if "experts" in cases:
     yield from moe_sweep_rows("nvfp4_fragments_bf16", first(experts_configs), kernel=moe_fragments, timer=timer, **rank)
+  if "rank_dense" in cases:
+    yield from rank_dense_rows(get_model_config("mini" if quick else "tep8_shard"), timer=timer,
+                               cold_bytes=1 << 16 if quick else COLD_BYTES,
+                               around=lambda c: first(around_bf16(c)))
 
 
 QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues", "rank_dense")

@@ -123,9 +123,9 @@ def test_rows_take_their_read_fraction_from_the_read_measured_first():
 def test_quant_sweep_covers_the_stacks_kernels():
   """kernels_bench --sweep's quant rows: the NVFP4 GEMV on the CUDA cores beside the tensor
   cores' default, the routed experts as pairs and on the fragment GEMV at a rank's view, the FP8
-  and bf16 GEMVs and the fragment-order NVFP4 GEMV at 1 and 8 rows (one config each in the quick
-  sweep; the fragment GEMV's also with one L2 prefetch arm), every one timed (interpret mode: the
-  PTX runs its jnp twin)."""
+  and bf16 GEMVs and the fragment-order NVFP4 GEMV at 1 and 8 rows, and a rank's five bf16
+  launches beside XLA's (one config each in the quick sweep; the fragment GEMV's also with one L2
+  prefetch arm), every one timed (interpret mode: the PTX runs its jnp twin)."""
   import dataclasses
   from experiments.bench_quant import quant_sweep_rows
   from pallas_kernels.moe_fragments import ExpertsConfig
@@ -133,7 +133,9 @@ def test_quant_sweep_covers_the_stacks_kernels():
   read, *rows = quant_sweep_rows(quick=True)
   assert read["name"] == "read" and read["tbs"] > 0
   assert all(r["frac_of_read"] == pytest.approx(r["tbs"] / read["tbs"]) for r in rows)
-  assert {r["name"] for r in rows} == {"sweep", "moe_sweep"}
+  assert {r["name"] for r in rows} == {"sweep", "moe_sweep", "rank_dense"}
+  dense = [(r["launch"], r["impl"]) for r in rows if r["name"] == "rank_dense"]  # each launch's own tiling
+  assert len(dense) == 10 and {impl for _, impl in dense[1::2]} == {"pallas_partials", "pallas"}
   gemv = [r["config"] for r in rows if r["name"] == "sweep" and r["format"] == "nvfp4"]
   assert len(gemv) == 2 and {"dot='hfma2'" in c for c in gemv} == {True, False}
   moe = [r["config"] for r in rows if r["name"] == "moe_sweep"]
@@ -252,6 +254,32 @@ def test_rank_dense_rows_time_each_launch_over_cold_weight_copies():
     assert n == kernel["cold_copies"] == -(-cold // weights) and xla["us"] == pytest.approx(1.0)
     assert kernel["max_rel_err"] <= (1e-6 if splits else 1e-2), name  # fp32 partials; a bf16 output
   assert max(copies) > 1  # the smallest weight, copied past cold_bytes
+
+
+def test_rank_dense_sweep_times_each_launch_at_tilings_around_its_own():
+  """around_bf16: the launch's own tiling first, then each arm differs from it in one field, none
+  twice; rank_dense_rows(around=...) times and checks every arm of every launch after XLA's row."""
+  import dataclasses
+  from configs import get_model_config
+  from experiments.bench_quant import around_bf16, rank_dense_launches, rank_dense_rows
+  from pallas_kernels.bf16_matmul import default_bf16_config, fold_config
+  base = fold_config(2048 + 576, 6144)
+  configs = around_bf16(base)
+  assert configs[0] == base and len(set(configs)) == len(configs)
+  changed = [{f.name for f in dataclasses.fields(base) if getattr(c, f.name) != getattr(base, f.name)}
+             for c in configs[1:]]
+  assert changed == ([{"block_n"}] * 2 + [{"block_k"}] * 2 + [{"split_k"}] * 2 + [{"num_warps"}] * 2
+                     + [{"num_stages"}] * 3)
+  config = get_model_config("tiny")
+  rows = rank_dense_rows(config, timer=lambda fn, x, sets: 1e-6, cold_bytes=1, around=lambda c: around_bf16(c)[2:4])
+  launches = rank_dense_launches(config)
+  assert [r["launch"] for r in rows] == [name for name, *_ in launches for _ in range(3)]
+  for i, (name, k, ns, splits) in enumerate(launches):
+    own = fold_config(sum(ns), k, splits) if splits else default_bf16_config(sum(ns), k)
+    xla, *kernels = rows[3 * i:3 * i + 3]
+    assert xla["impl"] == "xla" and xla["config"] is None
+    assert [r["config"] for r in kernels] == [str(c) for c in around_bf16(own)[2:4]]
+    assert all(r["max_rel_err"] <= (1e-6 if splits else 1e-2) for r in kernels), name
 
 
 def test_router_rows_check_the_kernel_by_its_routing_matrix():
