@@ -356,8 +356,11 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
   tiles = lambda n, k, split: MatmulConfig(block_n=n, block_k=k, split_k=split, **HFMA2)
   args = moe_inputs(4, FORMATS["nvfp4"])
-  out = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups))
-  assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
+  # the down launch's partials, kept (one compile: the call without keep_partials returns their sum rounded to
+  # bf16, its last line, from the same kernels)
+  partials = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups), keep_partials=True)
+  assert partials.dtype == jnp.float32 and partials.shape == (down[2] * groups, 5, 80)
+  out = partials.sum(0).astype(jnp.bfloat16)
   assert rel_err(out, moe_grouped_matmul_reference(*args)) <= TOL
   grouped = moe_grouped_matmul(*args, config=MoEConfig(block_n=16, block_k=32, decode="ptx", operands="float16"))
   assert rel_err(out, grouped) <= TOL
@@ -373,11 +376,6 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   given = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True,
                                               planes_chunk_lines=2), x_planes=rows_planes(args[0], chunk_lines=4))
   np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(fused, np.float32))
-  # the down launch's partials, kept: their sum rounded to bf16 is the result
-  partials = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups), keep_partials=True)
-  assert partials.dtype == jnp.float32 and partials.shape == (down[2] * groups, 5, 80)
-  np.testing.assert_array_equal(np.asarray(partials.sum(0).astype(jnp.bfloat16), np.float32),
-                                np.asarray(out, np.float32))
 
 
 @pytest.mark.parametrize("gate_up,down,groups,down_groups,fused,operands", [
@@ -402,17 +400,16 @@ def test_moe_fragments(gate_up, down, groups, down_groups, fused, operands):
   x, ids, weights, *experts = moe_inputs(6, FORMATS["nvfp4"])
   fragments = [to_fragments(w, operands) for w in experts]
   config = ExpertsConfig(gate_up, down, groups, down_groups, fused)
-  out = moe_fragments(x, ids, weights, *fragments, config=config)
-  assert out.shape == (5, 80) and out.dtype == jnp.bfloat16
+  # the down launch's partials (one compile: without keep_partials the call returns their sum rounded to bf16,
+  # its last line, from the same kernels)
+  run = lambda ids: moe_fragments(x, ids, weights, *fragments, config=config, keep_partials=True)
+  partials = run(ids)
+  assert partials.dtype == jnp.float32 and partials.shape == (down_groups or groups, 5, 80)
+  out = partials.sum(0).astype(jnp.bfloat16)
   assert rel_err(out, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
   np.testing.assert_array_equal(np.asarray(out[4], np.float32), 0.0)  # no local expert
-  partials = moe_fragments(x, ids, weights, *fragments, config=config, keep_partials=True)
-  assert partials.dtype == jnp.float32 and partials.shape == (down_groups or groups, 5, 80)
-  np.testing.assert_array_equal(np.asarray(partials.sum(0).astype(jnp.bfloat16), np.float32),
-                                np.asarray(out, np.float32))
   # no local expert at all: zeros, with every slot's partials unwritten
-  none = moe_fragments(x, jnp.full_like(ids, 7), weights, *fragments, config=config)
-  np.testing.assert_array_equal(np.asarray(none, np.float32), 0.0)
+  np.testing.assert_array_equal(np.asarray(run(jnp.full_like(ids, 7)).sum(0), np.float32), 0.0)
 
 
 @pytest.mark.parametrize("gate_up,down,groups,operands", [
