@@ -404,6 +404,12 @@ def rank_dense_rows(config: ModelConfig, *, timer: Callable[..., float], tokens:
   return rows
 
 
+def _rank_dense(quick: bool, timer: Callable[..., float], **kwargs) -> list[dict[str, Any]]:
+  """rank_dense_rows of tep8_shard, or of mini with 64 KB of weight copies if quick (the rows and the sweep)."""
+  return rank_dense_rows(get_model_config("mini" if quick else "tep8_shard"), timer=timer,
+                         cold_bytes=1 << 16 if quick else COLD_BYTES, **kwargs)
+
+
 def around_bf16(base: MatmulConfig) -> list[MatmulConfig]:
   """base, then one field at a time: 32- or 128-row tiles, 64- or 256-wide K steps, half or twice
   the K splits, 2 or 8 warps, 2, 4 or 5 pipeline stages: the rank_dense sweep's tilings of a
@@ -553,9 +559,7 @@ def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) ->
   if "experts" in cases:
     yield from moe_sweep_rows("nvfp4_fragments_bf16", first(experts_configs), kernel=moe_fragments, timer=timer, **rank)
   if "rank_dense" in cases:
-    yield from rank_dense_rows(get_model_config("mini" if quick else "tep8_shard"), timer=timer,
-                               cold_bytes=1 << 16 if quick else COLD_BYTES,
-                               around=lambda c: first(around_bf16(c)))
+    yield from _rank_dense(quick, timer, around=lambda c: first(around_bf16(c)))
 
 
 QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues", "rank_dense")
@@ -594,5 +598,4 @@ def _cases(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> 
   if "epilogues" in cases:
     yield from epilogue_rows(5, get_model_config("mini" if quick else "tep8_shard"), timer=timer)
   if "rank_dense" in cases:
-    yield from rank_dense_rows(get_model_config("mini" if quick else "tep8_shard"), timer=timer,
-                               cold_bytes=1 << 16 if quick else COLD_BYTES)
+    yield from _rank_dense(quick, timer)

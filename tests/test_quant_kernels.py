@@ -369,6 +369,7 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   # result (on a GPU, h's silu takes Triton's exp and may round differently to bf16)
   fused = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True,
                                               planes_chunk_lines=2))
+  assert fused.shape == (5, 80) and fused.dtype == jnp.bfloat16
   if jax.default_backend() == "cpu":
     np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(out, np.float32))
   assert rel_err(fused, out) <= TOL
@@ -435,6 +436,11 @@ def test_moe_fragments_stream_changes_no_bit(gate_up, down, groups, operands):
   fragments = [to_fragments(w, operands) for w in experts]
   config = ExpertsConfig(gate_up, down, groups)
   looped = moe_fragments(x, ids, weights, *fragments, config=config)
+  assert looped.shape == (3, d) and looped.dtype == jnp.bfloat16
+  # the call returns the down launch's partials (keep_partials) summed and rounded to bf16
+  partials = moe_fragments(x, ids, weights, *fragments, config=config, keep_partials=True)
+  np.testing.assert_array_equal(np.asarray(partials.sum(0).astype(jnp.bfloat16), np.float32),
+                                np.asarray(looped, np.float32))
   streamed = moe_fragments(x, ids, weights, *fragments, config=dataclasses.replace(config, stream=True))
   np.testing.assert_array_equal(np.asarray(streamed, np.float32), np.asarray(looped, np.float32))
   assert rel_err(streamed, moe_grouped_matmul_reference(x, ids, weights, *experts)) <= TOL
