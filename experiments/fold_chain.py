@@ -45,7 +45,7 @@ _UNFOLDED = {name: value for name, value in RANK_FASTEST.items() if name not in 
 _BASE = " ".join([_RANK_STEP, *(f"--{name}={value}" for name, value in _UNFOLDED.items())])
 _FOLDS = ("router", "router_group", "value_merge", "moe_routing=pairs_fused", "query_absorb", "indexer_keys",
           "mla_epilogue", "index_epilogue", "index_query", "epilogue_write", "residual_norm", "route_planes",
-          "shared_swiglu", "next_norm", "swiglu", "moe_sum")
+          "shared_swiglu", "shared_down", "next_norm", "swiglu", "moe_sum")
 
 _OUT = flags.DEFINE_string("output_dir", "fold_chain_out", "where the chain's files go")
 _BASE_FLAGS = flags.DEFINE_string("base", _BASE, "tep_project's flags for arm 0 (space-separated)")

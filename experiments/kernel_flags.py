@@ -3,7 +3,7 @@ tep_project, multigpu_run, quant_eval): --matmul (`define_matmul`, each experime
 default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.FOLD_SWITCHES:
 --cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm,
---route_planes, --shared_swiglu, --next_norm, --swiglu, --moe_sum) with the DSA kernels'
+--route_planes, --shared_swiglu, --shared_down, --next_norm, --swiglu, --moe_sum) with the DSA kernels'
 --topk_method, --topk_trials, --topk_sample, --topk_one_launch, --warm_o_proj,
 --indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --indexer_stages,
 --indexer_prefetch, --attention_warps, --attention_scales, --attention_block_n, the folds'
@@ -63,6 +63,8 @@ _FOLD_HELP = {
                     "(xla) or as more programs of the router's launch (pallas)",
     "shared_swiglu": "with --route_planes=pallas --router_group=pallas: the shared expert's silu(gate) * up in "
                      "XLA (xla) or as more programs of the router's launch (pallas)",
+    "shared_down": "with --shared_swiglu=pallas: the shared expert's down GEMV in its own launch (xla) or as more "
+                   "programs of the routed experts' gate/up launch (pallas)",
     "next_norm": "a layer's closing residual add and the next layer's input_layernorm (the final norm after the "
                  "last): xla (two kernels) or pallas (one launch from the MLP's down partials)",
     "swiglu": "an MLP's silu(gate) * up between its GEMVs (dense layers, shared expert): xla (one kernel) or pallas "

@@ -155,9 +155,10 @@ class Experts(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, *, matmul: str = "xla",
-               routing: str = "table", partials: bool = False, x_planes=None) -> jax.Array:
+               routing: str = "table", partials: bool = False, x_planes=None, shared_down=None):
     """[T, D] in dtype, or with partials fp32 terms [S, T, D] that sum to it (quant.moe_experts;
-    x_planes: x's fp16 planes where the router's launch built them)."""
+    x_planes: x's fp16 planes where the router's launch built them; shared_down: the shared
+    expert's hidden and down weight, its GEMV in the experts' launch: (that, its output))."""
     c = self.config
     e, i, d = c.num_local_experts, c.moe_intermediate_size, c.hidden_size
     make = lambda name, shape, axes: quant.param(
@@ -167,7 +168,7 @@ class Experts(nn.Module):
     down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
     return quant.moe_experts(x.astype(self.dtype), ids, weights, gate, up, down, impl=matmul, routing=routing,
                              chosen=expected_local_experts(c, ids.shape[0]), partials=partials,
-                             x_planes=x_planes)
+                             x_planes=x_planes, shared_down=shared_down)
 
 
 class MoE(nn.Module):
@@ -190,7 +191,8 @@ class MoE(nn.Module):
     in the shared expert's launch (MLP). terms (Runtime.next_norm): the output unsummed, (the
     shared expert's down partials [S, rows, D], the routed experts' [S', rows, D]: each sum
     rounded to dtype, then added in dtype), or under a TEP mesh (the all-reduced output
-    [1, rows, D], None)."""
+    [1, rows, D], None). Runtime.shared_down: the shared expert's down GEMV in the routed
+    experts' gate/up launch, where the router's launch built its hidden (shared_swiglu)."""
     from glmjax.parallel import expert_parallel, mesh  # the parallel package imports the model
 
     c = self.config
@@ -220,9 +222,20 @@ class MoE(nn.Module):
     if router is not None:
       choice = shared_route(flat, router, params["shared_experts"], c, impls["dense"], planes_of,
                             runtime.shared_swiglu == "pallas")
+    shared_down = None  # the shared expert's hidden and down weight where its GEMV rides in the experts' launch
+    if (runtime.shared_down == "pallas" and choice.shared_hidden is not None and residual is None
+        and self.dtype == jnp.bfloat16):
+      down = params["shared_experts"]["down_proj"]["weight"]
+      if quant.takes_bf16_gemv(choice.shared_hidden, down, impls["dense"], self.dtype):
+        shared_down = (choice.shared_hidden, down)
     routed = Experts(c, name="experts", **kw)(flat, choice.ids, choice.weights, matmul=impls["matmul"],
                                               routing=routing, partials=residual is not None or terms,
-                                              x_planes=choice.x_planes)
+                                              x_planes=choice.x_planes, shared_down=shared_down)
+    if shared_down is not None:  # the shared expert's output, as MLP gives it from the hidden
+      routed, shared = routed
+      if terms:
+        return shared, routed
+      return routed.reshape(x.shape).astype(self.dtype) + shared.reshape(x.shape)
     shared_mlp = MLP(c.hidden_size, c.shared_intermediate, name="shared_experts", **kw)
     inputs = dict(partials=choice.gate_up, hidden=choice.shared_hidden)
     if residual is not None:

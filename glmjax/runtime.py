@@ -23,7 +23,7 @@ FOLDS = ("xla", "pallas")  # a fold's choices: XLA's kernels, or the one Pallas 
 # The switches that fold a step's XLA kernels into one Pallas launch (Runtime's docstring says what each folds).
 FOLD_SWITCHES = ("cache_write", "router", "router_group", "value_merge", "query_absorb", "indexer_keys", "mla_epilogue",
                  "index_epilogue", "epilogue_write", "index_query", "residual_norm", "route_planes", "shared_swiglu",
-                 "next_norm", "swiglu", "moe_sum")
+                 "shared_down", "next_norm", "swiglu", "moe_sum")
 _CHOICES = {"attention": ATTENTION_IMPLS, "topk_ties": ("index", "torch_cpu"), "matmul": MATMUL_IMPLS,
             "dense_matmul": DENSE_IMPLS, "moe_routing": MOE_ROUTINGS, **dict.fromkeys(FOLD_SWITCHES, FOLDS),
             "indexer_queries": INDEXER_QUERY_DTYPES, "attention_queries": QUERY_DTYPES,
@@ -97,6 +97,12 @@ class Runtime:
   "pallas": as more programs of the router's launch (moe_route.route_select_planes; the MLP's
   bf16 ops rounded one by one, as the swiglu fold does; on a GPU within a bf16 ulp, Triton's
   exp against XLA's). Run 41 (H100): one launch fewer, the step 16.35 -> 16.20 ms; in rank_fastest.
+  shared_down: with shared_swiglu "pallas", the shared expert's down GEMV (bf16, its hidden from
+  the router's launch): its own split-K launch, or "pallas": as more programs of the routed
+  experts' gate/up launch (moe_hfma2's shared_down: neither needs the other's output), the same
+  bits; one launch a MoE layer fewer, at decode on one device or one rank's program. Untimed
+  (written without a GPU, session 50): the GEMV alone takes 3.35 us for its 3.2 MB on an H100,
+  2.3 of them over its bytes (run 55); off until measured.
   next_norm: a decoder layer's closing residual add (its MLP's output) and the next layer's
   input_layernorm (after the last layer the final norm; after the MTP layer's its
   shared_head_norm), XLA's two kernels or one Pallas launch at decode, from the MLP's down
@@ -211,6 +217,7 @@ class Runtime:
   residual_norm: str = "xla"
   route_planes: str = "xla"
   shared_swiglu: str = "xla"
+  shared_down: str = "xla"
   next_norm: str = "xla"
   swiglu: str = "xla"
   moe_sum: str = "xla"
@@ -277,6 +284,10 @@ class Runtime:
                        f"launch from the grouped GEMV's partials: it needs route_planes and router_group 'pallas' "
                        f"and swiglu 'xla', got route_planes={self.route_planes!r}, router_group="
                        f"{self.router_group!r}, swiglu={self.swiglu!r}")
+    if self.shared_down == "pallas" and self.shared_swiglu != "pallas":
+      raise ValueError(f"shared_down='pallas' runs the shared expert's down GEMV in the routed experts' gate/up "
+                       f"launch from the hidden the router's launch builds: it needs shared_swiglu='pallas', got "
+                       f"{self.shared_swiglu!r}")
     if self.next_norm == "pallas" and self.moe_sum == "pallas":
       raise ValueError("next_norm='pallas' and moe_sum='pallas' both close an MoE layer in their own launch: "
                        "choose one")

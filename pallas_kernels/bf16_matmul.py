@@ -132,6 +132,22 @@ def layer_sum(residual_ref, routed_ref, acc, rows_ok, n_ok) -> jax.Array:
   return load_tile(residual_ref, rows_ok, n_ok).astype(jnp.float32) + _bf16(routed + _bf16(acc))
 
 
+def split_gemv(load_x, w_ref, n_ok, *, k: int, block_m: int, config: MatmulConfig, split,
+               rows=slice(None)) -> jax.Array:
+  """fp32 [block_m, block_n]: this program's share (K split `split`) of x @ w.T over the row tile
+  w_ref[rows] (block_n rows, `n_ok` their mask), load_x(cols, cols_ok) giving x's [block_m,
+  block_k] tile: the split-K GEMV's K loop, for its own launch (w_ref its tile) and for a launch
+  it rides in (moe_hfma2's, w_ref whole: Triton's loads take one indexer, so rows and columns
+  are indexed together)."""
+  bk = config.block_k
+
+  def body(step, acc):
+    cols, cols_ok = pl.ds(step * bk, bk), range_mask(step * bk, bk, k)
+    return acc + dot_t(load_x(cols, cols_ok), load_tile(w_ref.at[rows, cols], n_ok, cols_ok))
+
+  return split_k_loop(body, k=k, block_m=block_m, config=config, split=split)
+
+
 def _bf16_matmul_kernel(*refs, m: int, ns: tuple[int, ...], k: int, block_m: int, config: MatmulConfig,
                         swiglu: bool, epilogue: bool):
   # x_ref: bf16 [block_m, Kp] of [M, K], or with swiglu g_ref, u_ref: f32 [S, block_m, Kp] of the
@@ -140,23 +156,21 @@ def _bf16_matmul_kernel(*refs, m: int, ns: tuple[int, ...], k: int, block_m: int
   # weight (ns: their rows) w_ref bf16 [bn, Kp]; then per weight o_ref [block_m, bn] of its
   # [split_k, M, N] output (fp32 or bf16). With several weights, grid row block j belongs to one
   # of them (row_blocks) and only that one is read.
-  bn, bk = config.block_n, config.block_k
+  bn = config.block_n
   x_refs, refs = (refs[:2], refs[2:]) if swiglu else (refs[:1], refs[1:])
   epilogue_refs, refs = (refs[:2], refs[2:]) if epilogue else ((), refs)
   w_refs, o_refs = refs[:len(ns)], refs[len(ns):]
   rows_ok = range_mask(0, block_m, m)
   j, split = pl.program_id(0), pl.program_id(1)
 
+  def load_x(cols, cols_ok):
+    if swiglu:
+      return swiglu_tile(*x_refs, cols, rows_ok, cols_ok)
+    return load_tile(x_refs[0].at[:, cols], rows_ok, cols_ok)
+
   def matmul(w_ref, o_ref, n: int, block):
     n_ok = range_mask(block * bn, bn, n)
-
-    def body(step, acc):
-      cols, cols_ok = pl.ds(step * bk, bk), range_mask(step * bk, bk, k)
-      x = swiglu_tile(*x_refs, cols, rows_ok, cols_ok) if swiglu else load_tile(x_refs[0].at[:, cols], rows_ok, cols_ok)
-      w = load_tile(w_ref.at[:, cols], n_ok, cols_ok)
-      return acc + dot_t(x, w)
-
-    acc = split_k_loop(body, k=k, block_m=block_m, config=config, split=split)
+    acc = split_gemv(load_x, w_ref, n_ok, k=k, block_m=block_m, config=config, split=split)
     if epilogue:
       acc = layer_sum(*epilogue_refs, acc, rows_ok, n_ok)
     store_tile(o_ref, acc.astype(o_ref.dtype), rows_ok, n_ok)

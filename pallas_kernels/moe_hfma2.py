@@ -43,12 +43,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from glmjax.quant.nvfp4 import BLOCK, NVFP4Weight
+from pallas_kernels.bf16_matmul import default_bf16_config, split_gemv
 from pallas_kernels.checks import check_at_least, check_tile, resolve_interpret
 from pallas_kernels.hfma2_planes import rows_planes, swiglu_planes
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.nvfp4_hfma2 import (PLANES, activation_planes, block_fma, code_words, kernel_name, load_planes,
                                         load_weights, row_result)
-from pallas_kernels.nvfp4_matmul import HFMA2_FIELDS, MatmulConfig, f16_rows, range_mask, split_k_loop, store_tile
+from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, MatmulConfig, f16_rows, load_tile, local_block, range_mask,
+                                         skinny_rows, split_k_loop, store_tile, summed_splits)
 
 @dataclasses.dataclass(frozen=True)
 class PairsConfig:
@@ -75,6 +77,19 @@ class PairsConfig:
     check_at_least("PairsConfig", "groups", self.groups)
     if self.planes_chunk_lines is not None:
       check_tile("PairsConfig", "planes_chunk_lines", self.planes_chunk_lines, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedDown:
+  """The shared expert's down GEMV as more programs of the gate/up launch (moe_hfma2's
+  shared_down): grid row blocks from `first` on, each (row block, K split, group) one program
+  of its blocks x config.split_k (row tile, K split) programs, in that order; tokens rows of x,
+  k its inputs."""
+  first: int
+  blocks: int
+  tokens: int
+  k: int
+  config: MatmulConfig
 
 
 def _local_pairs(ids_ref, weights_ref, *, slots: int, experts: int):
@@ -128,26 +143,46 @@ def _pair_sums(planes_ref, weights, e, row, *, split, rows_ok, k: int, config: M
 
 
 def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate_global, up_words, up_scales,
-                    up_global, g_ref, u_ref, *, top_k: int, slots: int, experts: int, d: int, i: int,
-                    config: PairsConfig, interpret: bool):
+                    up_global, *refs, top_k: int, slots: int, experts: int, d: int, i: int, config: PairsConfig,
+                    shared: "SharedDown | None", interpret: bool):
   # ids_ref: i32 [Sp] of the [T*k] ids; planes_ref: u32 [T * 8, Dp/16] (x's activation_planes);
   # amax_ref: f32 [T] (f16_rows' row maxima); gate / up: words u32 [E, bn, Dp/8], scales e4m3
-  # [E, bn, Dp/16], global f32 [E]; g_ref, u_ref: f32 [Pp, bn] of the [S, T*k, I] partials.
+  # [E, bn, Dp/16], global f32 [E]; with shared, then its hidden bf16 [Tp, Ip] and down weight
+  # bf16 [Dp, Ip], whole; g_ref, u_ref: f32 [Pp, bn] of the [S, T*k, I] partials; with shared,
+  # then its output [S', Tp, Dp], whole. Row blocks j >= shared.first are the shared GEMV's.
+  hidden_ref, w_ref, g_ref, u_ref, s_ref = refs if shared else (None, None, *refs, None)
   cfg = config.gate_up
   j, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows_ok = range_mask(j * cfg.block_n, cfg.block_n, i)
-  count, pick = _local_pairs(ids_ref, None, slots=slots, experts=experts)
 
-  def pair(p, carry):
-    e, slot, _ = pick(p)
-    token = slot // top_k
-    sums = _pair_sums(planes_ref, ((gate_words, gate_scales), (up_words, up_scales)), e, token, split=split,
-                      rows_ok=rows_ok, k=d, config=cfg, interpret=interpret)
-    for acc, global_ref, o_ref in zip(sums, (gate_global, up_global), (g_ref, u_ref)):
-      store_tile(o_ref.at[pl.ds(p, 1)], row_result(acc, global_ref[e], amax_ref[token])[None], None, rows_ok)
-    return carry
+  def pairs():
+    rows_ok = range_mask(j * cfg.block_n, cfg.block_n, i)
+    count, pick = _local_pairs(ids_ref, None, slots=slots, experts=experts)
 
-  strided_loop(count, pair, 0, group=group, groups=config.groups)
+    def pair(p, carry):
+      e, slot, _ = pick(p)
+      token = slot // top_k
+      sums = _pair_sums(planes_ref, ((gate_words, gate_scales), (up_words, up_scales)), e, token, split=split,
+                        rows_ok=rows_ok, k=d, config=cfg, interpret=interpret)
+      for acc, global_ref, o_ref in zip(sums, (gate_global, up_global), (g_ref, u_ref)):
+        store_tile(o_ref.at[pl.ds(p, 1)], row_result(acc, global_ref[e], amax_ref[token])[None], None, rows_ok)
+      return carry
+
+    strided_loop(count, pair, 0, group=group, groups=config.groups)
+
+  if shared is None:
+    return pairs()
+  pl.when(j < shared.first)(pairs)
+  q = (j - shared.first) * cfg.split_k * config.groups + split * config.groups + group  # its program of the GEMV
+  block, gemv_split = q % shared.blocks, q // shared.blocks
+
+  @pl.when((j >= shared.first) & (gemv_split < shared.config.split_k))
+  def _():
+    bn = shared.config.block_n
+    rows_ok, n_ok = range_mask(0, hidden_ref.shape[0], shared.tokens), range_mask(block * bn, bn, d)
+    load_x = lambda cols, cols_ok: load_tile(hidden_ref.at[:, cols], rows_ok, cols_ok)
+    acc = split_gemv(load_x, w_ref, n_ok, k=shared.k, block_m=hidden_ref.shape[0], config=shared.config,
+                     split=gemv_split, rows=pl.ds(block * bn, bn))
+    store_tile(s_ref.at[gemv_split, :, pl.ds(block * bn, bn)], acc.astype(s_ref.dtype), rows_ok, n_ok)
 
 
 def _down_kernel(ids_ref, weights_ref, planes_ref, amax_ref, words_ref, scales_ref, global_ref, o_ref, *,
@@ -179,10 +214,12 @@ def _operands(w: NVFP4Weight) -> list[jax.Array]:
 
 
 def _weight_specs(w: NVFP4Weight, config: MatmulConfig) -> list[pl.BlockSpec]:
-  """BlockSpecs of `_operands(w)`: every expert (the kernel picks one), rows of program axis 0."""
+  """BlockSpecs of `_operands(w)`: every expert (the kernel picks one), rows of program axis 0
+  (clipped into the weight: a launch's shared_down programs lie past its rows)."""
   e, n, k = w.shape
   kp = pl.cdiv(k, config.block_k) * config.block_k  # blocks may overhang: the overhang is masked
-  rows = lambda width: pl.BlockSpec((e, config.block_n, width), lambda j, s, g: (0, j, 0))
+  blocks = pl.cdiv(n, config.block_n)
+  rows = lambda width: pl.BlockSpec((e, config.block_n, width), lambda j, s, g: (0, local_block(j, 0, blocks), 0))
   return [rows(kp // 8), rows(kp // BLOCK), pl.BlockSpec((e,), lambda j, s, g: (0,))]
 
 
@@ -210,11 +247,21 @@ def check_given_planes(x_planes: tuple[jax.Array, jax.Array], x: jax.Array, conf
                      f"{planes.dtype}{list(planes.shape)} and {amax.dtype}{list(amax.shape)}")
 
 
+def check_shared_down(shared_down: tuple[jax.Array, jax.Array], t: int, d: int) -> None:
+  """ValueError unless shared_down is (hidden bf16 [t, Is], down weight bf16 [d, Is])."""
+  hidden, w = shared_down
+  if (hidden.ndim, w.ndim, hidden.shape[0], w.shape[0], hidden.shape[1]) != (2, 2, t, d, w.shape[1]) or {
+      hidden.dtype, w.dtype} != {jnp.dtype(jnp.bfloat16)}:
+    raise ValueError(f"moe_hfma2: shared_down must be the shared expert's hidden bf16 [{t}, Is] and down weight bf16 "
+                     f"[{d}, Is], got {hidden.dtype}{list(hidden.shape)} and {w.dtype}{list(w.shape)}")
+
+
 @functools.partial(jax.jit, static_argnames=("config", "keep_partials", "interpret"))
 def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj: NVFP4Weight,
               up_proj: NVFP4Weight, down_proj: NVFP4Weight, *, config: PairsConfig | None = None,
               keep_partials: bool = False, x_planes: tuple[jax.Array, jax.Array] | None = None,
-              interpret: bool | None = None) -> jax.Array:
+              shared_down: tuple[jax.Array, jax.Array] | None = None,
+              interpret: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Routed-expert MLP of a decode step, each (token, local expert) pair on the CUDA cores.
 
   Args:
@@ -228,9 +275,14 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
     x_planes: x's planes and row maxima as rows_planes(x, chunk_lines=config.planes_chunk_lines)
       gives them, built in another launch (moe_route.route_select_planes); with
       config.fused_planes only.
+    shared_down: the shared expert's hidden bf16 [T, Is] and down weight bf16 [D, Is]: its down
+      GEMV as more programs of the gate/up launch (`Runtime.shared_down`), which needs neither's
+      output, so the two run side by side, one launch fewer. The programs are bf16_matmul's at
+      default_bf16_config(D, Is) (split_gemv), so its output is bf16_matmul's bit for bit, or
+      with keep_partials bf16_matmul_partials' [S', T, D].
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
-    bf16 [T, D], or the partials.
+    bf16 [T, D], or the partials; with shared_down, (that, the shared expert's output).
   """
   config = PairsConfig() if config is None else config
   check_nvfp4_experts("moe_hfma2", check_moe_inputs("moe_hfma2", x, topk_ids, topk_weights, gate_proj, up_proj,
@@ -242,10 +294,11 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
   choice_spec = _whole((pl.next_power_of_2(slots),))
   sizes = dict(top_k=top_k, slots=slots, experts=e, d=d, i=i, config=config, interpret=interpret)
 
-  def launch(kernel, inputs, specs, out, out_spec, cfg: MatmulConfig, n: int, name: str, **extra):
+  def launch(kernel, inputs, specs, out, out_spec, cfg: MatmulConfig, n: int, name: str, extra_rows: int = 0,
+             **extra):
     return pl.pallas_call(
         functools.partial(kernel, **sizes, **extra), out_shape=out,
-        grid=(pl.cdiv(n, cfg.block_n), cfg.split_k, config.groups),
+        grid=(pl.cdiv(n, cfg.block_n) + extra_rows, cfg.split_k, config.groups),
         in_specs=specs, out_specs=out_spec, interpret=interpret, name=kernel_name(name, cfg),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*inputs)
 
@@ -259,13 +312,27 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
     x16, x_amax = f16_rows(x)
     x_planes = activation_planes(x16).reshape(t * PLANES, d // BLOCK)
   partial = jax.ShapeDtypeStruct((up_cfg.split_k, slots, i), jnp.float32)
-  partial_spec = pl.BlockSpec((None, pl.next_power_of_2(slots), up_cfg.block_n), lambda j, s, g: (s, 0, j))
-  g, u = launch(_gate_up_kernel,
-                [ids, x_planes, x_amax,
-                 *_operands(gate_proj), *_operands(up_proj)],
-                [choice_spec, _whole((t * PLANES, pl.cdiv(d, up_cfg.block_k) * up_cfg.block_k // BLOCK)), _whole((t,)),
-                 *_weight_specs(gate_proj, up_cfg), *_weight_specs(up_proj, up_cfg)],
-                [partial, partial], [partial_spec, partial_spec], up_cfg, i, "moe_hfma2_gate_up")
+  blocks = pl.cdiv(i, up_cfg.block_n)
+  partial_spec = pl.BlockSpec((None, pl.next_power_of_2(slots), up_cfg.block_n),
+                              lambda j, s, g: (s, 0, local_block(j, 0, blocks)))
+  inputs = [ids, x_planes, x_amax, *_operands(gate_proj), *_operands(up_proj)]
+  specs = [choice_spec, _whole((t * PLANES, pl.cdiv(d, up_cfg.block_k) * up_cfg.block_k // BLOCK)), _whole((t,)),
+           *_weight_specs(gate_proj, up_cfg), *_weight_specs(up_proj, up_cfg)]
+  outs, out_specs, shared, extra_rows = [partial, partial], [partial_spec, partial_spec], None, 0
+  if shared_down is not None:
+    check_shared_down(shared_down, t, d)
+    k_shared = shared_down[1].shape[1]
+    gemv = default_bf16_config(d, k_shared)
+    shared = SharedDown(first=blocks, blocks=pl.cdiv(d, gemv.block_n), tokens=t, k=k_shared, config=gemv)
+    extra_rows = pl.cdiv(shared.blocks * gemv.split_k, up_cfg.split_k * config.groups)
+    rows, kp = skinny_rows(t), pl.cdiv(k_shared, gemv.block_k) * gemv.block_k  # overhangs are masked
+    inputs += list(shared_down)
+    specs += [_whole((rows, kp)), _whole((shared.blocks * gemv.block_n, kp))]
+    split_out = gemv.split_k > 1 or keep_partials
+    outs.append(jax.ShapeDtypeStruct((gemv.split_k, t, d), jnp.float32 if split_out else jnp.bfloat16))
+    out_specs.append(_whole((gemv.split_k, rows, shared.blocks * gemv.block_n)))
+  g, u, *shared_out = launch(_gate_up_kernel, inputs, specs, outs, out_specs, up_cfg, i, "moe_hfma2_gate_up",
+                             extra_rows=extra_rows, shared=shared)
 
   if config.fused_planes:
     h_planes, h_amax = swiglu_planes(g, u, ids, experts=e, interpret=interpret)
@@ -285,5 +352,7 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
                     jax.ShapeDtypeStruct((down_cfg.split_k * config.groups, t, d), jnp.float32),
                     pl.BlockSpec((None, tp, down_cfg.block_n), lambda j, s, g: (s * config.groups + g, 0, j)),
                     down_cfg, d, "moe_hfma2_down", t=t)
-  return partials if keep_partials else partials.sum(0).astype(x.dtype)
-
+  routed = partials if keep_partials else partials.sum(0).astype(x.dtype)
+  if shared_down is None:
+    return routed
+  return routed, shared_out[0] if keep_partials else summed_splits(shared_out[0], jnp.bfloat16)

@@ -250,7 +250,7 @@ def test_a_rank_config_is_not_a_mesh_config():
                                          ("indexer_keys", "cuda"), ("mla_epilogue", "fused"), ("index_epilogue", "on"),
                                          ("index_query", "fused"), ("residual_norm", "fused"), ("swiglu", "fused"),
                                          ("moe_sum", "on"), ("next_norm", "fused"), ("route_planes", "on"),
-                                         ("shared_swiglu", "fused"),
+                                         ("shared_swiglu", "fused"), ("shared_down", "on"),
                                          ("topk_ties", "random"),
                                          ("topk_method", "sort"), ("topk_sample", "sorted"),
                                          ("indexer_orientation", "rows"),
@@ -339,6 +339,15 @@ def test_runtime_shared_swiglu_needs_the_routers_planes_launch():
     Runtime(shared_swiglu="pallas", route_planes="pallas", router_group="pallas", swiglu="pallas", **folds)
   assert Runtime(shared_swiglu="pallas", route_planes="pallas", router_group="pallas",
                  **folds).shared_swiglu == "pallas"
+
+
+def test_runtime_shared_down_needs_the_shared_hidden_from_the_routers_launch():
+  from glmjax.runtime import Runtime
+  folds = dict(router="pallas", dense_matmul="pallas_grouped", moe_routing="pairs_fused", matmul="pallas_hfma2",
+               route_planes="pallas", router_group="pallas")
+  with pytest.raises(ValueError, match="shared_down='pallas'.*needs shared_swiglu='pallas', got 'xla'"):
+    Runtime(shared_down="pallas", **folds)
+  assert Runtime(shared_down="pallas", shared_swiglu="pallas", **folds).shared_down == "pallas"
 
 
 def test_runtime_closes_a_layer_in_one_fold_only():

@@ -35,7 +35,7 @@ def test_the_default_chain_reaches_the_rank_fastest_preset():
   assert not {name for name, value in settings(0).items() if value == "pallas"} - {"attention", "cache_write"}
   last = max(i for i, fold in enumerate(fold_chain._FOLDS, 1) if fold.split("=")[0] in RANK_FASTEST)
   assert {name: settings(last)[name] for name in RANK_FASTEST} == RANK_FASTEST
-  assert list(fold_chain._FOLDS[last:]) == ["next_norm", "swiglu", "moe_sum"]
+  assert list(fold_chain._FOLDS[last:]) == ["shared_down", "next_norm", "swiglu", "moe_sum"]
 
 
 def test_the_mapped_program_is_the_one_ending_at_the_layer(tmp_path):

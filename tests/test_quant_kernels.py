@@ -379,6 +379,34 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(fused, np.float32))
 
 
+@pytest.mark.parametrize("tokens,k_shared,splits,keep", [(5, 1040, 4, True), (1, 48, 1, False)])
+def test_moe_hfma2_shared_down_rides_in_the_gate_up_launch(tokens, k_shared, splits, keep):
+  """shared_down: the shared expert's down GEMV as more programs of the gate/up launch (no launch
+  of its own): its output equals bf16_matmul's (kept: bf16_matmul_partials', K split 4 ways)
+  bit for bit, and the routed output the launch's own without it, at D = 80 (a ragged second
+  row block) and K = 1040 or 48 (a ragged last step), 5 tokens or 1 (their programs idle past
+  the GEMV's: 2 row blocks x 4 splits, or x 1, against 8 programs a grid row)."""
+  from pallas_kernels.bf16_matmul import bf16_matmul_partials, default_bf16_config
+  from pallas_kernels.moe_hfma2 import moe_hfma2
+  x, ids, weights, *experts = moe_inputs(4, FORMATS["nvfp4"])
+  args = (x[:tokens], ids[:tokens], weights[:tokens], *experts)
+  rng = np.random.default_rng(tokens)
+  hidden = jnp.asarray(rng.standard_normal((tokens, k_shared)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((80, k_shared)) * 0.1, jnp.bfloat16)
+  assert default_bf16_config(80, k_shared).split_k == splits
+  routed, shared = moe_hfma2(*args, keep_partials=keep, shared_down=(hidden, w))
+  names = [e.params["name"] for e in jax.make_jaxpr(
+      lambda *a: moe_hfma2(*a, shared_down=(hidden, w)))(*args).jaxpr.eqns[0].params["jaxpr"].eqns
+           if e.primitive.name == "pallas_call"]
+  assert names == ["moe_hfma2_gate_up", "moe_hfma2_down"]
+  alone = moe_hfma2(*args, keep_partials=keep)
+  np.testing.assert_array_equal(np.asarray(routed, np.float32), np.asarray(alone, np.float32))
+  want = bf16_matmul_partials(hidden, w) if keep else bf16_matmul(hidden, w)
+  assert shared.shape == want.shape and shared.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(shared, np.float32), np.asarray(want, np.float32))
+  assert rel_err(shared.astype(jnp.float32).sum(0) if keep else shared, bf16_matmul_reference(hidden, w)) <= TOL
+
+
 @pytest.mark.parametrize("gate_up,down,groups,down_groups,fused,operands", [
     (None, None, 12, 8, False, "bfloat16"),  # the defaults: gate/up's second K split idle (80 inputs: one chunk)
     (FragmentConfig(tiles=2, num_warps=1, tile_groups=2), FragmentConfig(tiles=2, num_warps=1, tile_groups=1), 3,
@@ -595,6 +623,15 @@ def test_bad_inputs_raise():
     moe_hfma2(*args, config=PairsConfig(fused_planes=True), x_planes=(planes[0][:32], planes[1]))
   with pytest.raises(ValueError, match="x_planes are the pairs_fused kernels' at decode, not routing='pairs'"):
     moe_experts(*args, impl="pallas_hfma2", routing="pairs", x_planes=planes)
+  hidden, down = jnp.zeros((5, 32), jnp.bfloat16), jnp.zeros((80, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"shared_down must be the shared expert's hidden bf16 \[5, Is\] and down "
+                                       r"weight bf16 \[80, Is\], got bfloat16\[4, 32\] and bfloat16\[80, 32\]"):
+    moe_hfma2(*args, shared_down=(hidden[:4], down))
+  with pytest.raises(ValueError, match=r"got bfloat16\[5, 32\] and float32\[80, 32\]"):
+    moe_hfma2(*args, shared_down=(hidden, down.astype(jnp.float32)))
+  with pytest.raises(ValueError, match="shared_down rides in the pairs_fused kernels' gate/up launch at decode, not "
+                                       "routing='pairs'"):
+    moe_experts(*args, impl="pallas_hfma2", routing="pairs", shared_down=(hidden, down))
 
 
 def test_kernels_lower_to_triton_for_h200():
@@ -622,10 +659,12 @@ def test_kernels_lower_to_triton_for_h200():
   cases.append((functools.partial(nvfp4_matmul, config=MatmulConfig(decode="ptx", operands="float16")),
                 (x, shape(quantize_nvfp4, (200, 272)))))
   from pallas_kernels.moe_hfma2 import moe_hfma2
-  for t in (5, 1):  # the CUDA-core pairs: a step's tokens, one token
-    choice = [jax.ShapeDtypeStruct((t, 3), dtype) for dtype in (jnp.int32, jnp.float32)]
-    cases.append((moe_hfma2, (jax.ShapeDtypeStruct((t, 80), jnp.bfloat16), *choice,
-                              *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
+  pairs = lambda t: (jax.ShapeDtypeStruct((t, 80), jnp.bfloat16), jax.ShapeDtypeStruct((t, 3), jnp.int32),
+                     jax.ShapeDtypeStruct((t, 3), jnp.float32), *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))
+  cases += [(moe_hfma2, pairs(5)), (moe_hfma2, pairs(1))]  # the CUDA-core pairs: a step's tokens, one token
+  shared = (jax.ShapeDtypeStruct((5, 272), jnp.bfloat16), jax.ShapeDtypeStruct((80, 272), jnp.bfloat16))
+  cases.append((lambda *a, interpret: moe_hfma2(*a[:6], shared_down=a[6:], interpret=interpret),  # its GEMV beside
+                (*pairs(5), *shared)))
   for config in (MatmulConfig(block_n=32, block_k=128, **HFMA2), default_config(1, 200, 272, dot="hfma2")):
     cases.append((functools.partial(nvfp4_matmul, config=config),
                   (jax.ShapeDtypeStruct((2, 272), jnp.bfloat16), shape(quantize_nvfp4, (200, 272)))))

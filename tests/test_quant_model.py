@@ -158,7 +158,9 @@ def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16)
   shared_swiglu="pallas" too, the shared expert takes silu(gate) * up from that launch (the same
   launches, one silu fewer in XLA per MoE layer): the logits within bf16 rounding (the kernel
   rounds the MLP's bf16 ops one by one, bit for bit in tests/test_moe_route.py; XLA's fusion may
-  skip one of those roundings)."""
+  skip one of those roundings). With shared_down="pallas" too, the shared expert's down GEMV runs
+  in the routed experts' gate/up launch: one bf16_matmul launch fewer per MoE layer, the same
+  logits bit for bit, also with next_norm (the layer's terms unsummed)."""
   q = quantized(params_bf16, "nvfp4_experts")
   ids = tokens(9, 1, 3)
   base = Runtime(matmul="pallas_hfma2", moe_routing="pairs_fused", router="pallas", router_group="pallas",
@@ -166,6 +168,8 @@ def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16)
   arms = {"own": base, "beside": dataclasses.replace(base, route_planes="pallas"),
           "shared": dataclasses.replace(base, route_planes="pallas", shared_swiglu="pallas"),
           "ungrouped": dataclasses.replace(base, route_planes="pallas", router_group="xla")}
+  arms["down"] = dataclasses.replace(arms["shared"], shared_down="pallas")
+  arms |= {f"{name}_next": dataclasses.replace(arms[name], next_norm="pallas") for name in ("shared", "down")}
   forwards = {name: (lambda p, runtime=runtime: glmjax.forward(CONFIG, p, ids, runtime=runtime))
               for name, runtime in arms.items()}
   eqns = {name: list(equations(jax.make_jaxpr(forward)(q).jaxpr)) for name, forward in forwards.items()}
@@ -183,6 +187,11 @@ def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16)
   own, beside, shared = (forwards[name](q) for name in ("own", "beside", "shared"))
   np.testing.assert_array_equal(np.asarray(beside, np.float32), np.asarray(own, np.float32))
   assert rel_err(shared, beside) <= 2e-3
+  for name in ("down", "down_next"):
+    unfolded = name.replace("down", "shared")
+    assert launches[name] == launches[unfolded] - collections.Counter(bf16_matmul=moe), name
+    np.testing.assert_array_equal(np.asarray(forwards[name](q), np.float32),
+                                  np.asarray(shared if name == "down" else forwards[unfolded](q), np.float32))
 
 
 @pytest.mark.side_lane  # 40-50 s on 2 cores: evens out the two processes' times (Makefile)

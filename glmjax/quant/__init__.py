@@ -286,7 +286,8 @@ def _check_pairs(impl: str, routing: str, *weights) -> None:
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
                 down_proj, *, impl: str = "xla", routing: str = "table", chosen: float | None = None,
-                partials: bool = False, x_planes: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                partials: bool = False, x_planes: tuple[jax.Array, jax.Array] | None = None,
+                shared_down: tuple[jax.Array, jax.Array] | None = None):
   """Routed-expert MLP of a few tokens: x [T, D], topk_ids int32 [T, k], topk_weights fp32 [T, k];
   gate_proj / up_proj [E, I, D], down_proj [E, D, I] (plain, NVFP4 or FP8 stacked weights).
   Ids outside [0, E) (experts of other ranks) add nothing. Returns [T, D] in x.dtype.
@@ -306,12 +307,18 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   them). partials: fp32 terms [S, T, D] whose sum rounded to x.dtype is the result (the pairs' or
   the fragments' down partials, unsummed; else [1, T, D]), for a kernel that sums them itself
   (bf16_matmul.swiglu_matmul's epilogue). x_planes: x's fp16 planes and row maxima where a
-  caller built them (`builds_x_planes`; moe_route.route_select_planes).
+  caller built them (`builds_x_planes`; moe_route.route_select_planes). shared_down: the shared
+  expert's hidden bf16 [T, Is] and down weight bf16 [D, Is], its GEMV in the pairs' gate/up launch
+  (moe_hfma2's; `builds_x_planes` routings only): returns (the routed output, the shared
+  expert's: bf16 [T, D], with partials its split-K partials, as linear_partials gives them).
   """
   _check_impl(impl)
   if x_planes is not None and not builds_x_planes(x, impl, routing):
     raise ValueError(f"moe_experts: x_planes are the pairs_fused kernels' at decode, not routing={routing!r}, "
                      f"impl={impl!r} for x {x.dtype}{list(x.shape)}")
+  if shared_down is not None and not builds_x_planes(x, impl, routing):
+    raise ValueError(f"moe_experts: shared_down rides in the pairs_fused kernels' gate/up launch at decode, not "
+                     f"routing={routing!r}, impl={impl!r} for x {x.dtype}{list(x.shape)}")
   if routing in PAIR_ROUTINGS:
     _check_pairs(impl, routing, gate_proj, up_proj, down_proj)
   if routing == FRAGMENT_ROUTING:
@@ -330,7 +337,7 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
       from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
       return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
                        config=PairsConfig(fused_planes=routing == "pairs_fused"), keep_partials=partials,
-                       x_planes=x_planes)
+                       x_planes=x_planes, shared_down=shared_down)
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
     config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
                                 chosen=chosen, operands=_operands(impl))
