@@ -86,14 +86,56 @@ def _dsa_case(concrete: bool, interpret: bool | None):
   return dsa, args if concrete else tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
 
 
-def case(name: str, *, m: int, n: int, k: int, operands: str, config=None, concrete: bool = False):
+def _moe_step(concrete: bool, routed: int = 0):
+  """x, (ids, routing weights) and bf16 (gate, up, down) of bench_quant's MOE_CASE: arrays (a
+  routed step, `routed` as _moe_case's) or their ShapeDtypeStructs."""
+  from experiments.bench_quant import MOE_CASE, _moe_case
+  if concrete:
+    x, routing, weights, _ = _moe_case(**MOE_CASE, routed=routed)
+    return x, routing, weights
+  tokens, top_k, experts, d, i = (MOE_CASE[key] for key in ("tokens", "top_k", "experts", "d", "i"))
+  routing = (jax.ShapeDtypeStruct((tokens, top_k), jnp.int32), jax.ShapeDtypeStruct((tokens, top_k), jnp.float32))
+  weights = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((experts, i, d),) * 2 + ((experts, d, i),))
+  return jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16), routing, weights
+
+
+def _pairs_case(concrete: bool, interpret: bool | None, shared_down: bool):
+  """rank_fastest's routed experts (moe_hfma2, pairs_fused: x's planes from the router's launch
+  are here its own) at one TEP=8 rank's view of MOE_CASE: 5 tokens, top-8 of 256 routed experts,
+  32 of them local; with shared_down, tep8_shard's shared expert's down GEMV ([5, 256] -> 6144)
+  as more programs of the gate/up launch (Runtime.shared_down)."""
+  from configs import get_model_config
+  from glmjax.quant import quantize_nvfp4
+  from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
+  rank = get_model_config("tep8_shard")
+  x, routing, weights = _moe_step(concrete, routed=rank.n_routed_experts)
+  shape = (rank.hidden_size, rank.shared_intermediate)
+  if concrete:
+    keys = jax.random.split(jax.random.key(1))
+    shared = (jax.random.normal(keys[0], (x.shape[0], shape[1]), jnp.bfloat16),
+              jax.random.normal(keys[1], shape, jnp.bfloat16) * 0.02)
+  else:
+    shared = (jax.ShapeDtypeStruct((x.shape[0], shape[1]), jnp.bfloat16), jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+  experts = tuple(quantize_nvfp4(w) if concrete else jax.eval_shape(quantize_nvfp4, w) for w in weights)
+  config = PairsConfig(fused_planes=True)
+
+  def pairs(x, ids, weights, *rest):
+    return moe_hfma2(x, ids, weights, *rest[:3], config=config, shared_down=tuple(rest[3:]) or None,
+                     interpret=interpret)
+  return pairs, (x, *routing, *experts, *(shared if shared_down else ()))
+
+
+def case(name: str, *, m: int, n: int, k: int, operands: str, config=None, concrete: bool = False,
+         shared_down: bool = False):
   """(fn, args) of a case (`define_case_flags`' flags): args as ShapeDtypeStructs, or with
   `concrete` as arrays to launch it on a GPU (random activations, weights quantized from random
   bf16 ones, the MoE a routed step; the kernels compiled on a GPU, interpreted on the CPU).
-  config: the gemv case's FragmentConfig (None: the default)."""
+  config: the gemv case's FragmentConfig (None: the default); shared_down: the pairs case's."""
   interpret = None if concrete else False  # abstract: always Triton's lowering (for an H200)
   if name == "dsa":
     return _dsa_case(concrete, interpret)
+  if name == "pairs":
+    return _pairs_case(concrete, interpret, shared_down)
   from glmjax.quant import quantize_nvfp4, to_fragments
   quantized = lambda w: to_fragments(quantize_nvfp4(w), operands)
   frag = lambda w: quantized(w) if concrete else jax.eval_shape(quantized, w)
@@ -103,23 +145,19 @@ def case(name: str, *, m: int, n: int, k: int, operands: str, config=None, concr
     x, w = (gemv_inputs(m, n, k) if concrete
             else (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16)))
     return lambda x, w: fragment_matmul(x, w, config=config, interpret=interpret), (x, frag(w))
-  from experiments.bench_quant import MOE_CASE, _moe_case
   from pallas_kernels.moe_fragments import moe_fragments
-  if concrete:
-    x, routing, weights, _ = _moe_case(**MOE_CASE)
-  else:
-    tokens, top_k, experts, d, i = (MOE_CASE[key] for key in ("tokens", "top_k", "experts", "d", "i"))
-    x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
-    routing = (jax.ShapeDtypeStruct((tokens, top_k), jnp.int32), jax.ShapeDtypeStruct((tokens, top_k), jnp.float32))
-    weights = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((experts, i, d),) * 2 + ((experts, d, i),))
+  x, routing, weights = _moe_step(concrete)
   return lambda *a: moe_fragments(*a, interpret=interpret), (x, *routing, *(frag(w) for w in weights))
 
 
 def define_case_flags() -> None:
   """The flags of a case, for the entry points that take one (kernel_registers, kernel_launch)."""
-  flags.DEFINE_enum("case", "gemv", ["gemv", "moe", "dsa"], "gemv: fragment_matmul [m, k] x [n, k]; moe: "
-                    "moe_fragments at issue 6's case (5 tokens, top-8, 32 experts, 6144 -> 2048); dsa: a rank's "
+  flags.DEFINE_enum("case", "gemv", ["gemv", "moe", "pairs", "dsa"], "gemv: fragment_matmul [m, k] x [n, k]; moe: "
+                    "moe_fragments at issue 6's case (5 tokens, top-8, 32 experts, 6144 -> 2048); pairs: "
+                    "rank_fastest's moe_hfma2 there, ids among 256 experts (a TEP=8 rank's view); dsa: a rank's "
                     "indexer top-k and sparse MLA at 80K FP8 keys, 5 query tokens")
+  flags.DEFINE_bool("shared_down", False, "pairs: the rank's shared expert's down GEMV in the gate/up launch "
+                    "(Runtime.shared_down)")
   flags.DEFINE_integer("m", 1, "gemv: rows of x")
   flags.DEFINE_integer("n", 28672, "gemv: the weight's rows")
   flags.DEFINE_integer("k", 8192, "gemv: the weight's columns")
@@ -137,9 +175,12 @@ def case_from_flags(concrete: bool = False):
   if changes and f.case != "gemv" or set(changes) - set(known) or "" in changes.values():
     raise flags.ValidationError(f"--vary takes field=value pairs of the gemv case's FragmentConfig ({known}), "
                                 f"got {f.vary} for --case={f.case}")
+  if f.shared_down and f.case != "pairs":
+    raise flags.ValidationError(f"--shared_down is the pairs case's, got --case={f.case}")
   config = dataclasses.replace(default_fragment_config(f.n, f.k, f.m, f.operands),
                                **{key: ast.literal_eval(value) for key, value in changes.items()}) if changes else None
-  return case(f.case, m=f.m, n=f.n, k=f.k, operands=f.operands, config=config, concrete=concrete)
+  return case(f.case, m=f.m, n=f.n, k=f.k, operands=f.operands, config=config, concrete=concrete,
+              shared_down=f.shared_down)
 
 
 def triton_python() -> str:

@@ -6,6 +6,7 @@ a launch (stall reasons, pipe use, achieved occupancy) with committed code and n
       python -m experiments.kernel_launch --case=gemv --operands=float16
   ncu ... python -m experiments.kernel_launch --case=gemv --m=8 --vary=unroll=8
   ncu -k regex:moe_fragments_gate_up -c 1 ... python -m experiments.kernel_launch --case=moe
+  ncu -k regex:moe_hfma2_gate_up -c 1 ... python -m experiments.kernel_launch --case=pairs --shared_down
 
 The cases are `experiments.kernel_registers`' (`kernel_ir.case`, the same flags): what ptxas
 makes of a kernel there, what the GPU does with it here. The inputs are real (activations and

@@ -5,6 +5,7 @@ longest loop by opcode), the global loads by width, and the programs an SM holds
   python -m experiments.kernel_registers --case=gemv --m=8
   python -m experiments.kernel_registers --case=gemv --operands=float16 --vary=unroll=8,prefetch=True
   python -m experiments.kernel_registers --case=moe --output=regs.json
+  python -m experiments.kernel_registers --case=pairs --shared_down
   python -m experiments.kernel_registers --case=dsa
 
 Why: the lent GPU gives 30 minutes a session; a kernel's register count decides how many of its
@@ -46,7 +47,8 @@ def main(argv):
           f"{r['spill_stores']:3d}/{r['spill_loads']:<3d} {r['sass']:5d} {r.get('loop', 0):5d}  {r['loads']}; {ops}")
   if FLAGS.output:
     with open(FLAGS.output, "w") as f:
-      json.dump(dict(case=FLAGS.case, flags={key: FLAGS[key].value for key in ("m", "n", "k", "operands", "vary")},
+      json.dump(dict(case=FLAGS.case, flags={key: FLAGS[key].value for key in ("m", "n", "k", "operands", "vary",
+                                                                                "shared_down")},
                      triton=TRITON_VERSION, rows=rows), f, indent=1)
 
 

@@ -81,6 +81,23 @@ def test_dsa_case_lowers_the_rank_path():
   assert all(name.startswith("topk") for name in names[1:-1])
 
 
+def test_pairs_case_puts_the_shared_gemv_in_the_gate_up_launch():
+  """--case=pairs (rank_fastest's routed experts at a rank's view): the same four launches with
+  --shared_down or without; with it the gate/up grid has 12 row blocks more, the shared GEMV's 96
+  row tiles of 64 (6144 rows) over its 8 programs a grid row."""
+  from experiments.kernel_ir import case
+  grids = {}
+  for shared in (False, True):
+    fn, args = case("pairs", m=1, n=1, k=1, operands="bfloat16", shared_down=shared)
+    grids[shared] = {meta["name"]: (meta["grid_x"], meta["grid_y"], meta["grid_z"])
+                     for meta, _ in triton_kernels(fn, *args)}
+  assert set(grids[False]) == set(grids[True]) == {"hfma2_rows_planes", "moe_hfma2_gate_up", "hfma2_swiglu_planes",
+                                                   "moe_hfma2_down"}
+  assert grids[False]["moe_hfma2_gate_up"] == (128, 2, 4) and grids[True]["moe_hfma2_gate_up"] == (140, 2, 4)
+  assert {name: grid for name, grid in grids[True].items() if name != "moe_hfma2_gate_up"} == {
+      name: grid for name, grid in grids[False].items() if name != "moe_hfma2_gate_up"}
+
+
 def test_concrete_case_is_its_abstract_one_with_data():
   """kernel_launch's inputs: the gemv case's arrays have the abstract case's shapes and dtypes,
   carry data (not zeros), and the case's function on them (interpreted on the CPU) gives XLA's
@@ -105,10 +122,13 @@ def test_concrete_case_is_its_abstract_one_with_data():
 
 
 def test_kernel_launch_names_a_bad_vary():
-  """--vary outside the gemv case's FragmentConfig fields is refused, naming them, before any launch."""
+  """--vary outside the gemv case's FragmentConfig fields is refused, naming them, before any launch;
+  so is --shared_down outside the pairs case."""
   import subprocess
   import sys
-  for args in (["--vary=bogus=1"], ["--vary=unroll"], ["--case=moe", "--vary=unroll=2"]):
+  vary = ("--vary takes field=value pairs", "'unroll'")
+  for args, said in ((["--vary=bogus=1"], vary), (["--vary=unroll"], vary), (["--case=moe", "--vary=unroll=2"], vary),
+                     (["--case=moe", "--shared_down"], ("--shared_down is the pairs case's, got --case=moe",))):
     done = subprocess.run([sys.executable, "-m", "experiments.kernel_launch", *args], capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode != 0 and "--vary takes field=value pairs" in done.stderr and "'unroll'" in done.stderr
+    assert done.returncode != 0 and all(part in done.stderr for part in said), args
