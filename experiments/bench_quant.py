@@ -39,7 +39,9 @@ router's choice of 8 among 256 experts from its GEMV's partials, XLA's against o
 (`router_rows`, 1 and 5 tokens), and so do the epilogues of MLA's and the indexer's projections
 (`epilogue_rows`: the absorbed query, the indexer's keys, MLA's norms; 5 tokens), and each of the
 five bf16 GEMV launches of a tep8_shard rank's MoE layer under rank_fastest, at its shapes and
-split count, its weights cold (`rank_dense_rows`, the `rank_dense` case).
+split count, its weights cold (`rank_dense_rows`, the `rank_dense` case), and the last of them,
+the shared expert's down GEMV, beside the routed experts' launches or folded into their gate/up
+launch (`shared_down_rows`, the `shared_down` case: `Runtime.shared_down`).
 
 Cases: GEMV [M, 8192] x [8192, 28672]; one GLM-5 expert's gate/up [2048, 6144] and down
 [6144, 2048] (the shapes of a TEP=8 rank's q_a_proj and o_proj too); each at M = 1, 5, 8; the
@@ -404,6 +406,35 @@ def rank_dense_rows(config: ModelConfig, *, timer: Callable[..., float], tokens:
   return rows
 
 
+def shared_down_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, shared: int, routed: int,
+                     timer: Callable[..., float], cold_bytes: int = COLD_BYTES, seed: int = 0) -> list[dict[str, Any]]:
+  """Runtime.shared_down at a TEP rank's view of a MoE step (ids among `routed` experts, `experts`
+  of them local; the shared expert's down GEMV [tokens, shared] -> d): the routed experts as
+  rank_fastest runs them (moe_hfma2, fused planes) and that GEMV in launches of their own
+  (`separate`, the baseline), then the GEMV as more programs of the experts' gate/up launch
+  (`folded`; its outputs checked against the separate ones'). Each call cycles over copies of the
+  GEMV's weight and hidden past cold_bytes, as rank_dense_rows does, so its 3 MB come from DRAM as
+  in a step; the chosen experts (about 100 MB at GLM-5's shapes) pass the L2 by themselves."""
+  x, routing, weights, chosen_experts = _moe_case(tokens, top_k, experts, d, i, seed, routed)
+  q = tuple(quantize_nvfp4(w) for w in weights)
+  keys = jax.random.split(jax.random.key(seed + 1))
+  down = (jax.random.normal(keys[0], (tokens, shared), jnp.bfloat16),
+          jax.random.normal(keys[1], (d, shared), jnp.bfloat16) * 0.02)
+  copies = max(1, -(-cold_bytes // _nbytes(down[1])))
+  sets = [tuple(a + 0 for a in down) for _ in range(copies - 1)] + [down]  # distinct buffers, the same values
+  config = PairsConfig(fused_planes=True)
+  separate = lambda x, ids, w, hidden, down: (moe_hfma2(x, ids, w, *q, config=config), bf16_matmul(hidden, down))
+  folded = lambda x, ids, w, hidden, down: moe_hfma2(x, ids, w, *q, config=config, shared_down=(hidden, down))
+  per_set = lambda fn: jax.jit(lambda x, ids, w, sets: [fn(x, ids, w, *down) for down in sets])
+  joined = lambda fn: jax.jit(lambda *a: jnp.concatenate(fn(*a), -1))  # routed | shared, for agreement
+  nbytes = _moe_bytes(q, chosen_experts / experts, x, routing[0]) + _nbytes(down) + tokens * d * 2
+  timed = [("nvfp4+bf16", "separate", timer(per_set(separate), x, *routing, sets) / copies, nbytes),
+           ("nvfp4+bf16", "folded", timer(per_set(folded), x, *routing, sets) / copies, nbytes,
+            agreement(joined(folded)(x, *routing, *down), joined(separate)(x, *routing, *down)))]
+  return _rows(dict(name="shared_down", m=tokens, n=d, k=i, shared=shared, experts=experts, routed=routed,
+                    top_k=top_k, chosen_experts=chosen_experts, cold_copies=copies), timed)
+
+
 def _rank_dense(quick: bool, timer: Callable[..., float], **kwargs) -> list[dict[str, Any]]:
   """rank_dense_rows of tep8_shard, or of mini with 64 KB of weight copies if quick (the rows and the sweep)."""
   return rank_dense_rows(get_model_config("mini" if quick else "tep8_shard"), timer=timer,
@@ -562,7 +593,8 @@ def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) ->
     yield from _rank_dense(quick, timer, around=lambda c: first(around_bf16(c)))
 
 
-QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues", "rank_dense")
+QUANT_CASES = ("gemv", "expert_gate_up", "expert_down", "moe", "groups", "router", "epilogues", "rank_dense",
+               "shared_down")
 
 
 def quant_rows(*, quick: bool = False, timer: str = "loop", cases: tuple[str, ...] = QUANT_CASES
@@ -599,3 +631,7 @@ def _cases(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> 
     yield from epilogue_rows(5, get_model_config("mini" if quick else "tep8_shard"), timer=timer)
   if "rank_dense" in cases:
     yield from _rank_dense(quick, timer)
+  if "shared_down" in cases:  # tep8_shard's rank: 256 routed experts, its shared expert's 256-wide slice
+    yield from shared_down_rows(**moe, shared=48 if quick else get_model_config("tep8_shard").shared_intermediate,
+                                routed=4 * moe["experts"] if quick else 256, timer=timer,
+                                cold_bytes=1 << 16 if quick else COLD_BYTES)

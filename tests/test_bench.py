@@ -256,6 +256,26 @@ def test_rank_dense_rows_time_each_launch_over_cold_weight_copies():
   assert max(copies) > 1  # the smallest weight, copied past cold_bytes
 
 
+def test_shared_down_rows_time_the_fold_against_separate_launches():
+  """The shared_down case: the routed experts and the shared expert's down GEMV in launches of
+  their own (the baseline row), then folded into one gate/up launch: the same outputs bit for bit,
+  the same bytes; each timed over distinct copies of the GEMV's weight and hidden past cold_bytes."""
+  from experiments.bench_quant import QUICK_MOE_CASE, shared_down_rows
+  copies = []
+
+  def timer(fn, x, ids, weights, sets):
+    copies.append(len(sets))
+    assert len({a.unsafe_buffer_pointer() for down in sets for a in down}) == 2 * len(sets)
+    return 1e-6 * len(sets) * (2 if len(copies) == 1 else 1)
+
+  rows = shared_down_rows(**QUICK_MOE_CASE, shared=48, routed=16, timer=timer, cold_bytes=20_000)
+  assert [(r["name"], r["impl"]) for r in rows] == [("shared_down", "separate"), ("shared_down", "folded")]
+  assert copies == [rows[0]["cold_copies"]] * 2 == [-(-20_000 // (64 * 48 * 2))] * 2
+  assert rows[0]["bytes"] == rows[1]["bytes"] > 64 * 48 * 2
+  assert (rows[0]["us"], rows[1]["us"], rows[1]["speedup_vs_bf16"]) == pytest.approx((2.0, 1.0, 2.0))
+  assert rows[1]["max_rel_err"] == 0.0 and rows[1]["exact"]
+
+
 def test_rank_dense_sweep_times_each_launch_at_tilings_around_its_own():
   """around_bf16: the launch's own tiling first, then each arm differs from it in one field, none
   twice; rank_dense_rows(around=...) times and checks every arm of every launch after XLA's row."""
