@@ -144,7 +144,7 @@ def _pair_sums(planes_ref, weights, e, row, *, split, rows_ok, k: int, config: M
 
 def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate_global, up_words, up_scales,
                     up_global, *refs, top_k: int, slots: int, experts: int, d: int, i: int, config: PairsConfig,
-                    shared: "SharedDown | None", interpret: bool):
+                    shared: SharedDown | None, interpret: bool):
   # ids_ref: i32 [Sp] of the [T*k] ids; planes_ref: u32 [T * 8, Dp/16] (x's activation_planes);
   # amax_ref: f32 [T] (f16_rows' row maxima); gate / up: words u32 [E, bn, Dp/8], scales e4m3
   # [E, bn, Dp/16], global f32 [E]; with shared, then its hidden bf16 [Tp, Ip] and down weight
@@ -279,7 +279,9 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
       GEMV as more programs of the gate/up launch (`Runtime.shared_down`), which needs neither's
       output, so the two run side by side, one launch fewer. The programs are bf16_matmul's at
       default_bf16_config(D, Is) (split_gemv), so its output is bf16_matmul's bit for bit, or
-      with keep_partials bf16_matmul_partials' [S', T, D].
+      with keep_partials bf16_matmul_partials' [S', T, D]; they run at the launch's warps and
+      stages (config.gate_up's: 4 and 1, so their K loop is not software-pipelined; the GEMV's
+      own launch takes 3 stages, for 2 K steps at GLM-5's rank shape).
     interpret: run the Pallas interpreter; default: on the CPU backend.
   Returns:
     bf16 [T, D], or the partials; with shared_down, (that, the shared expert's output).
