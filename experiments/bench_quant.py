@@ -411,8 +411,10 @@ def shared_down_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, s
   """Runtime.shared_down at a TEP rank's view of a MoE step (ids among `routed` experts, `experts`
   of them local; the shared expert's down GEMV [tokens, shared] -> d): the routed experts as
   rank_fastest runs them (moe_hfma2, fused planes) and that GEMV in launches of their own
-  (`separate`, the baseline), then the GEMV as more programs of the experts' gate/up launch
-  (`folded`; its outputs checked against the separate ones'). Each call cycles over copies of the
+  (`separate`, the baseline), the same with PairsConfig.wide_words (`separate_wide_words`: the
+  fold's barrier-free K loops without the fold, so the two effects part), then the GEMV as more
+  programs of the experts' gate/up launch (`folded`); each checked against the baseline's
+  outputs. Each call cycles over copies of the
   GEMV's weight and hidden past cold_bytes, as rank_dense_rows does, so its 3 MB come from DRAM as
   in a step; the chosen experts (about 100 MB at GLM-5's shapes) pass the L2 by themselves."""
   x, routing, weights, chosen_experts = _moe_case(tokens, top_k, experts, d, i, seed, routed)
@@ -422,15 +424,19 @@ def shared_down_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, s
           jax.random.normal(keys[1], (d, shared), jnp.bfloat16) * 0.02)
   copies = max(1, -(-cold_bytes // _nbytes(down[1])))
   sets = [tuple(a + 0 for a in down) for _ in range(copies - 1)] + [down]  # distinct buffers, the same values
-  config = PairsConfig(fused_planes=True)
-  separate = lambda x, ids, w, hidden, down: (moe_hfma2(x, ids, w, *q, config=config), bf16_matmul(hidden, down))
-  folded = lambda x, ids, w, hidden, down: moe_hfma2(x, ids, w, *q, config=config, shared_down=(hidden, down))
+  def separate(x, ids, w, hidden, down, config=PairsConfig(fused_planes=True)):
+    return moe_hfma2(x, ids, w, *q, config=config), bf16_matmul(hidden, down)
+
+  wide = functools.partial(separate, config=PairsConfig(fused_planes=True, wide_words=True))
+  folded = lambda x, ids, w, hidden, down: moe_hfma2(x, ids, w, *q, config=PairsConfig(fused_planes=True),
+                                                     shared_down=(hidden, down))
   per_set = lambda fn: jax.jit(lambda x, ids, w, sets: [fn(x, ids, w, *down) for down in sets])
   joined = lambda fn: jax.jit(lambda *a: jnp.concatenate(fn(*a), -1))  # routed | shared, for agreement
   nbytes = _moe_bytes(q, chosen_experts / experts, x, routing[0]) + _nbytes(down) + tokens * d * 2
-  timed = [("nvfp4+bf16", "separate", timer(per_set(separate), x, *routing, sets) / copies, nbytes),
-           ("nvfp4+bf16", "folded", timer(per_set(folded), x, *routing, sets) / copies, nbytes,
-            agreement(joined(folded)(x, *routing, *down), joined(separate)(x, *routing, *down)))]
+  timed = [("nvfp4+bf16", "separate", timer(per_set(separate), x, *routing, sets) / copies, nbytes)]
+  for impl, fn in (("separate_wide_words", wide), ("folded", folded)):
+    timed.append(("nvfp4+bf16", impl, timer(per_set(fn), x, *routing, sets) / copies, nbytes,
+                  agreement(joined(fn)(x, *routing, *down), joined(separate)(x, *routing, *down))))
   return _rows(dict(name="shared_down", m=tokens, n=d, k=i, shared=shared, experts=experts, routed=routed,
                     top_k=top_k, chosen_experts=chosen_experts, cold_copies=copies), timed)
 
@@ -549,8 +555,10 @@ def _sweeps(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) ->
                  for operands in OPERANDS for bn, s in ((128, 1), (64, 1), (64, 2), (64, 4), (32, 1), (32, 2))]
   bf16_configs = [MatmulConfig(block_n=bn, block_k=bk, split_k=s)
                   for bn, bk, s in ((64, 256, 8), (64, 256, 4), (64, 256, 16), (32, 256, 8), (128, 128, 4))]
-  pairs_configs = [PairsConfig(gate_up=hfma2(bn, 512, gs), down=hfma2(bn, 512, ds), groups=g, fused_planes=True)
-                   for bn in (16, 32) for gs, ds in ((2, 1), (4, 2), (1, 1)) for g in (2, 4, 8)]
+  # the pairs' defaults with and without wide_words' layout hint, then tiles, K splits and groups
+  pairs_configs = [PairsConfig(fused_planes=True, wide_words=w) for w in (False, True)]
+  pairs_configs += [PairsConfig(gate_up=hfma2(bn, 512, gs), down=hfma2(bn, 512, ds), groups=g, fused_planes=True)
+                    for bn in (16, 32) for gs, ds in ((2, 1), (4, 2), (1, 1)) for g in (2, 4, 8)]
   # bf16 operands also at one split storing the finished result (final_out: the call one launch)
   # over tiles and chunks a loop step.
   final_configs = [FragmentConfig(tiles=t, num_warps=w, unroll=u, tile_groups=2, final_out=True)

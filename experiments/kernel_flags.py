@@ -4,7 +4,7 @@ default), and --dense_matmul, --moe_routing, the fold switches (glmjax.runtime.F
 --cache_write, --router, --router_group, --value_merge, --query_absorb, --indexer_keys,
 --mla_epilogue, --index_epilogue, --epilogue_write, --index_query, --residual_norm,
 --route_planes, --shared_swiglu, --shared_down, --next_norm, --swiglu, --moe_sum) with the DSA kernels'
---topk_method, --topk_trials, --topk_sample, --topk_one_launch, --warm_o_proj,
+--topk_method, --topk_trials, --topk_sample, --topk_one_launch, --pairs_wide_words, --warm_o_proj,
 --indexer_orientation, --indexer_splits, --indexer_block_k, --indexer_warps, --indexer_stages,
 --indexer_prefetch, --attention_warps, --attention_scales, --attention_block_n, the folds'
 --fold_splits, --indexer_queries, --attention_queries, --tensor_parallel, --fragment_operands and
@@ -122,6 +122,9 @@ def define() -> Callable[[], dict[str, str | int]]:
                                        "the scoring kernel) or row (gathered from the scores)"),
       "topk_one_launch": flags.DEFINE_bool("topk_one_launch", False, "the sampled top-k's count, compaction and "
                                            "select in one launch (look-back offsets; the last program selects)"),
+      "pairs_wide_words": flags.DEFINE_bool("pairs_wide_words", False, "--moe_routing=pairs(_fused): the experts' "
+                                            "launches load the NVFP4 code words 32 bytes a thread (a layout hint; "
+                                            "the same values)"),
       "warm_o_proj": flags.DEFINE_bool("warm_o_proj", False, "the sparse MLA launch prefetches the layer's o_proj "
                                        "weight into L2 for the GEMV after it (the same values)"),
       "topk_trials": flags.DEFINE_integer("topk_trials", 0, "the keys the sampled top-k's threshold search "

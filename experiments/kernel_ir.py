@@ -99,11 +99,11 @@ def _moe_step(concrete: bool, routed: int = 0):
   return jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16), routing, weights
 
 
-def _pairs_case(concrete: bool, interpret: bool | None, shared_down: bool):
+def _pairs_case(concrete: bool, interpret: bool | None, shared_down: bool, wide_words: bool):
   """rank_fastest's routed experts (moe_hfma2, pairs_fused: x's planes from the router's launch
   are here its own) at one TEP=8 rank's view of MOE_CASE: 5 tokens, top-8 of 256 routed experts,
   32 of them local; with shared_down, tep8_shard's shared expert's down GEMV ([5, 256] -> 6144)
-  as more programs of the gate/up launch (Runtime.shared_down)."""
+  as more programs of the gate/up launch (Runtime.shared_down); wide_words: PairsConfig's."""
   from configs import get_model_config
   from glmjax.quant import quantize_nvfp4
   from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
@@ -117,7 +117,7 @@ def _pairs_case(concrete: bool, interpret: bool | None, shared_down: bool):
   else:
     shared = (jax.ShapeDtypeStruct((x.shape[0], shape[1]), jnp.bfloat16), jax.ShapeDtypeStruct(shape, jnp.bfloat16))
   experts = tuple(quantize_nvfp4(w) if concrete else jax.eval_shape(quantize_nvfp4, w) for w in weights)
-  config = PairsConfig(fused_planes=True)
+  config = PairsConfig(fused_planes=True, wide_words=wide_words)
 
   def pairs(x, ids, weights, *rest):
     return moe_hfma2(x, ids, weights, *rest[:3], config=config, shared_down=tuple(rest[3:]) or None,
@@ -126,16 +126,17 @@ def _pairs_case(concrete: bool, interpret: bool | None, shared_down: bool):
 
 
 def case(name: str, *, m: int, n: int, k: int, operands: str, config=None, concrete: bool = False,
-         shared_down: bool = False):
+         shared_down: bool = False, wide_words: bool = False):
   """(fn, args) of a case (`define_case_flags`' flags): args as ShapeDtypeStructs, or with
   `concrete` as arrays to launch it on a GPU (random activations, weights quantized from random
   bf16 ones, the MoE a routed step; the kernels compiled on a GPU, interpreted on the CPU).
-  config: the gemv case's FragmentConfig (None: the default); shared_down: the pairs case's."""
+  config: the gemv case's FragmentConfig (None: the default); shared_down, wide_words: the pairs
+  case's."""
   interpret = None if concrete else False  # abstract: always Triton's lowering (for an H200)
   if name == "dsa":
     return _dsa_case(concrete, interpret)
   if name == "pairs":
-    return _pairs_case(concrete, interpret, shared_down)
+    return _pairs_case(concrete, interpret, shared_down, wide_words)
   from glmjax.quant import quantize_nvfp4, to_fragments
   quantized = lambda w: to_fragments(quantize_nvfp4(w), operands)
   frag = lambda w: quantized(w) if concrete else jax.eval_shape(quantized, w)
@@ -158,6 +159,7 @@ def define_case_flags() -> None:
                     "indexer top-k and sparse MLA at 80K FP8 keys, 5 query tokens")
   flags.DEFINE_bool("shared_down", False, "pairs: the rank's shared expert's down GEMV in the gate/up launch "
                     "(Runtime.shared_down)")
+  flags.DEFINE_bool("wide_words", False, "pairs: PairsConfig.wide_words (the code words loaded 32 bytes a thread)")
   flags.DEFINE_integer("m", 1, "gemv: rows of x")
   flags.DEFINE_integer("n", 28672, "gemv: the weight's rows")
   flags.DEFINE_integer("k", 8192, "gemv: the weight's columns")
@@ -175,12 +177,12 @@ def case_from_flags(concrete: bool = False):
   if changes and f.case != "gemv" or set(changes) - set(known) or "" in changes.values():
     raise flags.ValidationError(f"--vary takes field=value pairs of the gemv case's FragmentConfig ({known}), "
                                 f"got {f.vary} for --case={f.case}")
-  if f.shared_down and f.case != "pairs":
-    raise flags.ValidationError(f"--shared_down is the pairs case's, got --case={f.case}")
+  if (f.shared_down or f.wide_words) and f.case != "pairs":
+    raise flags.ValidationError(f"--shared_down and --wide_words are the pairs case's, got --case={f.case}")
   config = dataclasses.replace(default_fragment_config(f.n, f.k, f.m, f.operands),
                                **{key: ast.literal_eval(value) for key, value in changes.items()}) if changes else None
   return case(f.case, m=f.m, n=f.n, k=f.k, operands=f.operands, config=config, concrete=concrete,
-              shared_down=f.shared_down)
+              shared_down=f.shared_down, wide_words=f.wide_words)
 
 
 def triton_python() -> str:

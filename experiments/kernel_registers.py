@@ -6,6 +6,7 @@ longest loop by opcode), the global loads by width, and the programs an SM holds
   python -m experiments.kernel_registers --case=gemv --operands=float16 --vary=unroll=8,prefetch=True
   python -m experiments.kernel_registers --case=moe --output=regs.json
   python -m experiments.kernel_registers --case=pairs --shared_down
+  python -m experiments.kernel_registers --case=pairs --wide_words
   python -m experiments.kernel_registers --case=dsa
 
 Why: the lent GPU gives 30 minutes a session; a kernel's register count decides how many of its
@@ -48,7 +49,7 @@ def main(argv):
   if FLAGS.output:
     with open(FLAGS.output, "w") as f:
       json.dump(dict(case=FLAGS.case, flags={key: FLAGS[key].value for key in ("m", "n", "k", "operands", "vary",
-                                                                                "shared_down")},
+                                                                                "shared_down", "wide_words")},
                      triton=TRITON_VERSION, rows=rows), f, indent=1)
 
 

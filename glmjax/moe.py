@@ -155,10 +155,12 @@ class Experts(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, ids: jax.Array, weights: jax.Array, *, matmul: str = "xla",
-               routing: str = "table", partials: bool = False, x_planes=None, shared_down=None):
+               routing: str = "table", partials: bool = False, x_planes=None, shared_down=None,
+               wide_words: bool = False):
     """[T, D] in dtype, or with partials fp32 terms [S, T, D] that sum to it (quant.moe_experts;
     x_planes: x's fp16 planes where the router's launch built them; shared_down: the shared
-    expert's hidden and down weight, its GEMV in the experts' launch: (that, its output))."""
+    expert's hidden and down weight, its GEMV in the experts' launch: (that, its output);
+    wide_words: Runtime.pairs_wide_words)."""
     c = self.config
     e, i, d = c.num_local_experts, c.moe_intermediate_size, c.hidden_size
     make = lambda name, shape, axes: quant.param(
@@ -168,7 +170,7 @@ class Experts(nn.Module):
     down = make("down_proj", (e, d, i), ("embed", "expert_mlp"))
     return quant.moe_experts(x.astype(self.dtype), ids, weights, gate, up, down, impl=matmul, routing=routing,
                              chosen=expected_local_experts(c, ids.shape[0]), partials=partials,
-                             x_planes=x_planes, shared_down=shared_down)
+                             x_planes=x_planes, shared_down=shared_down, wide_words=wide_words)
 
 
 class MoE(nn.Module):
@@ -217,7 +219,8 @@ class MoE(nn.Module):
     if tep_mesh is not None and params is not None:
       ids, weights = (None, None) if choice is None else choice[:2]  # None: the router runs in the shard_map
       out = expert_parallel.moe(flat, ids, weights, params["experts"], params["shared_experts"], config=c,
-                                mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, router=router, **impls, **kw)
+                                mesh=tep_mesh, routing=routing, swiglu=runtime.swiglu, router=router,
+                                wide_words=runtime.pairs_wide_words, **impls, **kw)
       return (out.reshape(1, *flat.shape), None) if terms else out.reshape(x.shape)
     if router is not None:
       choice = shared_route(flat, router, params["shared_experts"], c, impls["dense"], planes_of,
@@ -230,7 +233,8 @@ class MoE(nn.Module):
         shared_down = (choice.shared_hidden, down)
     routed = Experts(c, name="experts", **kw)(flat, choice.ids, choice.weights, matmul=impls["matmul"],
                                               routing=routing, partials=residual is not None or terms,
-                                              x_planes=choice.x_planes, shared_down=shared_down)
+                                              x_planes=choice.x_planes, shared_down=shared_down,
+                                              wide_words=runtime.pairs_wide_words)
     if shared_down is not None:  # the shared expert's output, as MLP gives it from the hidden
       routed, shared = routed
       if terms:

@@ -144,6 +144,11 @@ class Runtime:
   topk_one_launch: the sampled top-k's count, compaction and select in one launch
   (TopKConfig.one_launch: look-back offsets, the last program selects) instead of three; the same
   selection. No faster (run 53, H100: 24.6 us and a 1.0 us memset a layer against 23.6-23.9), off.
+  pairs_wide_words: under moe_routing "pairs" or "pairs_fused", the routed experts' launches
+  with PairsConfig.wide_words: a never-run bf16 store steers Triton into loading the NVFP4 code
+  words 32 bytes a thread, so neither K loop moves them through shared memory (ptxas, sm_90:
+  gate/up 86 -> 80 registers and 6 programs an SM, down 71 -> 64 and 8; no barrier in either
+  K loop). The same values. Untimed (session 50, no GPU), off.
   warm_o_proj: under attention="pallas" at decode, the sparse MLA launch's programs prefetch
   the layer's o_proj weight into L2 (pallas_kernels/sparse_mla.sparse_mla_decode's `warm`), so
   o_proj's GEMV, the launch after the attention's, reads it from L2: the attention is latency-bound
@@ -226,6 +231,7 @@ class Runtime:
   topk_trials: int = 0
   topk_sample: str = "scores"
   topk_one_launch: bool = False
+  pairs_wide_words: bool = False
   warm_o_proj: bool = False
   indexer_orientation: str = "keys"
   indexer_splits: int = 0
@@ -294,6 +300,9 @@ class Runtime:
     if self.index_query == "pallas" and self.query_absorb != "pallas":
       raise ValueError(f"index_query='pallas' finishes the indexer's query in the absorbed-query launch: it needs "
                        f"query_absorb='pallas', got {self.query_absorb!r}")
+    if self.pairs_wide_words and self.moe_routing not in PAIR_ROUTINGS:
+      raise ValueError(f"pairs_wide_words is the pairs kernels' layout hint: it needs moe_routing in {PAIR_ROUTINGS}, "
+                       f"got {self.moe_routing!r}")
     if self.moe_routing in PAIR_ROUTINGS and self.matmul not in HFMA2_IMPLS:
       raise ValueError(f"moe_routing={self.moe_routing!r} runs the experts on the CUDA cores' fp16x2 FMAs: it "
                        f"needs matmul in {HFMA2_IMPLS}, got {self.matmul!r}")

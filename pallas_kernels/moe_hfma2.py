@@ -48,7 +48,7 @@ from pallas_kernels.checks import check_at_least, check_tile, resolve_interpret
 from pallas_kernels.hfma2_planes import rows_planes, swiglu_planes
 from pallas_kernels.moe_grouped_matmul import check_moe_inputs
 from pallas_kernels.nvfp4_hfma2 import (PLANES, activation_planes, block_fma, code_words, kernel_name, load_planes,
-                                        load_weights, row_result)
+                                        load_weights, row_result, widen_word_loads, words_shape)
 from pallas_kernels.nvfp4_matmul import (HFMA2_FIELDS, MatmulConfig, f16_rows, load_tile, local_block, range_mask,
                                          skinny_rows, split_k_loop, store_tile, summed_splits)
 
@@ -63,12 +63,16 @@ class PairsConfig:
   rather than XLA's glue (five kernels): one rank's experts 58.2 against 61.6 us (BENCHMARKS.md
   run 22); off by default, as every fold's switch (an ablation turns it on). planes_chunk_lines:
   x's planes kernel's lines a program (rows_planes' chunk_lines; None: whole rows; 128: 2.6 ->
-  2.1 us at the rank's 5 x 6144, run 35)."""
+  2.1 us at the rank's 5 x 6144, run 35). wide_words: both launches steer Triton into loading
+  the code words 32 bytes a thread, so their K loops convert no layout through shared memory
+  (nvfp4_hfma2.widen_word_loads; each launch one unused [block_n, block_k / 8] bf16 output
+  more); the same bits; untimed (session 50, no GPU), off."""
   gate_up: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=2, **HFMA2_FIELDS)
   down: MatmulConfig = MatmulConfig(block_n=16, block_k=512, split_k=1, **HFMA2_FIELDS)
   groups: int = 4
   fused_planes: bool = False
   planes_chunk_lines: int | None = 128
+  wide_words: bool = False
 
   def __post_init__(self):
     for name in ("gate_up", "down"):
@@ -150,6 +154,8 @@ def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate
   # [E, bn, Dp/16], global f32 [E]; with shared, then its hidden bf16 [Tp, Ip] and down weight
   # bf16 [Dp, Ip], whole; g_ref, u_ref: f32 [Pp, bn] of the [S, T*k, I] partials; with shared,
   # then its output [S', Tp, Dp], whole. Row blocks j >= shared.first are the shared GEMV's.
+  if config.wide_words:
+    *refs, hint_ref = refs
   hidden_ref, w_ref, g_ref, u_ref, s_ref = refs if shared else (None, None, *refs, None)
   cfg = config.gate_up
   j, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -168,6 +174,8 @@ def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate
       return carry
 
     strided_loop(count, pair, 0, group=group, groups=config.groups)
+    if config.wide_words:
+      widen_word_loads(hint_ref, count < 0)
 
   if shared is None:
     return pairs()
@@ -185,12 +193,13 @@ def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate
     store_tile(s_ref.at[gemv_split, :, pl.ds(block * bn, bn)], acc.astype(s_ref.dtype), rows_ok, n_ok)
 
 
-def _down_kernel(ids_ref, weights_ref, planes_ref, amax_ref, words_ref, scales_ref, global_ref, o_ref, *,
+def _down_kernel(ids_ref, weights_ref, planes_ref, amax_ref, words_ref, scales_ref, global_ref, o_ref, *hint_ref,
                  t: int, top_k: int, slots: int, experts: int, d: int, i: int, config: PairsConfig,
                  interpret: bool):
   # ids_ref, weights_ref: i32 / f32 [Sp] of the [T*k] choice; planes_ref: u32 [T*k * 8, Ip/16]
   # (h's activation_planes, a row per pair); amax_ref: f32 [T*k]; down: words u32 [E, bn, Ip/8],
-  # scales e4m3 [E, bn, Ip/16], global f32 [E]; o_ref: f32 [Tp, bn] of the [S * G, T, D] partials.
+  # scales e4m3 [E, bn, Ip/16], global f32 [E]; o_ref: f32 [Tp, bn] of the [S * G, T, D] partials;
+  # with config.wide_words, hint_ref (widen_word_loads').
   cfg = config.down
   j, split, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows_ok = range_mask(j * cfg.block_n, cfg.block_n, d)
@@ -207,6 +216,8 @@ def _down_kernel(ids_ref, weights_ref, planes_ref, amax_ref, words_ref, scales_r
   total = strided_loop(count, pair, jnp.zeros((o_ref.shape[0], cfg.block_n), jnp.float32), group=group,
                        groups=config.groups)
   store_tile(o_ref, total, range_mask(0, o_ref.shape[0], t), rows_ok)
+  if config.wide_words:
+    widen_word_loads(hint_ref[0], count < 0)
 
 
 def _operands(w: NVFP4Weight) -> list[jax.Array]:
@@ -296,13 +307,17 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
   choice_spec = _whole((pl.next_power_of_2(slots),))
   sizes = dict(top_k=top_k, slots=slots, experts=e, d=d, i=i, config=config, interpret=interpret)
 
-  def launch(kernel, inputs, specs, out, out_spec, cfg: MatmulConfig, n: int, name: str, extra_rows: int = 0,
+  def launch(kernel, inputs, specs, outs, out_specs, cfg: MatmulConfig, n: int, name: str, extra_rows: int = 0,
              **extra):
-    return pl.pallas_call(
-        functools.partial(kernel, **sizes, **extra), out_shape=out,
+    """The launch's outputs (a list), without widen_word_loads' hint (config.wide_words)."""
+    hint = [jax.ShapeDtypeStruct(words_shape(cfg), jnp.bfloat16)] if config.wide_words else []
+    out = pl.pallas_call(
+        functools.partial(kernel, **sizes, **extra), out_shape=[*outs, *hint],
         grid=(pl.cdiv(n, cfg.block_n) + extra_rows, cfg.split_k, config.groups),
-        in_specs=specs, out_specs=out_spec, interpret=interpret, name=kernel_name(name, cfg),
+        in_specs=specs, out_specs=[*out_specs, *(_whole(h.shape) for h in hint)], interpret=interpret,
+        name=kernel_name(name, cfg),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*inputs)
+    return out[:len(outs)]
 
   up_cfg = config.gate_up
   if x_planes is not None:
@@ -345,15 +360,15 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
     h_planes = activation_planes(h16).reshape(slots * PLANES, i // BLOCK)
   down_cfg = config.down
   tp = pl.next_power_of_2(t)
-  partials = launch(_down_kernel,
-                    [ids, weights, h_planes, h_amax,
-                     *_operands(down_proj)],
-                    [choice_spec, choice_spec,
-                     _whole((slots * PLANES, pl.cdiv(i, down_cfg.block_k) * down_cfg.block_k // BLOCK)),
-                     _whole((slots,)), *_weight_specs(down_proj, down_cfg)],
-                    jax.ShapeDtypeStruct((down_cfg.split_k * config.groups, t, d), jnp.float32),
-                    pl.BlockSpec((None, tp, down_cfg.block_n), lambda j, s, g: (s * config.groups + g, 0, j)),
-                    down_cfg, d, "moe_hfma2_down", t=t)
+  [partials] = launch(_down_kernel,
+                      [ids, weights, h_planes, h_amax,
+                       *_operands(down_proj)],
+                      [choice_spec, choice_spec,
+                       _whole((slots * PLANES, pl.cdiv(i, down_cfg.block_k) * down_cfg.block_k // BLOCK)),
+                       _whole((slots,)), *_weight_specs(down_proj, down_cfg)],
+                      [jax.ShapeDtypeStruct((down_cfg.split_k * config.groups, t, d), jnp.float32)],
+                      [pl.BlockSpec((None, tp, down_cfg.block_n), lambda j, s, g: (s * config.groups + g, 0, j))],
+                      down_cfg, d, "moe_hfma2_down", t=t)
   routed = partials if keep_partials else partials.sum(0).astype(x.dtype)
   if shared_down is None:
     return routed

@@ -170,6 +170,22 @@ def load_weights(words_ref, scale_ref, lead: tuple, step, *, blocks: int, rows_o
   return word0, word1, scale.astype(jnp.float32)
 
 
+def words_shape(config: MatmulConfig) -> tuple[int, int]:
+  """The code-word tile a K step of `load_weights` loads: [block_n, 2 * blocks] u32."""
+  return config.block_n, 2 * config.block_k // BLOCK
+
+
+def widen_word_loads(hint_ref, never) -> None:
+  """A bf16 store of zeros into hint_ref (shaped `words_shape`) under `never`, a condition false
+  at run time: it never runs, but it steers Triton's layouts. Triton's coalescing gives a load
+  the widest vector among the memory ops of its shape that it is connected to, so beside a bf16
+  tile of the code words' shape (8 elements to 16 bytes) the word loads take 8 words (32 bytes)
+  a thread and split straight into the scales' layout. Without it they take 4, split into 2 a
+  thread, and Triton moves them into the scales' layout through shared memory every K step (8
+  barriers a step in moe_hfma2's gate/up loop; ptxas: 370 -> 334 SASS instructions, no barrier)."""
+  pl.when(never)(lambda: store_tile(hint_ref, jnp.zeros(hint_ref.shape, hint_ref.dtype), None, None))
+
+
 def load_planes(planes_ref, row, step, *, blocks: int, cols_ok, shape) -> list[jax.Array]:
   """Row `row`'s eight activation planes of K step `step` (planes_ref: activation_planes'
   [rows * 8, K/16]), broadcast to the weight tile's `shape`."""

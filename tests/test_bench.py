@@ -258,7 +258,8 @@ def test_rank_dense_rows_time_each_launch_over_cold_weight_copies():
 
 def test_shared_down_rows_time_the_fold_against_separate_launches():
   """The shared_down case: the routed experts and the shared expert's down GEMV in launches of
-  their own (the baseline row), then folded into one gate/up launch: the same outputs bit for bit,
+  their own (the baseline row), so with wide_words' layout hint, then folded into one gate/up
+  launch: the same outputs bit for bit,
   the same bytes; each timed over distinct copies of the GEMV's weight and hidden past cold_bytes."""
   from experiments.bench_quant import QUICK_MOE_CASE, shared_down_rows
   copies = []
@@ -269,11 +270,12 @@ def test_shared_down_rows_time_the_fold_against_separate_launches():
     return 1e-6 * len(sets) * (2 if len(copies) == 1 else 1)
 
   rows = shared_down_rows(**QUICK_MOE_CASE, shared=48, routed=16, timer=timer, cold_bytes=20_000)
-  assert [(r["name"], r["impl"]) for r in rows] == [("shared_down", "separate"), ("shared_down", "folded")]
-  assert copies == [rows[0]["cold_copies"]] * 2 == [-(-20_000 // (64 * 48 * 2))] * 2
-  assert rows[0]["bytes"] == rows[1]["bytes"] > 64 * 48 * 2
-  assert (rows[0]["us"], rows[1]["us"], rows[1]["speedup_vs_bf16"]) == pytest.approx((2.0, 1.0, 2.0))
-  assert rows[1]["max_rel_err"] == 0.0 and rows[1]["exact"]
+  assert [r["impl"] for r in rows] == ["separate", "separate_wide_words", "folded"]
+  assert {r["name"] for r in rows} == {"shared_down"}
+  assert copies == [rows[0]["cold_copies"]] * 3 == [-(-20_000 // (64 * 48 * 2))] * 3
+  assert rows[0]["bytes"] == rows[1]["bytes"] == rows[2]["bytes"] > 64 * 48 * 2
+  assert (rows[0]["us"], rows[2]["us"], rows[2]["speedup_vs_bf16"]) == pytest.approx((2.0, 1.0, 2.0))
+  assert all(r["max_rel_err"] == 0.0 and r["exact"] for r in rows[1:])
 
 
 def test_rank_dense_sweep_times_each_launch_at_tilings_around_its_own():

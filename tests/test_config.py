@@ -350,6 +350,13 @@ def test_runtime_shared_down_needs_the_shared_hidden_from_the_routers_launch():
   assert Runtime(shared_down="pallas", shared_swiglu="pallas", **folds).shared_down == "pallas"
 
 
+def test_runtime_pairs_wide_words_needs_the_pairs():
+  from glmjax.runtime import Runtime
+  with pytest.raises(ValueError, match="pairs_wide_words is the pairs kernels' layout hint.*got 'table'"):
+    Runtime(pairs_wide_words=True)
+  assert Runtime(pairs_wide_words=True, moe_routing="pairs", matmul="pallas_hfma2").pairs_wide_words
+
+
 def test_runtime_closes_a_layer_in_one_fold_only():
   from glmjax.runtime import Runtime
   with pytest.raises(ValueError, match="next_norm='pallas' and moe_sum='pallas' both close an MoE layer"):

@@ -84,13 +84,15 @@ def test_dsa_case_lowers_the_rank_path():
 def test_pairs_case_puts_the_shared_gemv_in_the_gate_up_launch():
   """--case=pairs (rank_fastest's routed experts at a rank's view): the same four launches with
   --shared_down or without; with it the gate/up grid has 12 row blocks more, the shared GEMV's 96
-  row tiles of 64 (6144 rows) over its 8 programs a grid row."""
+  row tiles of 64 (6144 rows) over its 8 programs a grid row. --wide_words changes no grid."""
   from experiments.kernel_ir import case
   grids = {}
-  for shared in (False, True):
-    fn, args = case("pairs", m=1, n=1, k=1, operands="bfloat16", shared_down=shared)
-    grids[shared] = {meta["name"]: (meta["grid_x"], meta["grid_y"], meta["grid_z"])
-                     for meta, _ in triton_kernels(fn, *args)}
+  for shared, wide in ((False, False), (True, False), (False, True)):
+    fn, args = case("pairs", m=1, n=1, k=1, operands="bfloat16", shared_down=shared, wide_words=wide)
+    grids[shared, wide] = {meta["name"]: (meta["grid_x"], meta["grid_y"], meta["grid_z"])
+                           for meta, _ in triton_kernels(fn, *args)}
+  assert grids[False, True] == grids[False, False]
+  grids = {shared: grids[shared, False] for shared in (False, True)}
   assert set(grids[False]) == set(grids[True]) == {"hfma2_rows_planes", "moe_hfma2_gate_up", "hfma2_swiglu_planes",
                                                    "moe_hfma2_down"}
   assert grids[False]["moe_hfma2_gate_up"] == (128, 2, 4) and grids[True]["moe_hfma2_gate_up"] == (140, 2, 4)
@@ -128,7 +130,8 @@ def test_kernel_launch_names_a_bad_vary():
   import sys
   vary = ("--vary takes field=value pairs", "'unroll'")
   for args, said in ((["--vary=bogus=1"], vary), (["--vary=unroll"], vary), (["--case=moe", "--vary=unroll=2"], vary),
-                     (["--case=moe", "--shared_down"], ("--shared_down is the pairs case's, got --case=moe",))):
+                     (["--case=moe", "--shared_down"], ("--shared_down and --wide_words are the pairs case's",)),
+                     (["--wide_words"], ("are the pairs case's, got --case=gemv",))):
     done = subprocess.run([sys.executable, "-m", "experiments.kernel_launch", *args], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0 and all(part in done.stderr for part in said), args

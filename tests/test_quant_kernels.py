@@ -377,6 +377,10 @@ def test_moe_hfma2_pairs(gate_up, down, groups):
   given = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True,
                                               planes_chunk_lines=2), x_planes=rows_planes(args[0], chunk_lines=4))
   np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(fused, np.float32))
+  if groups == 3:  # wide_words' layout hint (a store that never runs): the same bits
+    wide = moe_hfma2(*args, config=PairsConfig(tiles(*gate_up), tiles(*down), groups, fused_planes=True,
+                                               planes_chunk_lines=2, wide_words=True))
+    np.testing.assert_array_equal(np.asarray(wide, np.float32), np.asarray(fused, np.float32))
 
 
 @pytest.mark.parametrize("tokens,k_shared,splits,keep", [(5, 1040, 4, True), (1, 48, 1, False)])
@@ -658,10 +662,11 @@ def test_kernels_lower_to_triton_for_h200():
                   (*moe[:3], *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))))
   cases.append((functools.partial(nvfp4_matmul, config=MatmulConfig(decode="ptx", operands="float16")),
                 (x, shape(quantize_nvfp4, (200, 272)))))
-  from pallas_kernels.moe_hfma2 import moe_hfma2
+  from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
   pairs = lambda t: (jax.ShapeDtypeStruct((t, 80), jnp.bfloat16), jax.ShapeDtypeStruct((t, 3), jnp.int32),
                      jax.ShapeDtypeStruct((t, 3), jnp.float32), *(jax.eval_shape(quantize_nvfp4, w) for w in moe[3:]))
   cases += [(moe_hfma2, pairs(5)), (moe_hfma2, pairs(1))]  # the CUDA-core pairs: a step's tokens, one token
+  cases.append((functools.partial(moe_hfma2, config=PairsConfig(wide_words=True)), pairs(5)))  # with the hint
   shared = (jax.ShapeDtypeStruct((5, 272), jnp.bfloat16), jax.ShapeDtypeStruct((80, 272), jnp.bfloat16))
   cases.append((lambda *a, interpret: moe_hfma2(*a[:6], shared_down=a[6:], interpret=interpret),  # its GEMV beside
                 (*pairs(5), *shared)))

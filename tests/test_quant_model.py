@@ -160,7 +160,8 @@ def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16)
   rounds the MLP's bf16 ops one by one, bit for bit in tests/test_moe_route.py; XLA's fusion may
   skip one of those roundings). With shared_down="pallas" too, the shared expert's down GEMV runs
   in the routed experts' gate/up launch: one bf16_matmul launch fewer per MoE layer, the same
-  logits bit for bit, also with next_norm (the layer's terms unsummed)."""
+  logits bit for bit, also with next_norm (the layer's terms unsummed). pairs_wide_words (a
+  layout hint in the experts' launches) changes no launch and no bit."""
   q = quantized(params_bf16, "nvfp4_experts")
   ids = tokens(9, 1, 3)
   base = Runtime(matmul="pallas_hfma2", moe_routing="pairs_fused", router="pallas", router_group="pallas",
@@ -170,6 +171,7 @@ def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16)
           "ungrouped": dataclasses.replace(base, route_planes="pallas", router_group="xla")}
   arms["down"] = dataclasses.replace(arms["shared"], shared_down="pallas")
   arms |= {f"{name}_next": dataclasses.replace(arms[name], next_norm="pallas") for name in ("shared", "down")}
+  arms["wide"] = dataclasses.replace(arms["shared"], pairs_wide_words=True)
   forwards = {name: (lambda p, runtime=runtime: glmjax.forward(CONFIG, p, ids, runtime=runtime))
               for name, runtime in arms.items()}
   eqns = {name: list(equations(jax.make_jaxpr(forward)(q).jaxpr)) for name, forward in forwards.items()}
@@ -187,6 +189,11 @@ def test_the_routers_launch_builds_the_planes_and_the_shared_hidden(params_bf16)
   own, beside, shared = (forwards[name](q) for name in ("own", "beside", "shared"))
   np.testing.assert_array_equal(np.asarray(beside, np.float32), np.asarray(own, np.float32))
   assert rel_err(shared, beside) <= 2e-3
+  assert launches["wide"] == launches["shared"]
+  outputs = lambda name: sorted(len(e.outvars) for e in eqns[name]
+                                if e.primitive.name == "pallas_call" and e.params["name"].startswith("moe_hfma2"))
+  assert outputs("wide") == [n + 1 for n in outputs("shared")]  # each experts' launch holds the hint
+  np.testing.assert_array_equal(np.asarray(forwards["wide"](q), np.float32), np.asarray(shared, np.float32))
   for name in ("down", "down_next"):
     unfolded = name.replace("down", "shared")
     assert launches[name] == launches[unfolded] - collections.Counter(bf16_matmul=moe), name

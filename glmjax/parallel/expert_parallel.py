@@ -37,7 +37,8 @@ EXPERT_SPEC = P(TEP)
 
 def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared: dict, *,
         config: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, matmul: str, dense: str,
-        routing: str, mesh: jax.sharding.AbstractMesh, swiglu: str = "xla", router: dict | None = None) -> jax.Array:
+        routing: str, mesh: jax.sharding.AbstractMesh, swiglu: str = "xla", router: dict | None = None,
+        wide_words: bool = False) -> jax.Array:
   """Routed plus shared experts of tokens x [n, d] -> [n, d] in dtype, replicated.
 
   ids, weights [n, k]: the router's choice over all E experts (replicated). experts: the
@@ -46,7 +47,7 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
   the grouped MoE kernels' (glmjax.quant.moe_experts); swiglu: the shared expert's fold (MLP).
   router: None, or the Router's params (replicated; ids and weights then None): each device
   chooses in its shared expert's gate/up launch (glmjax.moe.shared_route, Runtime.router_group),
-  the same choice everywhere.
+  the same choice everywhere. wide_words: the pairs kernels' layout hint (Runtime.pairs_wide_words).
   """
   check_config(config, mesh)
   degree = mesh.shape[TEP]
@@ -62,7 +63,7 @@ def moe(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: dict, shared:
     offset = jax.lax.axis_index(TEP) * local_experts
     routed = quant.moe_experts(x, ids - offset, weights, experts["gate_proj"], experts["up_proj"],
                                experts["down_proj"], impl=matmul, routing=routing,
-                               chosen=expected_local_experts(config, x.shape[0]) / degree)
+                               chosen=expected_local_experts(config, x.shape[0]) / degree, wide_words=wide_words)
     partial = routed + shared_mlp.apply({"params": shared}, x, matmul=matmul, dense=dense, swiglu=swiglu,
                                         partials=gate_up)
     return jax.lax.psum(partial, TEP)

@@ -287,7 +287,7 @@ def _check_pairs(impl: str, routing: str, *weights) -> None:
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_proj, up_proj,
                 down_proj, *, impl: str = "xla", routing: str = "table", chosen: float | None = None,
                 partials: bool = False, x_planes: tuple[jax.Array, jax.Array] | None = None,
-                shared_down: tuple[jax.Array, jax.Array] | None = None):
+                shared_down: tuple[jax.Array, jax.Array] | None = None, wide_words: bool = False):
   """Routed-expert MLP of a few tokens: x [T, D], topk_ids int32 [T, k], topk_weights fp32 [T, k];
   gate_proj / up_proj [E, I, D], down_proj [E, D, I] (plain, NVFP4 or FP8 stacked weights).
   Ids outside [0, E) (experts of other ranks) add nothing. Returns [T, D] in x.dtype.
@@ -311,6 +311,7 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   expert's hidden bf16 [T, Is] and down weight bf16 [D, Is], its GEMV in the pairs' gate/up launch
   (moe_hfma2's; `builds_x_planes` routings only): returns (the routed output, the shared
   expert's: bf16 [T, D], with partials its split-K partials, as linear_partials gives them).
+  wide_words: the pairs' PairsConfig.wide_words (Runtime.pairs_wide_words).
   """
   _check_impl(impl)
   if x_planes is not None and not builds_x_planes(x, impl, routing):
@@ -336,7 +337,8 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
     if routing in PAIR_ROUTINGS:
       from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
       return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
-                       config=PairsConfig(fused_planes=routing == "pairs_fused"), keep_partials=partials,
+                       config=PairsConfig(fused_planes=routing == "pairs_fused", wide_words=wide_words),
+                       keep_partials=partials,
                        x_planes=x_planes, shared_down=shared_down)
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
     config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
