@@ -1,6 +1,8 @@
 """What ptxas makes of glmjax's Pallas-Triton kernels for an H100 / H200 (sm_90), on a machine
 without a GPU: registers a thread, spills, shared memory, SASS instructions (all, and those of the
-longest loop by opcode), the global loads by width, and the programs an SM holds for its registers.
+longest loop by opcode), each loop's instructions and barriers (a barrier in a K loop is most
+often a layout moved through shared memory), the global loads by width, and the programs an SM
+holds for its registers.
 
   python -m experiments.kernel_registers --case=gemv --m=8
   python -m experiments.kernel_registers --case=gemv --operands=float16 --vary=unroll=8,prefetch=True
@@ -40,12 +42,14 @@ def main(argv):
   with tempfile.TemporaryDirectory() as work_dir:
     rows = compile_rows(triton_kernels(fn, *args), work_dir)
   print(f"{'kernel':30s} {'grid':>14s} {'warps':>5s} {'regs':>4s} {'an SM':>5s} {'spills':>7s} {'sass':>5s} "
-        f"{'loop':>5s}  loads; the loop's opcodes")
+        f"{'loop':>5s}  loads; the loop's opcodes; each loop's instructions/barriers")
   for r in rows:
     grid = f"{r['grid_x']}x{r['grid_y']}x{r['grid_z']}"
     ops = " ".join(f"{op} {n}" for op, n in r.get("loop_ops", {}).items())
+    loops = " ".join(f"{n}/{bars}" for n, bars in r.get("loops", []))
     print(f"{r['name']:30s} {grid:>14s} {r['num_warps']:5d} {r['registers']:4d} {r['programs_per_sm']:5d} "
-          f"{r['spill_stores']:3d}/{r['spill_loads']:<3d} {r['sass']:5d} {r.get('loop', 0):5d}  {r['loads']}; {ops}")
+          f"{r['spill_stores']:3d}/{r['spill_loads']:<3d} {r['sass']:5d} {r.get('loop', 0):5d}  {r['loads']}; {ops}; "
+          f"{loops}")
   if FLAGS.output:
     with open(FLAGS.output, "w") as f:
       json.dump(dict(case=FLAGS.case, flags={key: FLAGS[key].value for key in ("m", "n", "k", "operands", "vary",

@@ -45,21 +45,25 @@ def load_widths(ptx: str) -> dict[str, int]:
 
 
 def loop_mix(sass: str, top: int = 8) -> dict:
-  """The kernel's longest loop in SASS (the span a backward branch closes, not the branch to
-  itself that ends the code; a K loop's body, its unrolled steps included): {"loop": its
-  instructions, "loop_ops": its `top` opcodes by count}, an opcode without its predicate and
-  modifiers (LOP3, PRMT, HMMA, LDG...). Which pipe an opcode issues to (ALU: LOP3, PRMT, SHF,
-  LEA; FMA: IMAD, HMUL2) says what a loop step costs besides its loads; {} without a loop."""
+  """The kernel's loops in SASS (each the span a backward branch closes, not the branch to
+  itself that ends the code; a K loop's body, its unrolled steps included): {"loops": [its
+  instructions, its barriers (BAR)] of each, in code order (a nested loop's span lies inside its
+  outer one's; a barrier in a K loop is most often a layout moved through shared memory), and
+  of the longest "loop": its instructions, "loop_ops": its `top` opcodes by count}, an opcode
+  without its predicate and modifiers (LOP3, PRMT, HMMA, LDG...). Which pipe an opcode issues to
+  (ALU: LOP3, PRMT, SHF, LEA; FMA: IMAD, HMUL2) says what a loop step costs besides its loads;
+  {} without a loop."""
   code = [(int(address, 16), text.strip()) for address, text in _SASS.findall(sass)]
   spans = [(int(target.group(1), 16), address) for address, text in code
            for target in [_BACKWARD.search(text)] if target and int(target.group(1), 16) < address]
   if not spans:
     return {}
-  begin, end = max(spans, key=lambda span: span[1] - span[0])
-  ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
-         for address, text in code if begin <= address <= end]
+  opcodes = lambda begin, end: [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+                                for address, text in code if begin <= address <= end]
+  loops = [[len(ops), ops.count("BAR")] for ops in (opcodes(*span) for span in sorted(spans))]
+  ops = opcodes(*max(spans, key=lambda span: span[1] - span[0]))
   counts = {op: ops.count(op) for op in dict.fromkeys(ops)}
-  return {"loop": len(ops), "loop_ops": dict(sorted(counts.items(), key=lambda item: -item[1])[:top])}
+  return {"loops": loops, "loop": len(ops), "loop_ops": dict(sorted(counts.items(), key=lambda item: -item[1])[:top])}
 
 
 def _skip_llvm_optimizer() -> None:

@@ -50,9 +50,25 @@ def test_loop_mix_takes_the_longest_loop():
         /*0090*/               @P1 BRA 0x80 ;
         /*00a0*/                   EXIT ;
         /*00b0*/                   BRA 0xb0;"""
-  assert loop_mix(sass) == dict(loop=6, loop_ops={"LOP3": 2, "PRMT": 1, "LDG": 1, "HMMA": 1, "BRA": 1})
-  assert loop_mix(sass, top=1) == dict(loop=6, loop_ops={"LOP3": 2})
+  loops = [[6, 0], [2, 0]]
+  assert loop_mix(sass) == dict(loops=loops, loop=6, loop_ops={"LOP3": 2, "PRMT": 1, "LDG": 1, "HMMA": 1, "BRA": 1})
+  assert loop_mix(sass, top=1) == dict(loops=loops, loop=6, loop_ops={"LOP3": 2})
   assert loop_mix("/*0000*/ EXIT ;\n/*0010*/ BRA 0x10;") == {}
+
+
+def test_loop_mix_counts_each_loops_barriers():
+  """Every loop, an outer one before the loop nested in it, with its barriers (BAR.SYNC and the
+  like; a predicated one too): here 2 in the inner loop, 3 in the outer one that holds it."""
+  sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0020*/                   LDS R2, [R3] ;
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/              @!P0 BAR.ARV 0x1, 0x40 ;
+        /*0050*/              @!P1 BRA 0x20 ;
+        /*0060*/               @P2 BRA 0x10 ;
+        /*0070*/                   EXIT ;"""
+  assert loop_mix(sass)["loops"] == [[6, 3], [4, 2]]
 
 
 def test_triton_kernels_of_a_gemv():
