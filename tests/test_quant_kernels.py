@@ -636,6 +636,8 @@ def test_bad_inputs_raise():
   with pytest.raises(ValueError, match="shared_down rides in the pairs_fused kernels' gate/up launch at decode, not "
                                        "routing='pairs'"):
     moe_experts(*args, impl="pallas_hfma2", routing="pairs", shared_down=(hidden, down))
+  with pytest.raises(ValueError, match="wide_words is the pairs kernels' layout hint .*not routing='table'"):
+    moe_experts(*args, impl="pallas", wide_words=True)
 
 
 def test_kernels_lower_to_triton_for_h200():

@@ -320,6 +320,9 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
   if shared_down is not None and not builds_x_planes(x, impl, routing):
     raise ValueError(f"moe_experts: shared_down rides in the pairs_fused kernels' gate/up launch at decode, not "
                      f"routing={routing!r}, impl={impl!r} for x {x.dtype}{list(x.shape)}")
+  if wide_words and routing not in PAIR_ROUTINGS:
+    raise ValueError(f"moe_experts: wide_words is the pairs kernels' layout hint (routing in {PAIR_ROUTINGS}), not "
+                     f"routing={routing!r}")
   if routing in PAIR_ROUTINGS:
     _check_pairs(impl, routing, gate_proj, up_proj, down_proj)
   if routing == FRAGMENT_ROUTING:
@@ -338,8 +341,7 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate
       from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
       return moe_hfma2(x, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
                        config=PairsConfig(fused_planes=routing == "pairs_fused", wide_words=wide_words),
-                       keep_partials=partials,
-                       x_planes=x_planes, shared_down=shared_down)
+                       keep_partials=partials, x_planes=x_planes, shared_down=shared_down)
     from pallas_kernels.moe_grouped_matmul import default_moe_config, moe_grouped_matmul
     config = default_moe_config((gate_proj, up_proj, down_proj), decode=_decode(impl), routing=routing,
                                 chosen=chosen, operands=_operands(impl))
