@@ -19,6 +19,8 @@ of rank p. Program (j, s, g) of a launch takes pairs g, g + G, ... < count, row 
            hfma2_planes.swiglu_planes, and likewise x's planes, rows_planes).
   down:    rows j of down against h[p], times the pair's routing weight, added into its
            token's row: fp32 partials [S * G, T, D], summed by XLA.
+  With shared_down (Runtime.shared_down), the gate/up launch also runs the shared expert's
+  down GEMV as more programs past its row blocks (bf16_matmul's; the two share no data).
 
 Measured (H200, own kernel time, BENCHMARKS.md run 20): at one rank's view (5 tokens, 6 pairs
 among 6 of 32 experts) 61.4 us against 85.8 for the grouped tensor-core kernel with fp16
@@ -153,7 +155,8 @@ def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate
   # amax_ref: f32 [T] (f16_rows' row maxima); gate / up: words u32 [E, bn, Dp/8], scales e4m3
   # [E, bn, Dp/16], global f32 [E]; with shared, then its hidden bf16 [Tp, Ip] and down weight
   # bf16 [Dp, Ip], whole; g_ref, u_ref: f32 [Pp, bn] of the [S, T*k, I] partials; with shared,
-  # then its output [S', Tp, Dp], whole. Row blocks j >= shared.first are the shared GEMV's.
+  # then its output [S', Tp, Dp], whole; with config.wide_words, last, widen_word_loads' hint_ref.
+  # Row blocks j >= shared.first are the shared GEMV's.
   if config.wide_words:
     *refs, hint_ref = refs
   hidden_ref, w_ref, g_ref, u_ref, s_ref = refs if shared else (None, None, *refs, None)
