@@ -683,6 +683,27 @@ def test_kernels_lower_to_triton_for_h200():
       assert "__gpu$xla.gpu.triton" in text
 
 
+def test_wide_words_hint_takes_the_code_word_tiles_shape():
+  """PairsConfig.wide_words steers Triton's coalescing only through a bf16 store of exactly the
+  code-word tile's shape (nvfp4_hfma2.widen_word_loads): in each launch's Triton IR the hint's
+  store and the word loads share their shape, at tiles other than the defaults (gate/up 32 x 256,
+  down 16 x 128: words [32, 32] and [16, 16])."""
+  import re
+  from experiments.kernel_ir import triton_kernels
+  from pallas_kernels.moe_hfma2 import PairsConfig, moe_hfma2
+  sds = jax.ShapeDtypeStruct
+  t, k, e, d, i = 5, 3, 6, 512, 256
+  experts = [jax.eval_shape(quantize_nvfp4, sds(shape, jnp.float32)) for shape in ((e, i, d), (e, i, d), (e, d, i))]
+  tiles = lambda n, kk: MatmulConfig(block_n=n, block_k=kk, split_k=1, num_stages=1, **HFMA2)
+  config = PairsConfig(gate_up=tiles(32, 256), down=tiles(16, 128), wide_words=True)
+  kernels = triton_kernels(lambda *a: moe_hfma2(*a, config=config, interpret=False), sds((t, d), jnp.bfloat16),
+                           sds((t, k), jnp.int32), sds((t, k), jnp.float32), *experts)
+  shapes = {meta["name"]: (set(re.findall(r"tt.load %\S+ : tensor<(\d+x\d+)x!tt.ptr<i32>>", text)),
+                           set(re.findall(r"tt.store %\S+, %\S+ : tensor<(\d+x\d+)x!tt.ptr<bf16>>", text)))
+            for meta, text in kernels if meta["name"].startswith("moe_hfma2")}
+  assert shapes == {"moe_hfma2_gate_up": ({"32x32", "1x16"}, {"32x32"}), "moe_hfma2_down": ({"16x16", "1x8"}, {"16x16"})}
+
+
 def test_ptx_default_tiles():
   """decode="ptx" picks its measured tiles only where they apply: the GEMV's 32 x 512 up to 4
   rows, the MoE's block_k=256 only over NVFP4-only weights (FP8 tiles stay <= 128)."""
