@@ -701,7 +701,8 @@ def test_wide_words_hint_takes_the_code_word_tiles_shape():
   shapes = {meta["name"]: (set(re.findall(r"tt.load %\S+ : tensor<(\d+x\d+)x!tt.ptr<i32>>", text)),
                            set(re.findall(r"tt.store %\S+, %\S+ : tensor<(\d+x\d+)x!tt.ptr<bf16>>", text)))
             for meta, text in kernels if meta["name"].startswith("moe_hfma2")}
-  assert shapes == {"moe_hfma2_gate_up": ({"32x32", "1x16"}, {"32x32"}), "moe_hfma2_down": ({"16x16", "1x8"}, {"16x16"})}
+  assert shapes == {"moe_hfma2_gate_up": ({"32x32", "1x16"}, {"32x32"}),
+                    "moe_hfma2_down": ({"16x16", "1x8"}, {"16x16"})}
 
 
 def test_ptx_default_tiles():
