@@ -345,6 +345,14 @@ def group_rows(m: int, k: int, ns: tuple[int, ...], *, name: str, timer: Callabl
 # Past the H100's and H200's 50 MB of L2: a row cycles its launch over this many bytes of weight copies, so each
 # launch reads its weights cold, as a decode step does (a 3 MB weight timed alone would stay in L2).
 COLD_BYTES = 128 << 20
+QUICK_COLD_BYTES = 1 << 16  # the quick runs' (a CPU's)
+
+
+def cold_sets(arrays: tuple, nbytes: int, cold_bytes: int) -> list[tuple]:
+  """Distinct copies of `arrays` (the same values, other buffers), enough that their `nbytes`
+  each pass cold_bytes, the originals last: a row cycles its launch over them (COLD_BYTES)."""
+  copies = max(1, -(-cold_bytes // nbytes))
+  return [tuple(a + 0 for a in arrays) for _ in range(copies - 1)] + [arrays]
 
 
 def rank_dense_launches(c: ModelConfig) -> list[tuple[str, int, tuple[int, ...], str | None]]:
@@ -382,8 +390,8 @@ def rank_dense_rows(config: ModelConfig, *, timer: Callable[..., float], tokens:
     x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
     ws = tuple(jax.random.normal(key, (n, k), jnp.bfloat16) * 0.02 for key, n in zip(keys[1:], ns))
     weight_bytes = _nbytes(ws)
-    copies = max(1, -(-cold_bytes // weight_bytes))
-    sets = [tuple(w + 0 for w in ws) for _ in range(copies - 1)] + [ws]  # distinct buffers, the same values
+    sets = cold_sets(ws, weight_bytes, cold_bytes)
+    copies = len(sets)
     nbytes = weight_bytes + (tokens * k + tokens * sum(ns)) * 2
     base = fold_config(sum(ns), k, splits) if partials else default_bf16_config(sum(ns), k)
     per_set = lambda fn: jax.jit(lambda x, sets: [fn(x, ws) for ws in sets])
@@ -422,14 +430,14 @@ def shared_down_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, s
   keys = jax.random.split(jax.random.key(seed + 1))
   down = (jax.random.normal(keys[0], (tokens, shared), jnp.bfloat16),
           jax.random.normal(keys[1], (d, shared), jnp.bfloat16) * 0.02)
-  copies = max(1, -(-cold_bytes // _nbytes(down[1])))
-  sets = [tuple(a + 0 for a in down) for _ in range(copies - 1)] + [down]  # distinct buffers, the same values
-  def separate(x, ids, w, hidden, down, config=PairsConfig(fused_planes=True)):
+  sets = cold_sets(down, _nbytes(down[1]), cold_bytes)  # the weight's bytes decide, the hidden goes along
+  copies, config = len(sets), PairsConfig(fused_planes=True)
+
+  def separate(x, ids, w, hidden, down, config=config):
     return moe_hfma2(x, ids, w, *q, config=config), bf16_matmul(hidden, down)
 
-  wide = functools.partial(separate, config=PairsConfig(fused_planes=True, wide_words=True))
-  folded = lambda x, ids, w, hidden, down: moe_hfma2(x, ids, w, *q, config=PairsConfig(fused_planes=True),
-                                                     shared_down=(hidden, down))
+  wide = functools.partial(separate, config=dataclasses.replace(config, wide_words=True))
+  folded = lambda x, ids, w, hidden, down: moe_hfma2(x, ids, w, *q, config=config, shared_down=(hidden, down))
   per_set = lambda fn: jax.jit(lambda x, ids, w, sets: [fn(x, ids, w, *down) for down in sets])
   joined = lambda fn: jax.jit(lambda *a: jnp.concatenate(fn(*a), -1))  # routed | shared, for agreement
   nbytes = _moe_bytes(q, chosen_experts / experts, x, routing[0]) + _nbytes(down) + tokens * d * 2
@@ -444,7 +452,7 @@ def shared_down_rows(tokens: int, top_k: int, experts: int, d: int, i: int, *, s
 def _rank_dense(quick: bool, timer: Callable[..., float], **kwargs) -> list[dict[str, Any]]:
   """rank_dense_rows of tep8_shard, or of mini with 64 KB of weight copies if quick (the rows and the sweep)."""
   return rank_dense_rows(get_model_config("mini" if quick else "tep8_shard"), timer=timer,
-                         cold_bytes=1 << 16 if quick else COLD_BYTES, **kwargs)
+                         cold_bytes=QUICK_COLD_BYTES if quick else COLD_BYTES, **kwargs)
 
 
 def around_bf16(base: MatmulConfig) -> list[MatmulConfig]:
@@ -642,4 +650,4 @@ def _cases(quick: bool, timer: Callable[..., float], cases: tuple[str, ...]) -> 
   if "shared_down" in cases:  # tep8_shard's rank: 256 routed experts, its shared expert's 256-wide slice
     yield from shared_down_rows(**moe, shared=48 if quick else get_model_config("tep8_shard").shared_intermediate,
                                 routed=4 * moe["experts"] if quick else 256, timer=timer,
-                                cold_bytes=1 << 16 if quick else COLD_BYTES)
+                                cold_bytes=QUICK_COLD_BYTES if quick else COLD_BYTES)

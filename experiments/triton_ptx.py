@@ -58,10 +58,10 @@ def loop_mix(sass: str, top: int = 8) -> dict:
            for target in [_BACKWARD.search(text)] if target and int(target.group(1), 16) < address]
   if not spans:
     return {}
-  opcodes = lambda begin, end: [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
-                                for address, text in code if begin <= address <= end]
-  loops = [[len(ops), ops.count("BAR")] for ops in (opcodes(*span) for span in sorted(spans))]
-  ops = opcodes(*max(spans, key=lambda span: span[1] - span[0]))
+  opcodes = {(begin, end): [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+                            for address, text in code if begin <= address <= end] for begin, end in sorted(spans)}
+  loops = [[len(ops), ops.count("BAR")] for ops in opcodes.values()]
+  ops = opcodes[max(spans, key=lambda span: span[1] - span[0])]
   counts = {op: ops.count(op) for op in dict.fromkeys(ops)}
   return {"loops": loops, "loop": len(ops), "loop_ops": dict(sorted(counts.items(), key=lambda item: -item[1])[:top])}
 

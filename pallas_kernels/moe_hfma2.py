@@ -88,14 +88,11 @@ class PairsConfig:
 @dataclasses.dataclass(frozen=True)
 class SharedDown:
   """The shared expert's down GEMV as more programs of the gate/up launch (moe_hfma2's
-  shared_down): grid row blocks from `first` on, each (row block, K split, group) one program
-  of its blocks x config.split_k (row tile, K split) programs, in that order; tokens rows of x,
-  k its inputs."""
-  first: int
-  blocks: int
-  tokens: int
-  k: int
+  shared_down): its tiling and its inputs k. The grid's row blocks past gate/up's are its
+  programs, each (row block, K split, group) one of its D / block_n x split_k (row tile, K
+  split) programs, in that order."""
   config: MatmulConfig
+  k: int
 
 
 def _local_pairs(ids_ref, weights_ref, *, slots: int, experts: int):
@@ -156,7 +153,7 @@ def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate
   # [E, bn, Dp/16], global f32 [E]; with shared, then its hidden bf16 [Tp, Ip] and down weight
   # bf16 [Dp, Ip], whole; g_ref, u_ref: f32 [Pp, bn] of the [S, T*k, I] partials; with shared,
   # then its output [S', Tp, Dp], whole; with config.wide_words, last, widen_word_loads' hint_ref.
-  # Row blocks j >= shared.first are the shared GEMV's.
+  # Row blocks j >= first (gate/up's row blocks) are the shared GEMV's.
   if config.wide_words:
     *refs, hint_ref = refs
   hidden_ref, w_ref, g_ref, u_ref, s_ref = refs if shared else (None, None, *refs, None)
@@ -182,14 +179,14 @@ def _gate_up_kernel(ids_ref, planes_ref, amax_ref, gate_words, gate_scales, gate
 
   if shared is None:
     return pairs()
-  pl.when(j < shared.first)(pairs)
-  q = (j - shared.first) * cfg.split_k * config.groups + split * config.groups + group  # its program of the GEMV
-  block, gemv_split = q % shared.blocks, q // shared.blocks
+  first, bn = pl.cdiv(i, cfg.block_n), shared.config.block_n
+  pl.when(j < first)(pairs)
+  q = (j - first) * cfg.split_k * config.groups + split * config.groups + group  # its program of the GEMV
+  block, gemv_split = q % pl.cdiv(d, bn), q // pl.cdiv(d, bn)
 
-  @pl.when((j >= shared.first) & (gemv_split < shared.config.split_k))
+  @pl.when((j >= first) & (gemv_split < shared.config.split_k))
   def _():
-    bn = shared.config.block_n
-    rows_ok, n_ok = range_mask(0, hidden_ref.shape[0], shared.tokens), range_mask(block * bn, bn, d)
+    rows_ok, n_ok = range_mask(0, hidden_ref.shape[0], slots // top_k), range_mask(block * bn, bn, d)
     load_x = lambda cols, cols_ok: load_tile(hidden_ref.at[:, cols], rows_ok, cols_ok)
     acc = split_gemv(load_x, w_ref, n_ok, k=shared.k, block_m=hidden_ref.shape[0], config=shared.config,
                      split=gemv_split, rows=pl.ds(block * bn, bn))
@@ -343,14 +340,14 @@ def moe_hfma2(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, gate_p
     check_shared_down(shared_down, t, d)
     k_shared = shared_down[1].shape[1]
     gemv = default_bf16_config(d, k_shared)
-    shared = SharedDown(first=blocks, blocks=pl.cdiv(d, gemv.block_n), tokens=t, k=k_shared, config=gemv)
-    extra_rows = pl.cdiv(shared.blocks * gemv.split_k, up_cfg.split_k * config.groups)
+    shared, dp = SharedDown(gemv, k_shared), pl.cdiv(d, gemv.block_n) * gemv.block_n
+    extra_rows = pl.cdiv(dp // gemv.block_n * gemv.split_k, up_cfg.split_k * config.groups)
     rows, kp = skinny_rows(t), pl.cdiv(k_shared, gemv.block_k) * gemv.block_k  # overhangs are masked
     inputs += list(shared_down)
-    specs += [_whole((rows, kp)), _whole((shared.blocks * gemv.block_n, kp))]
+    specs += [_whole((rows, kp)), _whole((dp, kp))]
     split_out = gemv.split_k > 1 or keep_partials
     outs.append(jax.ShapeDtypeStruct((gemv.split_k, t, d), jnp.float32 if split_out else jnp.bfloat16))
-    out_specs.append(_whole((gemv.split_k, rows, shared.blocks * gemv.block_n)))
+    out_specs.append(_whole((gemv.split_k, rows, dp)))
   g, u, *shared_out = launch(_gate_up_kernel, inputs, specs, outs, out_specs, up_cfg, i, "moe_hfma2_gate_up",
                              extra_rows=extra_rows, shared=shared)
 
